@@ -1,0 +1,51 @@
+"""The drafter interface (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class DraftContext:
+    """What a drafter may read.
+
+    Attributes:
+        tokens: prompt + committed output; the last one is the anchor (sampled, not yet in the
+            target's KV cache).
+        hidden: tapped target hidden states of committed positions not yet seen by the drafter
+            (DSpark only), ``[n, num_taps * hidden_size]``; None for other drafters.
+    """
+
+    tokens: Sequence[int]
+    hidden: Any = None
+
+
+@dataclass
+class Draft:
+    """A proposal: ``tokens`` to verify after the anchor.
+
+    Attributes:
+        tokens: proposed token ids, possibly empty (no draft: decode plainly).
+        draft_probs: ``[L, V]`` draft distributions q for sampled verification, or None for a
+            deterministic (one-hot) drafter such as prompt lookup.
+        confidence: per-token conditional survival estimates ``c_k`` (probability that draft k is
+            accepted given drafts 1..k-1 were), or None when the drafter has none.
+        match_length: for prompt lookup, the length of the matched n-gram (0 otherwise).
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    draft_probs: Any = None
+    confidence: list[float] | None = None
+    match_length: int = 0
+
+
+class Drafter(Protocol):
+    name: str
+
+    def propose(self, ctx: DraftContext, max_len: int) -> Draft: ...
+
+    def on_commit(self, num_accepted: int, ctx: DraftContext) -> None: ...
+
+    def reset(self) -> None: ...

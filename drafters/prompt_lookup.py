@@ -1,0 +1,109 @@
+"""Prompt-lookup drafting: copy what followed an earlier occurrence of the current suffix.
+
+Reference: Saxena, "Prompt Lookup Decoding" (2023); vLLM ``NgramProposer``; llama.cpp
+``ngram-simple``. Rule used here: the longest suffix n-gram (``max_n`` down to ``min_n``) of
+``tokens`` that also ends earlier in ``tokens``; among equally long matches the most recent
+occurrence wins (vLLM takes the earliest; the most recent tracks edits better). The proposal is
+up to ``k`` tokens that followed that occurrence; no match means no draft. When that
+continuation runs into the current suffix (a loop: the match is less than ``k`` tokens back), it
+repeats with the loop's period, so ``a a a a`` drafts ``a a a ...`` rather than one ``a``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .base import Draft, DraftContext
+
+
+def _continue(tokens: Sequence[int], end: int, k: int) -> list[int]:
+    """Up to ``k`` tokens after position ``end``, extended periodically past the sequence end."""
+    size = len(tokens)
+    out = list(tokens[end + 1 : min(size, end + 1 + k)])
+    period = size - 1 - end
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return out
+
+
+def find_ngram_continuation(
+    tokens: Sequence[int], min_n: int, max_n: int, k: int
+) -> tuple[list[int], int]:
+    """Reference implementation (O(len * max_n)); :class:`NgramIndex` does the same in O(1).
+
+    Returns:
+        ``(continuation, n)``: up to ``k`` tokens and the matched n-gram length, or ``([], 0)``.
+    """
+    size = len(tokens)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = list(tokens[size - n :])
+        for end in range(size - 2, n - 2, -1):  # most recent earlier end position first
+            if list(tokens[end - n + 1 : end + 1]) == suffix:
+                return _continue(tokens, end, k), n
+    return [], 0
+
+
+class NgramIndex:
+    """Incremental index from n-gram to the most recent position where it ended.
+
+    Only n-grams that already have a following token are indexed, so the current suffix never
+    matches itself. ``extend`` costs O(max_n - min_n) per token; ``lookup`` O(max_n - min_n).
+    """
+
+    def __init__(self, min_n: int, max_n: int):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self._last_end: dict[tuple[int, ...], int] = {}
+
+    def extend(self, new_tokens: Sequence[int]) -> None:
+        for token in new_tokens:
+            end = len(self.tokens) - 1  # n-grams ending here now have a continuation
+            self.tokens.append(token)
+            for n in range(self.min_n, self.max_n + 1):
+                if end - n + 1 < 0:
+                    break
+                self._last_end[tuple(self.tokens[end - n + 1 : end + 1])] = end
+
+    def lookup(self, k: int) -> tuple[list[int], int]:
+        size = len(self.tokens)
+        for n in range(min(self.max_n, size), self.min_n - 1, -1):
+            end = self._last_end.get(tuple(self.tokens[size - n :]))
+            if end is not None:
+                return _continue(self.tokens, end, k), n
+        return [], 0
+
+
+class PromptLookupDrafter:
+    """Per-request prompt-lookup drafter: holds the config and the n-gram index.
+
+    Args:
+        min_n, max_n: n-gram lengths tried, longest first.
+    """
+
+    name = "prompt_lookup"
+
+    def __init__(self, min_n: int = 2, max_n: int = 5):
+        self.min_n, self.max_n = min_n, max_n
+        self.index = NgramIndex(min_n, max_n)
+
+    def _sync(self, tokens: Sequence[int]) -> None:
+        have = len(self.index.tokens)
+        if have > len(tokens) or (have and self.index.tokens[-1] != tokens[have - 1]):
+            self.reset()  # the history was rewritten (not expected within one request)
+            have = 0
+        self.index.extend(tokens[have:])
+
+    def propose(self, ctx: DraftContext, max_len: int) -> Draft:
+        if max_len <= 0:
+            return Draft()
+        self._sync(ctx.tokens)
+        continuation, n = self.index.lookup(max_len)
+        return Draft(tokens=list(continuation), match_length=n)
+
+    def on_commit(self, num_accepted: int, ctx: DraftContext) -> None:
+        self._sync(ctx.tokens)
+
+    def reset(self) -> None:
+        self.index = NgramIndex(self.min_n, self.max_n)

@@ -1,0 +1,48 @@
+"""specserve's MLX engine.
+
+Importing this package first loads an optimised BLAS for MLX's Linux CPU backend (see
+:mod:`engine.blas`); import it before anything imports ``mlx.core``.
+"""
+
+from .blas import preload_blas
+
+BLAS = preload_blas()
+
+from .engine import Engine, EngineConfig  # noqa: E402
+from .request import (  # noqa: E402
+    SPECULATION_METHODS,
+    ContextLengthExceeded,
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    SpeculativeParams,
+    SpecStats,
+    TokenEvent,
+    TokenLogprob,
+)
+from .stats import NullSink, StatsSink  # noqa: E402
+
+__all__ = [
+    "BLAS",
+    "SPECULATION_METHODS",
+    "ContextLengthExceeded",
+    "Engine",
+    "EngineConfig",
+    "EngineError",
+    "EngineOverloaded",
+    "EngineUnavailable",
+    "FinishReason",
+    "GenerationRequest",
+    "InvalidRequestError",
+    "NullSink",
+    "SamplingParams",
+    "SpecStats",
+    "SpeculativeParams",
+    "StatsSink",
+    "TokenEvent",
+    "TokenLogprob",
+]

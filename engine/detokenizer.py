@@ -1,0 +1,118 @@
+"""UTF-8-safe streaming detokenization.
+
+Each token id maps to the bytes it stands for (byte-level BPE through the GPT-2 byte alphabet,
+sentencepiece through ``<0xNN>`` byte tokens and U+2581); an incremental UTF-8 decoder then
+holds back a multi-byte character split across tokens until it is complete, so a stream never
+shows U+FFFD for a character that arrives whole. Special (control) tokens decode to nothing,
+as with ``skip_special_tokens=True``.
+
+Unlike mlx-lm's ``BPEStreamingDetokenizer`` this keeps the leading space of the first token:
+a completion of ``"The capital of France is"`` starts with ``" Paris"``.
+Tokenizers of neither family fall back to re-decoding a growing window with the tokenizer.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+
+
+def _gpt2_byte_decoder() -> dict[str, int]:
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+@dataclass
+class TokenTable:
+    """Bytes for every token id (``None`` when only the tokenizer can decode)."""
+
+    token_bytes: list[bytes] | None
+    tokenizer: object  # the Hugging Face tokenizer, for the fallback path
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> TokenTable:
+        hf = getattr(tokenizer, "_tokenizer", tokenizer)
+        vocab_size = len(hf)
+        pieces = hf.convert_ids_to_tokens(list(range(vocab_size)))
+        special = set(getattr(hf, "all_special_ids", []) or [])
+        decoder = None
+        backend = getattr(hf, "backend_tokenizer", None)
+        if backend is not None and backend.decoder is not None:
+            decoder = type(backend.decoder).__name__ + repr(backend.decoder)
+        table: list[bytes] = []
+        if decoder and "ByteLevel" in decoder:
+            bmap = _gpt2_byte_decoder()
+            for i, piece in enumerate(pieces):
+                if i in special or piece is None:
+                    table.append(b"")
+                elif all(c in bmap for c in piece):
+                    table.append(bytes(bmap[c] for c in piece))
+                else:  # an added token spelled in plain text
+                    table.append(piece.encode("utf-8"))
+            return cls(table, hf)
+        if decoder and ("Metaspace" in decoder or "\u2581" in decoder or "ByteFallback" in decoder):
+            for i, piece in enumerate(pieces):
+                if i in special or piece is None:
+                    table.append(b"")
+                elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                    table.append(bytes([int(piece[3:5], 16)]))
+                else:
+                    table.append(piece.replace("\u2581", " ").encode("utf-8"))
+            return cls(table, hf)
+        return cls(None, hf)
+
+    def decode(self, ids: list[int]) -> str:
+        """Whole-sequence decode with the same rules (invalid bytes become U+FFFD)."""
+        if self.token_bytes is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", "replace")
+
+    def token_text(self, token: int) -> str:
+        """One token on its own, as OpenAI ``logprobs.tokens`` shows it."""
+        if self.token_bytes is None:
+            return self.tokenizer.decode([token])
+        raw = self.token_bytes[token]
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+class StreamingDetokenizer:
+    """Feed token ids, get back the newly completed text."""
+
+    def __init__(self, table: TokenTable):
+        self._table = table
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        self._ids: list[int] = []  # fallback path only: the undecoded window
+        self._emitted = ""
+
+    def add(self, token: int) -> str:
+        if self._table.token_bytes is not None:
+            return self._utf8.decode(self._table.token_bytes[token])
+        self._ids.append(token)
+        text = self._table.tokenizer.decode(self._ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""
+        delta = text[len(self._emitted):]
+        if text.endswith("\n"):  # keep the window short
+            self._ids, self._emitted = [], ""
+        else:
+            self._emitted = text
+        return delta
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character becomes U+FFFD)."""
+        if self._table.token_bytes is not None:
+            return self._utf8.decode(b"", final=True)
+        text = self._table.tokenizer.decode(self._ids, skip_special_tokens=True)
+        self._ids, delta, self._emitted = [], text[len(self._emitted):], ""
+        return delta

@@ -1,0 +1,428 @@
+"""The engine: one worker thread owns MLX, the model and every KV cache.
+
+Threads and queues::
+
+    event loop (FastAPI)                         engine worker thread
+    --------------------                         --------------------
+    submit(req) -> validate -> inbox.put(h) ---> admit: waiting -> active (<= max_active)
+    async for event in stream:                   loop: one step per active sequence
+        <- asyncio.Queue <- call_soon_threadsafe    (prefill chunk or speculative cycle)
+    cancel(id) -> cancelled set ---------------> checked before every step
+
+Exceptions in a step become an error event for that request only; the worker keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+
+from drafters import PromptLookupDrafter
+
+from .generation import Sequence, prefill_step, speculative_step
+from .loader import LoadedModel, load_target
+from .request import (
+    SPECULATION_METHODS,
+    ContextLengthExceeded,
+    EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    TokenEvent,
+)
+from .runner import Calibration, TargetRunner, cost_model
+from .scheduler import AcceptanceModel, CostModel, RequestAcceptance
+from .stats import NullSink, StatsSink
+
+log = logging.getLogger("specserve.engine")
+
+
+@dataclass
+class EngineConfig:
+    """Engine options (the server fills these from its settings table)."""
+
+    model: str = "default"
+    served_model_name: str | None = None
+    weights: str = "auto"
+    speculation: str = "auto"  # off | prompt_lookup | auto
+    prompt_lookup_min_ngram: int = 2
+    prompt_lookup_max_ngram: int = 5
+    prompt_lookup_max_draft: int = 15
+    max_verify_rows: int = 16
+    exact_verify: str = "auto"  # auto | row | batched
+    calibration_contexts: tuple[int, ...] = (48, 1100)
+    prefill_step: int = 512
+    max_active: int = 8
+    max_queue: int = 256
+    warmup: bool = True
+
+
+@dataclass
+class _Handle:
+    request: GenerationRequest
+    emit: Callable[[TokenEvent], None]
+    done: bool = False
+
+
+class Engine:
+    """Serve generation requests from one MLX worker thread.
+
+    Args:
+        config: engine options.
+        loaded: an already loaded model (tests); otherwise ``config.model`` is loaded by the
+            worker thread on :meth:`start`.
+        sink: statistics sink (the server's Prometheus exporter).
+    """
+
+    def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
+                 sink: StatsSink | None = None):
+        self.config = config or EngineConfig()
+        if self.config.speculation not in ("off", "prompt_lookup", "auto"):
+            raise ValueError(f"speculation must be off|prompt_lookup|auto, got {self.config.speculation!r}")
+        self.loaded = loaded
+        self.sink: StatsSink = sink or NullSink()
+        self.runner: TargetRunner | None = None
+        self.calibration: Calibration | None = None
+        self.cost: CostModel | None = None
+        self.acceptance = AcceptanceModel()
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: deque[_Handle] = deque()
+        self._active: list[tuple[_Handle, Sequence]] = []
+        self._cancelled: set[str] = set()
+        self._live: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._stopping = False
+        self._state = "created"
+        self._error: str | None = None
+        self._queued = 0
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self, wait: bool = False, timeout: float | None = None) -> Engine:
+        """Start the worker thread (it loads, calibrates and warms the model, then serves)."""
+        if self._thread is None:
+            self._state = "loading"
+            self._thread = threading.Thread(target=self._run, name="specserve-engine", daemon=True)
+            self._thread.start()
+        if wait:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float | None = None) -> None:
+        if not self._ready.wait(timeout):
+            raise TimeoutError("engine not ready")
+        if self._error:
+            raise RuntimeError(self._error)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop accepting, cancel what is running, and join the worker."""
+        self._stopping = True
+        self._inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def ready(self) -> bool:
+        return self._ready.is_set() and self._error is None
+
+    def health(self) -> dict:
+        """Liveness and readiness: ``state`` is loading | ready | error | stopped."""
+        alive = self._thread is not None and self._thread.is_alive()
+        state = self._state if (alive or self._state in ("created", "error")) else "stopped"
+        info = {"state": state, "alive": alive, "ready": self.ready}
+        if self._error:
+            info["error"] = self._error
+        return info
+
+    def queue_depth(self) -> int:
+        with self._lock:
+            return self._queued
+
+    def running(self) -> int:
+        return len(self._active)
+
+    def info(self) -> dict:
+        """Model and calibration facts for /v1/models and logs."""
+        out = {}
+        if self.loaded is not None:
+            out.update(model=self.loaded.name, context_length=self.loaded.context_length,
+                       weights=self.loaded.weights, source=self.loaded.source)
+        if self.calibration is not None:
+            out.update(self.calibration.summary())
+        return out
+
+    # ---- submitting ----------------------------------------------------------------------------
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise :class:`InvalidRequestError` for a request the engine cannot serve."""
+        if not self.ready:
+            raise EngineUnavailable("the model is still loading" if not self._error else self._error)
+        loaded = self.loaded
+        if not request.prompt_tokens:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = loaded.config.get("vocab_size") or len(loaded.tokenizer._tokenizer)
+        bad = [t for t in request.prompt_tokens if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]} is out of range [0, {vocab})", param="prompt")
+        if request.max_tokens < 1 and not (request.max_tokens == 0 and request.prompt_logprobs):
+            raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
+        if len(request.prompt_tokens) + request.max_tokens > loaded.context_length:
+            raise ContextLengthExceeded(len(request.prompt_tokens), request.max_tokens, loaded.context_length)
+        method = request.speculative.method
+        if method is not None and method not in SPECULATION_METHODS:
+            raise InvalidRequestError(f"speculative.method must be one of {SPECULATION_METHODS}",
+                                      param="speculative.method")
+        if method == "dspark":
+            raise InvalidRequestError("the DSpark drafter is not loaded on this server",
+                                      param="speculative.method", code="drafter_unavailable")
+        for token, _ in request.sampling.logit_bias:
+            if not 0 <= token < vocab:
+                raise InvalidRequestError(f"logit_bias token {token} is out of range", param="logit_bias")
+
+    def _enqueue(self, request: GenerationRequest, emit: Callable[[TokenEvent], None]) -> _Handle:
+        try:
+            self.validate(request)
+        except EngineError as exc:
+            self.sink.request_rejected(type(exc).__name__)
+            raise
+        with self._lock:
+            if self._queued >= self.config.max_queue:
+                self.sink.request_rejected("EngineOverloaded")
+                raise EngineOverloaded(f"the request queue is full ({self.config.max_queue})")
+            if request.request_id in self._live:
+                raise InvalidRequestError(f"duplicate request id {request.request_id}")
+            self._queued += 1
+            self._live.add(request.request_id)
+        handle = _Handle(request, emit)
+        self._inbox.put(handle)
+        return handle
+
+    def submit(self, request: GenerationRequest) -> AsyncIterator[TokenEvent]:
+        """Queue a request; returns an async iterator of its events (call from an event loop).
+
+        Raises (synchronously): InvalidRequestError, ContextLengthExceeded, EngineOverloaded,
+        EngineUnavailable. Closing the iterator early cancels the request.
+        """
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(event: TokenEvent) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the loop is gone; the request is cancelled below
+                self.cancel(request.request_id)
+
+        handle = self._enqueue(request, emit)
+
+        async def stream() -> AsyncIterator[TokenEvent]:
+            try:
+                while True:
+                    event = await events.get()
+                    yield event
+                    if event.finish_reason is not None or event.error is not None:
+                        handle.done = True
+                        return
+            finally:
+                if not handle.done:
+                    self.cancel(request.request_id)
+
+        return stream()
+
+    def generate(self, request: GenerationRequest, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """Blocking twin of :meth:`submit` for scripts, benchmarks and tests."""
+        events: queue.Queue = queue.Queue()
+        handle = self._enqueue(request, events.put)
+        try:
+            while True:
+                event = events.get(timeout=timeout)
+                yield event
+                if event.finish_reason is not None or event.error is not None:
+                    handle.done = True
+                    return
+        finally:
+            if not handle.done:
+                self.cancel(request.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        """Stop a request at its next step; its KV cache is freed then. Unknown ids are ignored."""
+        with self._lock:
+            if request_id not in self._live:
+                return
+            self._cancelled.add(request_id)
+        self._inbox.put(())  # wake the worker if it is idle
+
+    # ---- worker --------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        cfg = self.config
+        if self.loaded is None:
+            self.loaded = load_target(cfg.model, cfg.weights, cfg.served_model_name)
+        self.runner = TargetRunner(self.loaded.model, prefill_step=cfg.prefill_step)
+        rows = cfg.max_verify_rows if cfg.speculation != "off" else 1
+        vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
+        self.calibration = self.runner.calibrate(
+            vocab, max_rows=max(1, rows), mode=cfg.exact_verify,
+            contexts=cfg.calibration_contexts, max_context=self.loaded.context_length,
+        )
+        self.cost = cost_model(self.calibration)
+        log.info("calibration: %s", self.calibration.summary())
+        if cfg.warmup:
+            warm = GenerationRequest(prompt_tokens=self.loaded.tokenizer.encode("Hello, world"),
+                                     max_tokens=4)
+            warm.sampling = type(warm.sampling)(temperature=0.0)
+            seq = self._make_sequence(warm)
+            while not seq.finished:
+                (prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost))
+
+    def _make_sequence(self, request: GenerationRequest) -> Sequence:
+        cfg = self.config
+        method = request.speculative.method or cfg.speculation
+        drafter, acceptance = None, None
+        if method in ("prompt_lookup", "auto") and self.cost.max_rows > 1:
+            drafter = PromptLookupDrafter(cfg.prompt_lookup_min_ngram, cfg.prompt_lookup_max_ngram)
+            acceptance = RequestAcceptance(self.acceptance)
+        seed = request.sampling.seed
+        if seed is None:
+            seed = random.SystemRandom().getrandbits(63)
+        return Sequence(
+            request, self.runner, self.loaded.token_table, self.loaded.eos_token_ids,
+            self.loaded.context_length, seed, drafter=drafter, acceptance=acceptance,
+            max_draft=cfg.prompt_lookup_max_draft,
+        )
+
+    def _run(self) -> None:
+        try:
+            self._load()
+            self._state = "ready"
+        except Exception as exc:  # reported through health(); the server stays up, not ready
+            log.exception("engine failed to start")
+            self._error = f"{type(exc).__name__}: {exc}"
+            self._state = "error"
+        finally:
+            self._ready.set()
+        if self._error:
+            return
+        while True:
+            self._admit(block=not self._active and not self._waiting)
+            if self._stopping:
+                break
+            try:
+                self._step_all()
+            except Exception:  # a bug outside any one request: log it and keep serving
+                log.exception("engine step failed")
+        for handle, seq in self._active:
+            self._finish(handle, seq, FinishReason.CANCELLED)
+        for handle in self._waiting:
+            handle.emit(TokenEvent(handle.request.request_id, [], "", error=EngineUnavailable("server shutting down")))
+
+    def _admit(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=None if block else 0)
+            while True:
+                if item is None:
+                    self._stopping = True
+                elif isinstance(item, _Handle):
+                    self._waiting.append(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        while self._waiting and len(self._active) < self.config.max_active:
+            handle = self._waiting.popleft()
+            with self._lock:
+                self._queued -= 1
+            try:
+                self._active.append((handle, self._make_sequence(handle.request)))
+            except Exception as exc:
+                log.exception("could not start request %s", handle.request.request_id)
+                self._done(handle.request.request_id)
+                handle.emit(TokenEvent(handle.request.request_id, [], "", finish_reason=FinishReason.ERROR,
+                                       error=_as_engine_error(exc)))
+
+    def _step_all(self) -> None:
+        with self._lock:
+            cancelled = set(self._cancelled)
+        if cancelled:
+            self._cancel_waiting(cancelled)
+        still = []
+        for handle, seq in self._active:
+            rid = handle.request.request_id
+            if rid in cancelled:
+                self._finish(handle, seq, FinishReason.CANCELLED)
+                continue
+            try:
+                self._step(handle, seq)
+            except Exception as exc:
+                log.exception("request %s failed", rid)
+                seq.finish_reason = FinishReason.ERROR
+                seq.cache = None
+                self._done(rid)
+                handle.emit(TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR,
+                                       error=_as_engine_error(exc), prompt_tokens=seq.prompt_len,
+                                       completion_tokens=seq.num_generated))
+                continue
+            if not seq.finished:
+                still.append((handle, seq))
+        self._active = still
+
+    def _step(self, handle: _Handle, seq: Sequence) -> None:
+        """Advance one sequence by a prefill chunk or one speculative cycle and emit its event."""
+        first = seq.num_generated == 0
+        result = prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost)
+        if result is None:
+            return
+        if result.verify_step is not None:
+            self.sink.spec_step(*result.verify_step, len(result.token_ids))
+        event = seq.event(result, first)
+        if seq.finished:
+            self._done(handle.request.request_id)
+            seq.cache = None
+        handle.emit(event)
+        if seq.finished:
+            self.sink.request_finished(event)
+
+    def _cancel_waiting(self, cancelled: set[str]) -> None:
+        keep = deque()
+        for handle in self._waiting:
+            rid = handle.request.request_id
+            if rid in cancelled:
+                with self._lock:
+                    self._queued -= 1
+                self._done(rid)
+                handle.emit(TokenEvent(rid, [], "", finish_reason=FinishReason.CANCELLED))
+            else:
+                keep.append(handle)
+        self._waiting = keep
+
+    def _done(self, request_id: str) -> None:
+        with self._lock:
+            self._live.discard(request_id)
+            self._cancelled.discard(request_id)
+
+    def _finish(self, handle: _Handle, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish_reason = reason
+        seq.cache = None
+        self._done(handle.request.request_id)
+        event = TokenEvent(handle.request.request_id, [], "", finish_reason=reason,
+                           prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
+                           stats=seq.stats, elapsed=time.perf_counter() - seq.submitted_at)
+        handle.emit(event)
+        self.sink.request_finished(event)
+
+
+def _as_engine_error(exc: Exception) -> EngineError:
+    if isinstance(exc, EngineError):
+        return exc
+    err = EngineError(f"internal error: {type(exc).__name__}: {exc}")
+    return err
+

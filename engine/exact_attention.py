@@ -1,0 +1,88 @@
+"""Row-exact attention for verify passes.
+
+Greedy speculative decoding is lossless only if row ``i`` of a ``k``-row verify pass computes
+exactly what a one-token decode step at that position computes. Matrix kernels do not promise
+that: on Linux CPUs OpenBLAS picks different micro-kernels by the number of rows and by the key
+length, so ``softmax(q K^T) V`` for a query differs in the last bits depending on how many other
+queries share the call (measured: rows differ from width 3-4 on, and with the masked key length).
+A near-tie in the logits then flips a greedy token.
+
+The fix is to compute a verify pass's attention one query row at a time over exactly the keys a
+decode step would see (``keys[:position + 1]``), through the same ``mx.fast`` call a decode step
+makes. The projections (Linear layers) stay batched; their row-independence is checked at
+start-up by :func:`engine.runner.probe_exact_width`.
+
+mlx-lm's attention modules call the module-level ``scaled_dot_product_attention`` they imported
+from ``mlx_lm.models.base``; :func:`install` rebinds that name in the model's modules to a
+wrapper that changes nothing unless the cache passed in is an :class:`ExactKVCache` with
+``row_exact`` set (the engine sets it for decode/verify passes only, never for prefill).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import mlx.core as mx
+from mlx_lm.models import base as mlx_base
+from mlx_lm.models.cache import KVCache
+
+_original_sdpa = mlx_base.scaled_dot_product_attention
+
+
+class ExactKVCache(KVCache):
+    """mlx-lm's ``KVCache`` plus a flag that asks for row-exact attention."""
+
+    row_exact = False
+
+
+def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
+    """Drop-in for mlx-lm's ``scaled_dot_product_attention``.
+
+    ``queries``: ``[B, H, L, D]``; ``keys``/``values``: ``[B, KV, S + L, D]`` (the cache's
+    contents including the ``L`` new positions). With ``cache.row_exact`` and ``L > 1``, query
+    ``i`` attends to ``keys[:, :, :S + i + 1]`` on its own (causal by construction).
+    """
+    n = queries.shape[2]
+    if n == 1 or not getattr(cache, "row_exact", False) or sinks is not None:
+        return _original_sdpa(queries, keys, values, cache, scale, mask, sinks)
+    start = keys.shape[2] - n
+    rows = [
+        mx.fast.scaled_dot_product_attention(
+            queries[:, :, i : i + 1],
+            keys[:, :, : start + i + 1],
+            values[:, :, : start + i + 1],
+            scale=scale,
+        )
+        for i in range(n)
+    ]
+    return mx.concatenate(rows, axis=2)
+
+
+def install(model) -> list[str]:
+    """Rebind ``scaled_dot_product_attention`` in every module that defines one of ``model``'s
+    submodules and imported mlx-lm's version. Idempotent. Returns the patched module names."""
+    patched = []
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    for name in sorted(names):
+        module = sys.modules.get(name)
+        current = getattr(module, "scaled_dot_product_attention", None)
+        if current is _original_sdpa:
+            module.scaled_dot_product_attention = scaled_dot_product_attention
+            patched.append(name)
+        elif current is scaled_dot_product_attention:
+            patched.append(name)
+    return patched
+
+
+def make_cache(model) -> list:
+    """mlx-lm's cache for ``model`` with plain ``KVCache`` layers replaced by :class:`ExactKVCache`."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    return [ExactKVCache() if type(c) is KVCache else c for c in cache]
+
+
+def set_row_exact(cache: list, on: bool) -> None:
+    for c in cache:
+        if isinstance(c, ExactKVCache):
+            c.row_exact = on

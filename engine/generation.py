@@ -1,0 +1,235 @@
+"""One sequence's generation: prefill, then speculative cycles until a finish condition.
+
+Glossary (vLLM's): a verify pass over ``[anchor, d_1..d_L]`` yields ``L + 1`` logits rows; the
+*accepted* tokens are the longest prefix of drafts equal to the target's choice per row; the
+row after them supplies one more token from the target: the *bonus* token when every draft was
+accepted, the *recovered* token otherwise. Committed tokens per cycle = accepted + 1.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from drafters import Draft, DraftContext
+
+from .detokenizer import StreamingDetokenizer, TokenTable
+from .request import FinishReason, GenerationRequest, SpecStats, TokenEvent, TokenLogprob
+from .runner import TargetRunner
+from .sampling import LogitsPipeline, raw_logprobs
+from .scheduler import CostModel, RequestAcceptance, best_length
+from .stops import StopMatcher
+
+
+@dataclass
+class CommitResult:
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    verify_step: tuple[str | None, int, int] | None = None  # (drafter, drafted, accepted)
+
+
+class Sequence:
+    """Per-request state. Owns its KV cache, drafter, detokenizer and statistics."""
+
+    def __init__(
+        self,
+        request: GenerationRequest,
+        runner: TargetRunner,
+        table: TokenTable,
+        eos_token_ids: frozenset[int],
+        context_length: int,
+        seed: int,
+        drafter=None,
+        acceptance: RequestAcceptance | None = None,
+        max_draft: int = 0,
+    ):
+        self.request = request
+        self.runner = runner
+        self.tokens: list[int] = list(request.prompt_tokens)
+        self.prompt_len = len(self.tokens)
+        self.cache = runner.make_cache()
+        self.num_prefilled = 0
+        self.num_generated = 0
+        self.pipeline = LogitsPipeline(request.sampling, seed, self.prompt_len)
+        self.table = table
+        self.detok = StreamingDetokenizer(table)
+        self.stop = StopMatcher(request.stop)
+        stop_ids = set(request.stop_token_ids)
+        if not request.ignore_eos:
+            stop_ids |= set(eos_token_ids)
+        self.stop_ids = frozenset(stop_ids)
+        self.context_length = context_length
+        self.drafter = drafter
+        self.acceptance = acceptance
+        self.max_draft = max_draft
+        self.stats = SpecStats()
+        self.finish_reason: FinishReason | None = None
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs else None
+
+    @property
+    def prefilled(self) -> bool:
+        return self.num_prefilled >= self.prompt_len
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    # ---- committing tokens ----------------------------------------------------------------
+
+    def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> CommitResult:
+        """Append generated tokens, cutting at EOS, a stop string, max_tokens or the context."""
+        ids, parts, stopped = [], [], False
+        for token in tokens:
+            self.tokens.append(token)
+            self.num_generated += 1
+            ids.append(token)
+            if token in self.stop_ids:
+                self.finish_reason = FinishReason.STOP
+                break
+            text, stopped = self.stop.feed(self.detok.add(token))
+            parts.append(text)
+            if stopped:
+                self.finish_reason = FinishReason.STOP
+                break
+            if self.num_generated >= self.request.max_tokens or len(self.tokens) >= self.context_length:
+                self.finish_reason = FinishReason.LENGTH
+                break
+        if self.finished and not stopped:  # release text held back for a possible stop string
+            tail, stopped = self.stop.feed(self.detok.flush())
+            parts.append(tail if stopped else tail + self.stop.flush())
+            if stopped:
+                self.finish_reason = FinishReason.STOP
+        if self.first_token_at is None and ids:
+            self.first_token_at = time.perf_counter()
+        return CommitResult(ids, "".join(parts), logprobs[: len(ids)] if logprobs else None, self.finished)
+
+    def event(self, result: CommitResult, first_event: bool) -> TokenEvent:
+        now = time.perf_counter()
+        return TokenEvent(
+            request_id=self.request.request_id,
+            token_ids=result.token_ids,
+            text=result.text,
+            logprobs=result.logprobs,
+            finish_reason=self.finish_reason,
+            prompt_tokens=self.prompt_len,
+            completion_tokens=self.num_generated,
+            prompt_logprobs=self.prompt_logprobs if first_event else None,
+            stats=self.stats if self.finished else None,
+            time_to_first_token=(
+                self.first_token_at - self.submitted_at
+                if first_event and self.first_token_at is not None
+                else None
+            ),
+            elapsed=(now - self.submitted_at) if self.finished else None,
+        )
+
+    # ---- drafting ---------------------------------------------------------------------------
+
+    def draft_budget(self, max_rows: int) -> int:
+        """Most drafts this cycle: never past max_tokens, the context, or the exact verify width."""
+        left = self.request.max_tokens - self.num_generated - 1
+        room = self.context_length - len(self.tokens) - 1
+        cap = self.max_draft if self.request.speculative.max_draft_tokens is None else min(
+            self.max_draft, self.request.speculative.max_draft_tokens
+        )
+        return max(0, min(left, room, max_rows - 1, cap))
+
+    def propose(self, cost: CostModel) -> Draft:
+        """Ask the drafter for a proposal and cut it to the length that maximises tokens/s."""
+        budget = self.draft_budget(cost.max_rows)
+        if self.drafter is None or budget == 0:
+            return Draft()
+        proposal = self.drafter.propose(DraftContext(self.tokens), budget)
+        if not proposal.tokens:
+            return proposal
+        conditional = proposal.confidence or self.acceptance.survival(
+            proposal.match_length, len(proposal.tokens)
+        )
+        length = max(best_length(conditional, cost), self.request.speculative.min_draft_tokens)
+        proposal.tokens = proposal.tokens[:length]
+        return proposal
+
+    def observe(self, draft: Draft, num_accepted: int) -> str | None:
+        """Record a verify step; returns the drafter's name (None for a plain decode step)."""
+        name = self.drafter.name if (self.drafter is not None and draft.tokens) else None
+        self.stats.observe(name, len(draft.tokens), num_accepted)
+        if draft.tokens and self.acceptance is not None:
+            self.acceptance.observe(draft.match_length, len(draft.tokens), num_accepted)
+        return name
+
+
+def _logprob_rows(chosen_lp, top_ids, top_lp, tokens: list[int]) -> list[TokenLogprob]:
+    chosen_lp, top_ids, top_lp = chosen_lp.tolist(), top_ids.tolist(), top_lp.tolist()
+    return [
+        TokenLogprob(t, chosen_lp[i], list(zip(top_ids[i], top_lp[i]))) for i, t in enumerate(tokens)
+    ]
+
+
+def prefill_step(seq: Sequence) -> CommitResult | None:
+    """Feed the next prompt chunk; after the last chunk choose the first output token."""
+    runner, start = seq.runner, seq.num_prefilled
+    chunk = seq.request.prompt_tokens[start : start + runner.prefill_step]
+    logits = runner.prefill(chunk, seq.cache)
+    seq.num_prefilled += len(chunk)
+    if seq.prompt_logprobs is not None:
+        if start == 0:
+            seq.prompt_logprobs.append(TokenLogprob(chunk[0], None))
+        targets = seq.request.prompt_tokens[start + 1 : start + 1 + len(chunk)]
+        if targets:
+            rows = logits[: len(targets)].astype(mx.float32)
+            lp = raw_logprobs(rows, mx.array(targets), seq.request.logprobs or 0)
+            mx.eval(*lp)
+            seq.prompt_logprobs += _logprob_rows(*lp, targets)
+    if not seq.prefilled:
+        mx.eval(logits)
+        return None
+    if seq.request.max_tokens == 0:  # echo + logprobs scoring: prompt only
+        seq.finish_reason = FinishReason.LENGTH
+        return CommitResult([], "", None, True)
+    last = logits[-1:].astype(mx.float32)
+    processed = seq.pipeline.process(last, seq.tokens)
+    chosen = seq.pipeline.choose(processed, len(seq.tokens))
+    lp = raw_logprobs(last, chosen, seq.request.logprobs) if seq.request.logprobs is not None else ()
+    mx.eval(chosen, *lp)
+    token = chosen.item()
+    return seq.commit([token], _logprob_rows(*lp, [token]) if lp else None)
+
+
+def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
+    """One cycle: draft -> verify -> accept -> rollback -> commit (DESIGN.md section 3)."""
+    # 1. Draft: a proposal cut to the length that maximises expected tokens per second.
+    draft = seq.propose(cost)
+    rows = [seq.tokens[-1], *draft.tokens]  # the anchor, then the drafts
+
+    # 2. Verify: one target pass; row r chooses the token after anchor + draft[:r].
+    started = time.perf_counter()
+    logits = seq.runner.verify(rows, seq.cache)
+    processed = seq.pipeline.process(logits, seq.tokens, draft.tokens)
+    targets = seq.pipeline.choose(processed, len(seq.tokens))
+    want_lp = seq.request.logprobs is not None
+    lp = raw_logprobs(logits, targets, seq.request.logprobs) if want_lp else ()
+    mx.eval(targets, *lp)  # the cycle's only host sync
+    cost.observe(len(rows), time.perf_counter() - started)
+    targets = targets.tolist()
+
+    # 3. Accept the longest prefix the target agrees with, plus its bonus/recovered token.
+    num_accepted = 0
+    while num_accepted < len(draft.tokens) and draft.tokens[num_accepted] == targets[num_accepted]:
+        num_accepted += 1
+    committed = draft.tokens[:num_accepted] + [targets[num_accepted]]
+
+    # 4. Roll back the KV cache: keep the anchor and the accepted drafts.
+    seq.runner.trim(seq.cache, len(draft.tokens) - num_accepted)
+
+    # 5. Statistics, then commit (cut at EOS / stop string / max_tokens).
+    drafter = seq.observe(draft, num_accepted)
+    logprobs = _logprob_rows(*lp, committed) if want_lp else None
+    result = seq.commit(committed, logprobs)
+    result.verify_step = (drafter, len(draft.tokens), num_accepted)
+    return result

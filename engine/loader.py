@@ -1,0 +1,162 @@
+"""Load a target model: the default model, a GGUF file, or an MLX model directory.
+
+Everything model-specific comes from mlx-lm (architectures, caches, tokenizer wrapper); this
+module only picks the source, applies the weight-dtype policy and describes the result.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map_with_path
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+from .default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from .detokenizer import TokenTable
+
+log = logging.getLogger("specserve.loader")
+
+WEIGHT_POLICIES = ("auto", "quantized", "float32", "float16", "bfloat16")
+
+
+@dataclass
+class LoadedModel:
+    """A ready target: model, tokenizer and what the server needs to describe it."""
+
+    model: nn.Module
+    tokenizer: TokenizerWrapper
+    config: dict
+    name: str
+    source: str
+    context_length: int
+    eos_token_ids: frozenset[int]
+    weights: str  # the applied weight policy, e.g. "float32" or "quantized"
+    token_table: TokenTable = field(repr=False, default=None)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+
+def resolve_policy(policy: str) -> str:
+    """``auto`` means float32 on the CPU backend (MLX's CPU quantized matmul is naive and the
+    BLAS float32 path is 3-10x faster) and the file's quantization on a GPU."""
+    if policy not in WEIGHT_POLICIES:
+        raise ValueError(f"weights must be one of {WEIGHT_POLICIES}, got {policy!r}")
+    if policy == "auto":
+        return "float32" if mx.default_device() == mx.cpu else "quantized"
+    return policy
+
+
+def apply_weight_policy(model: nn.Module, policy: str) -> str:
+    """Dequantize or cast the model's weights in place. Returns the resolved policy.
+
+    ``quantized`` keeps quantized layers and makes every other float parameter (and the
+    quantization scales/biases) float32, so activations are float32. Float policies
+    dequantize with float32 scales (no float16 rounding of the weights) and cast to that dtype.
+    """
+    from mlx_lm.utils import dequantize_model
+
+    policy = resolve_policy(policy)
+
+    def to_f32(path, x):
+        return x.astype(mx.float32) if mx.issubdtype(x.dtype, mx.floating) else x
+
+    model.update(tree_map_with_path(to_f32, model.parameters()))
+    if policy != "quantized":
+        dequantize_model(model)
+        dtype = getattr(mx, policy)
+        model.update(
+            tree_map_with_path(
+                lambda p, x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
+                model.parameters(),
+            )
+        )
+    mx.eval(model.parameters())
+    return policy
+
+
+def _load_gguf(path: Path):
+    from .gguf import gguf_eos_ids, gguf_tokenizer, load_gguf_model
+
+    model, config, meta = load_gguf_model(path)
+    hf_tokenizer = gguf_tokenizer(meta)
+    eos = gguf_eos_ids(meta)
+    return model, TokenizerWrapper(hf_tokenizer, eos_token_ids=eos), config
+
+
+def _load_mlx_dir(path_or_repo: str):
+    from mlx_lm.utils import load
+
+    model, tokenizer, config = load(path_or_repo, return_config=True)
+    return model, tokenizer, config
+
+
+def load_target(model: str = "default", weights: str = "auto", served_name: str | None = None) -> LoadedModel:
+    """Load the target model.
+
+    Args:
+        model: ``"default"`` (SmolLM2-135M-Instruct Q4_1, fetched on first use), a ``.gguf``
+            path, or an MLX model directory / Hugging Face repo id that ``mlx_lm.load`` accepts.
+        weights: one of :data:`WEIGHT_POLICIES`.
+        served_name: the id clients use in ``"model"``; defaults to the directory or file stem.
+
+    Raises:
+        FileNotFoundError: the path does not exist.
+        engine.gguf.GGUFError / ValueError: unsupported file or architecture.
+        engine.default_model.ModelFetchError: the default model could not be fetched.
+    """
+    if model in ("default", DEFAULT_MODEL_NAME):
+        path = ensure_default_model()
+        name = served_name or DEFAULT_MODEL_NAME
+        net, tokenizer, config = _load_gguf(path)
+    elif model.endswith(".gguf"):
+        path = Path(model).expanduser()
+        if not path.exists():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        name = served_name or path.stem.lower()
+        net, tokenizer, config = _load_gguf(path)
+    else:
+        path = Path(model).expanduser()
+        name = served_name or (path.name if path.exists() else model).lower()
+        net, tokenizer, config = _load_mlx_dir(str(path) if path.exists() else model)
+    applied = apply_weight_policy(net, weights)
+    context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
+    eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
+    n_params = sum(v.size for _, v in tree_flatten(net.parameters()))
+    log.info("loaded %s from %s: %d layers, %.1fM stored values, weights=%s, context=%d",
+             name, path, len(net.layers), n_params / 1e6, applied, context)
+    return LoadedModel(
+        model=net,
+        tokenizer=tokenizer,
+        config=config,
+        name=name,
+        source=str(path),
+        context_length=context,
+        eos_token_ids=eos,
+        weights=applied,
+        token_table=TokenTable.from_tokenizer(tokenizer),
+    )
+
+
+def save_mlx_dir(loaded: LoadedModel, out: str | Path) -> Path:
+    """Write the loaded model as an MLX model directory (config.json, safetensors, tokenizer).
+
+    Used to serve the same weights from ``mlx_lm.server`` for side-by-side comparisons.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(loaded.model.parameters()))
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
+    config = {k: v for k, v in loaded.config.items() if k != "quantization"}
+    if loaded.weights == "quantized" and "quantization" in loaded.config:
+        config["quantization"] = loaded.config["quantization"]
+    config["eos_token_id"] = sorted(loaded.eos_token_ids)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    loaded.tokenizer._tokenizer.save_pretrained(str(out))
+    return out

@@ -1,0 +1,171 @@
+"""Target forward passes: prefill, decode and verify, plus the start-up calibration.
+
+Calibration answers two questions on the machine at hand, before serving:
+1. How wide may a verify pass be while every row stays bit-identical to a one-token decode
+   step? Decode steps and verify passes are run on the same tokens and their logits compared
+   bit for bit, first with MLX's batched attention, then with row-exact attention
+   (:mod:`engine.exact_attention`). The widest exact configuration wins.
+2. What does a pass of ``k`` rows cost? ``T(k)`` feeds the draft-length scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from . import exact_attention
+from .scheduler import CostModel
+
+log = logging.getLogger("specserve.runner")
+
+
+@dataclass
+class Calibration:
+    max_rows: int  # widest exact verify pass (anchor + drafts); 1 = no speculation possible
+    row_exact_attention: bool
+    verify_cost: list[float]  # seconds for k = 1..max_rows rows
+    probed_rows: int  # the width asked for
+
+    def summary(self) -> dict:
+        base = self.verify_cost[0]
+        return {
+            "max_verify_rows": self.max_rows,
+            "row_exact_attention": self.row_exact_attention,
+            "verify_cost_ms": [round(t * 1e3, 3) for t in self.verify_cost],
+            "verify_cost_relative": [round(t / base, 3) for t in self.verify_cost],
+        }
+
+
+class TargetRunner:
+    """Runs the target model on caller-owned KV caches.
+
+    Args:
+        model: an mlx-lm model (``model(tokens[None], cache=...) -> logits``).
+        prefill_step: prompt chunk size for prefill.
+    """
+
+    def __init__(self, model: nn.Module, prefill_step: int = 512):
+        self.model = model
+        self.prefill_step = prefill_step
+        self.row_exact_attention = False
+        self.patched_modules = exact_attention.install(model)
+
+    def make_cache(self) -> list:
+        return exact_attention.make_cache(self.model)
+
+    @staticmethod
+    def trim(cache: list, n: int) -> None:
+        """Roll back the last ``n`` positions of every layer's cache."""
+        if n > 0:
+            for c in cache:
+                c.trim(n)
+
+    @staticmethod
+    def cache_length(cache: list) -> int:
+        return cache[0].offset
+
+    def prefill(self, tokens: list[int], cache: list) -> mx.array:
+        """Run ``tokens`` (a prompt chunk) through the target. Returns logits ``[n, V]`` (lazy)."""
+        return self.model(mx.array(tokens, dtype=mx.uint32)[None], cache=cache)[0]
+
+    def verify(self, tokens: list[int], cache: list) -> mx.array:
+        """Decode (one token) or verify (anchor + drafts): logits ``[len(tokens), V]`` float32.
+
+        Every row computes what a one-token decode step at its position computes.
+        """
+        exact_attention.set_row_exact(cache, self.row_exact_attention)
+        try:
+            logits = self.model(mx.array(tokens, dtype=mx.uint32)[None], cache=cache)[0]
+        finally:
+            exact_attention.set_row_exact(cache, False)
+        return logits.astype(mx.float32)
+
+    # ---- calibration -------------------------------------------------------------------------
+
+    def _exact_width(self, context: list[int], probe: list[int], widths: int) -> int:
+        """Widest ``w <= widths`` whose verify rows equal one-token decode logits bit for bit."""
+        cache = self.make_cache()
+        mx.eval(self.prefill(context, cache))
+        decoded = []
+        for t in probe[:widths]:
+            row = self.verify([t], cache)[0]
+            mx.eval(row)
+            decoded.append(row)
+        self.trim(cache, widths)
+        for w in range(2, widths + 1):
+            rows = self.verify(probe[:w], cache)
+            mx.eval(rows)
+            self.trim(cache, w)
+            if not all(mx.array_equal(rows[i], decoded[i]).item() for i in range(w)):
+                return w - 1
+        return widths
+
+    def _measure_cost(self, context: list[int], probe: list[int], widths: int, repeats: int) -> list[float]:
+        cache = self.make_cache()
+        mx.eval(self.prefill(context, cache))
+        costs = []
+        for w in range(1, widths + 1):
+            times = []
+            for _ in range(repeats + 1):  # first run warms up this width
+                start = time.perf_counter()
+                mx.eval(self.verify(probe[:w], cache))
+                times.append(time.perf_counter() - start)
+                self.trim(cache, w)
+            times = sorted(times[1:])
+            costs.append(times[len(times) // 2])
+        # A wider pass never costs less than a narrower one for the scheduler's purposes.
+        for i in range(1, len(costs)):
+            costs[i] = max(costs[i], costs[i - 1])
+        return costs
+
+    def calibrate(
+        self,
+        vocab_size: int,
+        max_rows: int = 16,
+        mode: str = "auto",
+        contexts: tuple[int, ...] = (48, 1100),
+        max_context: int | None = None,
+        repeats: int = 3,
+    ) -> Calibration:
+        """Probe exact verify width and measure ``T(k)``.
+
+        Args:
+            vocab_size: tokens are drawn from ``[0, vocab_size)``.
+            max_rows: widest verify pass to consider (anchor + drafts).
+            mode: ``auto`` (batched attention if exact, else row-exact), ``row`` or ``batched``.
+            contexts: context lengths probed (long ones catch attention kernels that switch
+                algorithm with the key length).
+            max_context: the model's context window (probes are clipped to it).
+        """
+        rng = mx.random.key(1234)
+        need = max(contexts) + max_rows
+        if max_context:
+            contexts = tuple(min(c, max_context - max_rows - 1) for c in contexts)
+            need = min(need, max_context)
+        ids = mx.random.randint(3, vocab_size, (need,), key=rng).tolist()
+        candidates = {"auto": (False, True), "batched": (False,), "row": (True,)}[mode]
+        best = (1, candidates[-1])
+        if max_rows > 1:
+            for row_exact in candidates:
+                self.row_exact_attention = row_exact
+                width = min(
+                    self._exact_width(ids[:c], ids[c : c + max_rows], max_rows) for c in contexts
+                )
+                log.info("verify exactness: row_exact=%s -> %d rows", row_exact, width)
+                if width > best[0] or (width == best[0] and best[1] and not row_exact):
+                    best = (width, row_exact)
+                if width == max_rows:
+                    break
+        width, row_exact = best
+        self.row_exact_attention = row_exact
+        ctx = min(256, need - max_rows)
+        costs = self._measure_cost(ids[:ctx], ids[ctx : ctx + width], width, repeats)
+        return Calibration(width, row_exact, costs, max_rows)
+
+
+def cost_model(cal: Calibration) -> CostModel:
+    return CostModel(list(cal.verify_cost))

@@ -1,0 +1,147 @@
+"""Choose the draft length that maximises expected committed tokens per second.
+
+For a proposal of up to ``L_max`` tokens, committed tokens per verify step are
+``E(L) = 1 + sum_{k=1..L} prod_{i<=k} c_i`` (accepted drafts plus the bonus/recovered token),
+where ``c_i`` is the probability that draft ``i`` is accepted given drafts ``1..i-1`` were. A
+step costs ``T(L + 1)``, the verify cost of ``L + 1`` rows (measured at start-up, refreshed
+online). The scheduler picks ``L`` maximising ``E(L) / T(L + 1)``; ``L = 0`` (plain decoding,
+rate ``1 / T(1)``) whenever no draft length beats it. ``L`` is fixed before verification, so
+the admission of draft ``k`` never depends on draft ``k`` being accepted (lossless).
+
+Prompt-lookup ``c_i`` estimates are Beta-smoothed counts, per request and per matched n-gram
+length bucket, shrunk toward engine-wide counts of earlier requests.
+This replaces ds4's fixed growth/back-off rules (7 -> 15 after 8 full accepts, 64-token back-off)
+with the same quantity those rules approximate: expected tokens per second.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CostModel:
+    """Verify cost ``T(k)`` in seconds for ``k = 1..max_rows`` rows, with online refresh."""
+
+    verify_cost: list[float]  # index k-1
+    alpha: float = 0.05  # EMA weight of a new observation
+
+    @property
+    def max_rows(self) -> int:
+        return len(self.verify_cost)
+
+    def T(self, rows: int) -> float:
+        return self.verify_cost[min(rows, self.max_rows) - 1]
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if 1 <= rows <= self.max_rows and seconds > 0:
+            i = rows - 1
+            self.verify_cost[i] += self.alpha * (seconds - self.verify_cost[i])
+
+    def relative(self) -> list[float]:
+        return [t / self.verify_cost[0] for t in self.verify_cost]
+
+
+def _bucket(match_length: int) -> int:
+    return min(max(match_length, 1), 4)
+
+
+@dataclass
+class AcceptanceCounts:
+    """Counts of drafts reaching / passing each position, per n-gram length bucket."""
+
+    reached: dict[tuple[int, int], float] = field(default_factory=dict)
+    accepted: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def observe(self, bucket: int, num_draft: int, num_accepted: int, weight: float = 1.0) -> None:
+        for pos in range(1, min(num_accepted + 1, num_draft) + 1):
+            key = (bucket, pos)
+            self.reached[key] = self.reached.get(key, 0.0) + weight
+            if pos <= num_accepted:
+                self.accepted[key] = self.accepted.get(key, 0.0) + weight
+
+
+# Prior conditional acceptance by matched n-gram length before any evidence.
+_PRIOR = {1: 0.2, 2: 0.35, 3: 0.5, 4: 0.65}
+
+
+class AcceptanceModel:
+    """Engine-wide prompt-lookup acceptance evidence (decayed), shared by all requests."""
+
+    def __init__(self, prior_weight: float = 4.0, decay: float = 0.999):
+        self.prior_weight = prior_weight
+        self.decay = decay
+        self._global = AcceptanceCounts()
+        self._lock = threading.Lock()
+
+    def observe(self, bucket: int, num_draft: int, num_accepted: int) -> None:
+        with self._lock:
+            g = self._global
+            for d in (g.reached, g.accepted):
+                for key in d:
+                    d[key] *= self.decay
+            g.observe(bucket, num_draft, num_accepted)
+
+    def global_rate(self, bucket: int, pos: int) -> float:
+        key = (bucket, min(pos, 16))
+        with self._lock:
+            reached = self._global.reached.get(key, 0.0)
+            accepted = self._global.accepted.get(key, 0.0)
+        prior = _PRIOR[bucket]
+        return (accepted + self.prior_weight * prior) / (reached + self.prior_weight)
+
+
+@dataclass
+class RequestAcceptance:
+    """One request's prompt-lookup evidence, shrunk toward the engine-wide model."""
+
+    model: AcceptanceModel
+    counts: AcceptanceCounts = field(default_factory=AcceptanceCounts)
+    weight: float = 3.0  # how many observations the engine-wide estimate is worth
+
+    def rate(self, bucket: int, pos: int, optimism: float = 1.0) -> float:
+        """Posterior mean of ``c_pos`` plus ``optimism`` standard deviations (exploration: a
+        request with little evidence still probes short drafts, so a good source of drafts is
+        found; each failed probe shrinks the bonus)."""
+        key = (bucket, pos)
+        prior = self.model.global_rate(bucket, pos)
+        reached = self.counts.reached.get(key, 0.0) + self.weight
+        mean = (self.counts.accepted.get(key, 0.0) + self.weight * prior) / reached
+        return min(1.0, mean + optimism * math.sqrt(mean * (1.0 - mean) / (reached + 1.0)))
+
+    def survival(self, match_length: int, length: int) -> list[float]:
+        """Conditional acceptance ``c_1..c_length`` for a proposal with this match length."""
+        b = _bucket(match_length)
+        return [self.rate(b, pos) for pos in range(1, length + 1)]
+
+    def observe(self, match_length: int, num_draft: int, num_accepted: int) -> None:
+        b = _bucket(match_length)
+        self.counts.observe(b, num_draft, num_accepted)
+        self.model.observe(b, num_draft, num_accepted)
+
+
+def expected_tokens(conditional: list[float]) -> list[float]:
+    """``E(L)`` for ``L = 0..len``: 1 + sum of prefix-survival products."""
+    out, survive, total = [1.0], 1.0, 1.0
+    for c in conditional:
+        survive *= c
+        total += survive
+        out.append(total)
+    return out
+
+
+def best_length(conditional: list[float], cost: CostModel, min_gain: float = 1.0) -> int:
+    """The ``L`` in ``0..len(conditional)`` maximising ``E(L) / T(L + 1)``.
+
+    A draft length is chosen only if its rate beats plain decoding by the factor ``min_gain``.
+    """
+    exp = expected_tokens(conditional[: cost.max_rows - 1])
+    plain = 1.0 / cost.T(1)
+    best, best_rate = 0, plain * min_gain
+    for length in range(1, len(exp)):
+        rate = exp[length] / cost.T(length + 1)
+        if rate > best_rate:
+            best, best_rate = length, rate
+    return best

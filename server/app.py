@@ -1,0 +1,105 @@
+"""The FastAPI app: lifespan starts and stops the engine; health, readiness, models, metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.middleware.base import BaseHTTPMiddleware
+
+from engine import Engine
+
+from .errors import APIError, error_response, install_error_handlers
+from .metrics import Metrics
+from .openai_api import router as openai_router
+from .settings import Settings
+
+log = logging.getLogger("specserve.server")
+
+
+class _CountRequests(BaseHTTPMiddleware):
+    """Count every response by endpoint and status, and errors by OpenAI type."""
+
+    async def dispatch(self, request: Request, call_next):
+        response = await call_next(request)
+        metrics: Metrics = request.app.state.metrics
+        route = request.scope.get("route")
+        endpoint = getattr(route, "path", "unmatched")
+        metrics.requests.labels(endpoint, str(response.status_code)).inc()
+        if response.status_code >= 400:
+            metrics.errors.labels(_error_type(response.status_code)).inc()
+        return response
+
+
+def _error_type(status: int) -> str:
+    return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+            413: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable_error"}.get(
+        status, "server_error" if status >= 500 else "invalid_request_error")
+
+
+def create_app(engine: Engine, settings: Settings | None = None, metrics: Metrics | None = None) -> FastAPI:
+    """Build the app around an engine (started by the lifespan if it is not yet running)."""
+    settings = settings or Settings()
+    metrics = metrics or Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.stop()
+
+    app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.state.started = int(time.time())
+    app.state.fingerprint = "fp_" + hashlib.sha1(f"{settings.model}:{settings.weights}".encode()).hexdigest()[:10]
+    metrics.attach(engine)
+    install_error_handlers(app)
+    app.add_middleware(_CountRequests)
+    app.include_router(openai_router)
+
+    @app.get("/health")
+    async def health():
+        """Liveness: 200 while the process and the engine thread are alive (even while loading)."""
+        info = engine.health()
+        if info["state"] in ("error", "stopped"):
+            return JSONResponse({"status": info["state"], **info}, status_code=503)
+        return {"status": "ok", **info}
+
+    @app.get("/ready")
+    async def ready():
+        """Readiness: 503 until the model is loaded, calibrated and warmed up."""
+        if not engine.ready:
+            info = engine.health()
+            message = "Loading model" if info["state"] == "loading" else f"engine {info['state']}"
+            return error_response(503, info.get("error", message), "unavailable_error")
+        return {"status": "ready"}
+
+    def _model_card():
+        info = engine.info()
+        return {"id": info.get("model", settings.served_model_name or settings.model), "object": "model",
+                "created": app.state.started, "owned_by": "specserve",
+                "max_model_len": info.get("context_length")}
+
+    @app.get("/v1/models")
+    async def models():
+        if engine.loaded is None:
+            return {"object": "list", "data": []}
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if engine.loaded is None or model_id.lower() != engine.loaded.name.lower():
+            raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
+        return _model_card()
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app

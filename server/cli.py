@@ -1,0 +1,43 @@
+"""``specserve``: parse settings, then start uvicorn with the app.
+
+Options that must act before MLX is imported (``--blas``, ``--cache-dir``) are exported to the
+environment first; the engine package is imported only after that.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .settings import load_settings
+
+    if argv is None:
+        argv = sys.argv[1:]
+    settings = load_settings(argv)
+    os.environ["SPECSERVE_BLAS"] = settings.blas
+    if settings.cache_dir:
+        os.environ["SPECSERVE_CACHE_DIR"] = settings.cache_dir
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    import uvicorn
+
+    from engine import BLAS, Engine
+
+    from .app import create_app
+    from .metrics import Metrics
+
+    log = logging.getLogger("specserve")
+    log.info("BLAS: %s %s", BLAS.status, BLAS.path or BLAS.detail)
+    metrics = Metrics()
+    engine = Engine(settings.engine_config(), sink=metrics)
+    app = create_app(engine, settings, metrics)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                timeout_graceful_shutdown=10)
+
+
+if __name__ == "__main__":
+    main()

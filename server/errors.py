@@ -1,0 +1,95 @@
+"""OpenAI-style error responses: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine import EngineError
+
+log = logging.getLogger("specserve.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error the server answers with directly."""
+
+    def __init__(self, status: int, message: str, type: str | None = None,
+                 param: str | None = None, code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message = status, message
+        self.type = type or _TYPES.get(status, "server_error")
+        self.param, self.code, self.headers = param, code, headers
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(
+        error_body(message, type or _TYPES.get(status, "server_error"), param, code),
+        status_code=status,
+        headers=headers,
+    )
+
+
+def engine_error_response(exc: EngineError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    return error_response(exc.status, str(exc), exc.type, exc.param, exc.code, headers)
+
+
+def _param(loc) -> str | None:
+    parts = [str(p) for p in loc if p != "body"]
+    # drop pydantic's union-branch markers such as "str" or "list[str]"
+    parts = [p for p in parts if not (p in ("str", "int", "float", "bool") or "[" in p or "function-" in p)]
+    return ".".join(parts) or None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError):
+        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code, exc.headers)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError):
+        return engine_error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        if first.get("type") == "json_invalid":
+            return error_response(400, f"Invalid JSON body: {first.get('ctx', {}).get('error', 'parse error')}",
+                                  code="invalid_json")
+        msg = "; ".join(
+            f"{_param(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5]
+        )
+        return error_response(400, msg, param=_param(first.get("loc", ())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+        if exc.status_code == 404 and message == "Not Found":
+            message = f"Unknown path {request.url.path}"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("unhandled error on %s", request.url.path)
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")

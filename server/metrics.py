@@ -1,0 +1,119 @@
+"""Prometheus metrics: the only module that imports prometheus_client.
+
+Speculative-decoding counters follow the schema vLLM and llama.cpp share
+(``spec_decode_num_{drafts,draft_tokens,accepted_tokens}_total`` and
+``spec_decode_num_accepted_tokens_per_pos_total{position}``) under the ``specserve:`` prefix,
+with a ``drafter`` label. docs/metrics.md gives the PromQL.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+
+from engine import Engine, TokenEvent
+
+disable_created_metrics()  # no *_created series: they only clutter dashboards
+
+PREFIX = "specserve:"
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
+
+
+class _EngineCollector:
+    """Values read from the engine at scrape time: queue depth, running, verify cost T(k)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def collect(self):
+        g = GaugeMetricFamily(PREFIX + "num_requests_waiting", "Requests queued, not yet running.")
+        g.add_metric([], self.engine.queue_depth())
+        yield g
+        g = GaugeMetricFamily(PREFIX + "num_requests_running", "Sequences the engine is stepping.")
+        g.add_metric([], self.engine.running())
+        yield g
+        g = GaugeMetricFamily(PREFIX + "engine_ready", "1 once the model is loaded, calibrated and warm.")
+        g.add_metric([], 1.0 if self.engine.ready else 0.0)
+        yield g
+        cost = self.engine.cost
+        g = GaugeMetricFamily(PREFIX + "verify_cost_seconds",
+                              "Current verify-pass cost T(k) for k rows (start-up measure, refreshed online).",
+                              labels=["rows"])
+        if cost is not None:
+            for k, t in enumerate(cost.verify_cost, start=1):
+                g.add_metric([str(k)], t)
+        yield g
+
+
+class Metrics:
+    """Holds the registry and implements the engine's StatsSink."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(PREFIX + "requests", "HTTP requests by endpoint and status code.",
+                                ["endpoint", "status"], registry=r)
+        self.errors = Counter(PREFIX + "errors", "Error responses by OpenAI error type.",
+                              ["type"], registry=r)
+        self.finished = Counter(PREFIX + "request_success", "Finished generations by finish reason.",
+                                ["finished_reason"], registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated (emitted).", registry=r)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
+                              buckets=_TTFT_BUCKETS, registry=r)
+        self.latency = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end generation latency.",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused before running, by reason.",
+                                ["reason"], registry=r)
+        self.num_drafts = Counter(PREFIX + "spec_decode_num_drafts",
+                                  "Verify steps that carried at least one draft token.", ["drafter"], registry=r)
+        self.num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.",
+                                        ["drafter"], registry=r)
+        self.num_accepted = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Draft tokens accepted by the target.",
+                                    ["drafter"], registry=r)
+        self.accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by draft position (0-based).",
+                                        ["drafter", "position"], registry=r)
+        self.tokens_per_step = Histogram(PREFIX + "spec_decode_tokens_per_step",
+                                         "Tokens committed per target verify step (drafter=none: plain decode).",
+                                         ["drafter"], buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
+
+    def attach(self, engine: Engine) -> None:
+        self.registry.register(_EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ---- engine StatsSink --------------------------------------------------------------------
+
+    def spec_step(self, drafter: str | None, num_draft: int, num_accepted: int, num_committed: int) -> None:
+        label = drafter or "none"
+        self.tokens_per_step.labels(label).observe(num_committed)
+        if drafter is None or num_draft == 0:
+            return
+        self.num_drafts.labels(drafter).inc()
+        self.num_draft_tokens.labels(drafter).inc(num_draft)
+        self.num_accepted.labels(drafter).inc(num_accepted)
+        for pos in range(num_accepted):
+            self.accepted_per_pos.labels(drafter, str(pos)).inc()
+
+    def request_finished(self, event: TokenEvent) -> None:
+        reason = event.finish_reason.value if event.finish_reason is not None else "error"
+        self.finished.labels(reason).inc()
+        self.prompt_tokens.inc(event.prompt_tokens)
+        self.generation_tokens.inc(event.completion_tokens)
+        if event.elapsed is not None:
+            self.latency.observe(event.elapsed)
+
+    def first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def request_rejected(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()

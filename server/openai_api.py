@@ -1,0 +1,464 @@
+"""/v1/completions and /v1/chat/completions: requests to engine jobs, events to OpenAI JSON/SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from engine import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    SpeculativeParams,
+    SpecStats,
+    TokenEvent,
+    TokenLogprob,
+)
+
+from .errors import APIError, error_body
+from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+
+router = APIRouter()
+MAX_PROMPTS = 64
+
+
+@dataclass
+class Job:
+    """One choice: an engine request plus what the response needs to render it."""
+
+    index: int
+    request: GenerationRequest
+    prompt_text: str | None = None  # echo text for completions
+    events: list[TokenEvent] = field(default_factory=list)
+
+
+# ---- request translation ----------------------------------------------------------------------
+
+
+def _state(request: Request):
+    return request.app.state
+
+
+def check_model(request: Request, model: str | None) -> str:
+    served = _state(request).engine.loaded.name if _state(request).engine.loaded else None
+    if model is not None and served is not None and model.lower() != served.lower():
+        raise APIError(404, f"The model `{model}` does not exist. This server serves `{served}`.",
+                       param="model", code="model_not_found")
+    return served or (model or "")
+
+
+def sampling_params(body: SamplingFields, seed_offset: int = 0) -> SamplingParams:
+    seed = body.seed
+    if seed is not None:
+        seed = (seed + seed_offset) % (1 << 63)
+    top_k = body.top_k or 0
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(top_k, 0),
+        min_p=body.min_p or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=tuple((int(k), float(v)) for k, v in (body.logit_bias or {}).items()),
+        seed=seed,
+    )
+
+
+def speculative_params(body: SamplingFields) -> SpeculativeParams:
+    if body.speculative is None:
+        return SpeculativeParams()
+    spec = body.speculative
+    return SpeculativeParams(spec.method, spec.max_draft_tokens, spec.min_draft_tokens)
+
+
+def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int], str | None]]:
+    tokenizer = _state(request).engine.loaded.tokenizer
+    p = body.prompt
+    if isinstance(p, str):
+        items = [p]
+    elif isinstance(p[0], int):
+        items = [p]
+    else:
+        items = list(p)
+    if len(items) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((tokenizer.encode(item), item))
+        else:
+            out.append((list(item), None))
+    return out
+
+
+def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list[Job]:
+    settings = _state(request).settings
+    if body.n > settings.max_n:
+        raise APIError(400, f"n must be at most {settings.max_n}", param="n")
+    max_tokens = settings.default_max_tokens if body.max_tokens is None else body.max_tokens
+    if max_tokens == 0 and not (body.echo and body.logprobs is not None):
+        raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo and logprobs)",
+                       param="max_tokens")
+    table = _state(request).engine.loaded.token_table
+    jobs = []
+    for p_index, (tokens, text) in enumerate(_prompts(request, body)):
+        echo = (text if text is not None else table.decode(tokens)) if body.echo else None
+        for i in range(body.n):
+            req = GenerationRequest(
+                prompt_tokens=tokens,
+                max_tokens=max_tokens,
+                sampling=sampling_params(body, i),
+                stop=tuple(body.stop or ()),
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                ignore_eos=body.ignore_eos,
+                logprobs=body.logprobs,
+                prompt_logprobs=body.echo and body.logprobs is not None,
+                speculative=speculative_params(body),
+                request_id=f"{rid}-{p_index}-{i}",
+            )
+            jobs.append(Job(len(jobs), req, echo))
+    return jobs
+
+
+def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[Job]:
+    settings = _state(request).settings
+    engine = _state(request).engine
+    if body.n > settings.max_n:
+        raise APIError(400, f"n must be at most {settings.max_n}", param="n")
+    tokenizer = engine.loaded.tokenizer
+    if not getattr(tokenizer, "has_chat_template", False) and not tokenizer.chat_template:
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+    messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                for m in body.messages]
+    try:
+        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    except Exception as exc:  # template errors, e.g. roles out of order
+        raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from exc
+    tokens = list(tokens)
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, engine.loaded.context_length - len(tokens))
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    return [
+        Job(i, GenerationRequest(
+            prompt_tokens=tokens,
+            max_tokens=max_tokens,
+            sampling=sampling_params(body, i),
+            stop=tuple(body.stop or ()),
+            stop_token_ids=tuple(body.stop_token_ids or ()),
+            ignore_eos=body.ignore_eos,
+            logprobs=logprobs,
+            speculative=speculative_params(body),
+            request_id=f"{rid}-{i}",
+        ))
+        for i in range(body.n)
+    ]
+
+
+# ---- running jobs ---------------------------------------------------------------------------
+
+
+def submit_all(request: Request, jobs: list[Job]) -> list[AsyncIterator[TokenEvent]]:
+    engine = _state(request).engine
+    for job in jobs:  # validate every job before any runs
+        engine.validate(job.request)
+    streams = []
+    try:
+        for job in jobs:
+            streams.append(engine.submit(job.request))
+    except EngineError:
+        for s in streams:
+            asyncio.ensure_future(s.aclose())
+        raise
+    return streams
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def merged(request: Request, jobs: list[Job], streams) -> AsyncIterator[tuple[Job, TokenEvent]]:
+    """Events of all jobs as they come. Closing this generator cancels the unfinished jobs."""
+    queue: asyncio.Queue = asyncio.Queue()
+    metrics = _state(request).metrics
+
+    async def pump(job: Job, stream):
+        try:
+            async for event in stream:
+                if event.time_to_first_token is not None and event.token_ids:
+                    metrics.first_token(event.time_to_first_token)
+                await queue.put((job, event))
+        finally:
+            await queue.put((job, None))
+
+    tasks = [asyncio.ensure_future(pump(j, s)) for j, s in zip(jobs, streams)]
+    try:
+        remaining = len(jobs)
+        while remaining:
+            job, event = await queue.get()
+            if event is None:
+                remaining -= 1
+                continue
+            yield job, event
+    finally:
+        for task in tasks:
+            task.cancel()
+        for s in streams:
+            await s.aclose()
+
+
+async def collect(request: Request, jobs: list[Job], streams) -> None:
+    """Run jobs to the end; a client disconnect cancels them."""
+
+    async def consume():
+        async with contextlib.aclosing(merged(request, jobs, streams)) as events:
+            async for job, event in events:
+                job.events.append(event)
+
+    work = asyncio.ensure_future(consume())
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            try:
+                await work
+            except asyncio.CancelledError:
+                pass
+            raise APIError(499, "client disconnected")
+    work.result()
+
+
+# ---- rendering ----------------------------------------------------------------------------
+
+
+def first_error(jobs: list[Job]) -> EngineError | None:
+    for job in jobs:
+        for event in job.events:
+            if event.error is not None:
+                return event.error
+    return None
+
+
+def usage(jobs: list[Job]) -> dict:
+    prompts = {}
+    completion = 0
+    for job in jobs:
+        last = job.events[-1] if job.events else None
+        if last is None:
+            continue
+        prompts[job.request.request_id.rsplit("-", 1)[0]] = last.prompt_tokens
+        completion += last.completion_tokens
+    prompt = sum(prompts.values())
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def spec_summary(jobs: list[Job]) -> dict:
+    total = SpecStats()
+    for job in jobs:
+        stats = job.events[-1].stats if job.events else None
+        if stats is None:
+            continue
+        total.num_verify_steps += stats.num_verify_steps
+        for name, counts in stats.by_drafter.items():
+            for target in (total.total, total.by_drafter.setdefault(name, type(counts)())):
+                target.num_drafts += counts.num_drafts
+                target.num_draft_tokens += counts.num_draft_tokens
+                target.num_accepted_tokens += counts.num_accepted_tokens
+                pos = target.accepted_per_position
+                for i, v in enumerate(counts.accepted_per_position):
+                    if i >= len(pos):
+                        pos.append(0)
+                    pos[i] += v
+    return total.as_dict()
+
+
+def finish_reason(event: TokenEvent | None) -> str | None:
+    if event is None or event.finish_reason is None:
+        return None
+    if event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH):
+        return event.finish_reason.value
+    return "stop" if event.finish_reason is FinishReason.CANCELLED else "error"
+
+
+class LegacyLogprobs:
+    """Accumulates the completions API's ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
+
+    def __init__(self, table, offset: int = 0):
+        self.table = table
+        self.offset = offset
+
+    def render(self, items: list[TokenLogprob]) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for item in items:
+            text = self.table.token_text(item.token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(item.logprob)
+            out["top_logprobs"].append(
+                None if item.logprob is None else {self.table.token_text(t): lp for t, lp in item.top}
+            )
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+def chat_logprobs(table, items: list[TokenLogprob]) -> list[dict]:
+    def entry(token, logprob):
+        text = table.token_text(token)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return [
+        {**entry(item.token, item.logprob), "top_logprobs": [entry(t, lp) for t, lp in item.top]}
+        for item in items
+    ]
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# ---- endpoints ------------------------------------------------------------------------------
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, body: CompletionRequest):
+    model = check_model(request, body.model)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    jobs = completion_jobs(request, body, rid)
+    streams = submit_all(request, jobs)
+    created = int(time.time())
+    table = _state(request).engine.loaded.token_table
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            stream_completions(request, jobs, streams, rid, model, created, table, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    await collect(request, jobs, streams)
+    err = first_error(jobs)
+    if err is not None:
+        raise err
+    choices = []
+    for job in jobs:
+        text = "".join(e.text for e in job.events)
+        lp = None
+        if job.request.logprobs is not None:
+            items = [x for e in job.events for x in (e.prompt_logprobs or [])]
+            items += [x for e in job.events for x in (e.logprobs or [])]
+            lp = LegacyLogprobs(table).render(items)
+        if job.prompt_text is not None:
+            text = job.prompt_text + text
+        choices.append({"index": job.index, "text": text, "logprobs": lp,
+                        "finish_reason": finish_reason(job.events[-1] if job.events else None)})
+    return JSONResponse({
+        "id": rid, "object": "text_completion", "created": created, "model": model,
+        "system_fingerprint": _state(request).fingerprint,
+        "choices": choices, "usage": usage(jobs), "speculative_decoding": spec_summary(jobs),
+    })
+
+
+async def stream_completions(request, jobs, streams, rid, model, created, table, include_usage):
+    base = {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "system_fingerprint": _state(request).fingerprint}
+    logs = {job.index: LegacyLogprobs(table) for job in jobs}
+    echoed = set()
+    async with contextlib.aclosing(merged(request, jobs, streams)) as events:
+        async for job, event in events:
+            job.events.append(event)
+            if event.error is not None:
+                yield _sse(error_body(str(event.error), event.error.type, event.error.param, event.error.code))
+                continue
+            text = event.text
+            items = list(event.logprobs or [])
+            if job.index not in echoed and job.prompt_text is not None:
+                echoed.add(job.index)
+                text = job.prompt_text + text
+                items = list(event.prompt_logprobs or []) + items
+            reason = finish_reason(event)
+            if not text and not items and reason is None:
+                continue
+            lp = logs[job.index].render(items) if job.request.logprobs is not None else None
+            yield _sse({**base, "choices": [{"index": job.index, "text": text, "logprobs": lp,
+                                             "finish_reason": reason}], "usage": None})
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": usage(jobs), "speculative_decoding": spec_summary(jobs)})
+    yield _sse("[DONE]")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, body: ChatCompletionRequest):
+    model = check_model(request, body.model)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    jobs = chat_jobs(request, body, rid)
+    streams = submit_all(request, jobs)
+    created = int(time.time())
+    table = _state(request).engine.loaded.token_table
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(
+            stream_chat(request, jobs, streams, rid, model, created, table, include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+    await collect(request, jobs, streams)
+    err = first_error(jobs)
+    if err is not None:
+        raise err
+    choices = []
+    for job in jobs:
+        lp = None
+        if job.request.logprobs is not None:
+            lp = {"content": chat_logprobs(table, [x for e in job.events for x in (e.logprobs or [])])}
+        choices.append({
+            "index": job.index,
+            "message": {"role": "assistant", "content": "".join(e.text for e in job.events)},
+            "logprobs": lp,
+            "finish_reason": finish_reason(job.events[-1] if job.events else None),
+        })
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": created, "model": model,
+        "system_fingerprint": _state(request).fingerprint,
+        "choices": choices, "usage": usage(jobs), "speculative_decoding": spec_summary(jobs),
+    })
+
+
+async def stream_chat(request, jobs, streams, rid, model, created, table, include_usage):
+    base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": _state(request).fingerprint}
+    for job in jobs:
+        yield _sse({**base, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
+                                         "logprobs": None, "finish_reason": None}], "usage": None})
+    async with contextlib.aclosing(merged(request, jobs, streams)) as events:
+        async for job, event in events:
+            job.events.append(event)
+            if event.error is not None:
+                yield _sse(error_body(str(event.error), event.error.type, event.error.param, event.error.code))
+                continue
+            reason = finish_reason(event)
+            if not event.text and reason is None and not event.logprobs:
+                continue
+            lp = None
+            if job.request.logprobs is not None:
+                lp = {"content": chat_logprobs(table, event.logprobs or [])}
+            delta = {"content": event.text} if event.text else {}
+            yield _sse({**base, "choices": [{"index": job.index, "delta": delta, "logprobs": lp,
+                                             "finish_reason": reason}], "usage": None})
+    if include_usage:
+        yield _sse({**base, "choices": [], "usage": usage(jobs), "speculative_decoding": spec_summary(jobs)})
+    yield _sse("[DONE]")

@@ -1,0 +1,151 @@
+"""Every server option in one typed table.
+
+Each field is a CLI flag (``--max-queue``) and an environment variable (``SPECSERVE_MAX_QUEUE``);
+the CLI wins over the environment, which wins over the default. ``python -m server.settings``
+prints the Markdown table that docs/configuration.md holds (a test keeps the two in sync).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "SPECSERVE_"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, extra="ignore")
+
+    # --- network
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0 picks a free port).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    # --- model
+    model: str = Field(
+        "default",
+        description="`default` (SmolLM2-135M-Instruct Q4_1, fetched on first use), a `.gguf` file, "
+        "or an MLX model directory / Hugging Face repo id loadable by mlx-lm.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Model id clients send in `model` (default: derived from the model source)."
+    )
+    weights: Literal["auto", "quantized", "float32", "float16", "bfloat16"] = Field(
+        "auto",
+        description="Weight format: `auto` is float32 on the CPU backend (fast BLAS path) and the "
+        "file's quantization on a GPU.",
+    )
+    cache_dir: str | None = Field(
+        None, description="Where downloaded models live (default `~/.cache/specserve`)."
+    )
+    blas: str = Field(
+        "auto",
+        description="Linux CPU only: `auto` preloads OpenBLAS (system or cmeel-openblas), `off` "
+        "keeps MLX's bundled reference BLAS, or a path to a BLAS shared library.",
+    )
+
+    # --- speculative decoding
+    speculation: Literal["off", "prompt_lookup", "auto"] = Field(
+        "auto",
+        description="Server default drafting: `off`, `prompt_lookup`, or `auto` (the scheduler "
+        "picks per request and cycle; requests may override with `speculative.method`).",
+    )
+    prompt_lookup_min_ngram: int = Field(2, ge=1, le=16, description="Shortest n-gram prompt lookup matches.")
+    prompt_lookup_max_ngram: int = Field(5, ge=1, le=32, description="Longest n-gram prompt lookup matches.")
+    prompt_lookup_max_draft: int = Field(15, ge=1, le=64, description="Most tokens one prompt-lookup draft may propose.")
+    max_verify_rows: int = Field(
+        16, ge=1, le=64,
+        description="Widest verify pass (anchor + drafts). Start-up calibration lowers it to the "
+        "widest pass that is bit-identical to one-token decoding on this machine.",
+    )
+    exact_verify: Literal["auto", "row", "batched"] = Field(
+        "auto",
+        description="Verify attention: `batched` (one call), `row` (one call per row, exact on "
+        "BLAS backends), or `auto` (calibration picks the widest exact one).",
+    )
+
+    # --- scheduling and limits
+    prefill_step: int = Field(512, ge=16, le=8192, description="Prompt tokens per prefill chunk.")
+    max_active: int = Field(8, ge=1, le=1024, description="Sequences interleaved by the engine at once.")
+    max_queue: int = Field(256, ge=1, description="Waiting requests before new ones get HTTP 429.")
+    max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per prompt) accepted.")
+    default_max_tokens: int = Field(16, ge=1, description="`max_tokens` for /v1/completions when the request omits it (OpenAI: 16).")
+
+    def engine_config(self):
+        from engine import EngineConfig
+
+        return EngineConfig(
+            model=self.model,
+            served_model_name=self.served_model_name,
+            weights=self.weights,
+            speculation=self.speculation,
+            prompt_lookup_min_ngram=self.prompt_lookup_min_ngram,
+            prompt_lookup_max_ngram=max(self.prompt_lookup_max_ngram, self.prompt_lookup_min_ngram),
+            prompt_lookup_max_draft=self.prompt_lookup_max_draft,
+            max_verify_rows=self.max_verify_rows,
+            exact_verify=self.exact_verify,
+            prefill_step=self.prefill_step,
+            max_active=self.max_active,
+            max_queue=self.max_queue,
+        )
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _base_type(annotation):
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _base_type(args[0])
+    return annotation
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="specserve",
+        description="OpenAI-compatible MLX server with exact speculative decoding. Every flag has "
+        f"an environment twin {ENV_PREFIX}<FLAG> (the flag wins).",
+    )
+    for name, field in Settings.model_fields.items():
+        base = _base_type(field.annotation)
+        kwargs = {"default": None, "help": f"{field.description} [env {env_name(name)}; default {field.default!r}]"}
+        if typing.get_origin(base) is Literal:
+            kwargs["choices"] = list(typing.get_args(base))
+        elif base in (int, float):
+            kwargs["type"] = base
+        parser.add_argument(flag_name(name), dest=name, **kwargs)
+    return parser
+
+
+def load_settings(argv: list[str] | None = None) -> Settings:
+    """Settings from CLI flags (``argv``), then ``SPECSERVE_*`` variables, then defaults."""
+    args = build_parser().parse_args(argv)
+    given = {k: v for k, v in vars(args).items() if v is not None}
+    return Settings(**given)
+
+
+def markdown_table() -> str:
+    lines = [
+        "| Environment variable | CLI flag | Default | Description |",
+        "|---|---|---|---|",
+    ]
+    for name, field in Settings.model_fields.items():
+        default = "" if field.default is None else f"`{field.default}`"
+        lines.append(f"| `{env_name(name)}` | `{flag_name(name)}` | {default} | {field.description} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table())

@@ -1,0 +1,241 @@
+"""Engine behaviour on the tiny random model: exactness of speculation, limits, cancellation."""
+
+import random
+import threading
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import run
+from scipy import stats
+
+from engine import (
+    ContextLengthExceeded,
+    Engine,
+    EngineConfig,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+    SpeculativeParams,
+)
+
+
+def prompts(n, seed=0):
+    """Varied prompts: repetitive token patterns (prompt lookup fires) and random ones."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 3 == 0:
+            pattern = [rng.randrange(3, 259) for _ in range(rng.randint(2, 6))]
+            out.append(pattern * rng.randint(3, 8))
+        elif i % 3 == 1:
+            out.append([rng.randrange(3, 259) for _ in range(rng.randint(1, 40))])
+        else:
+            base = [rng.randrange(3, 259) for _ in range(12)]
+            out.append(base + [rng.randrange(3, 259)] + base[:7])
+    return out
+
+
+def test_calibration_found_an_exact_verify_width(tiny_engine):
+    cal = tiny_engine.calibration
+    assert cal.max_rows >= 4, cal.summary()
+    assert len(cal.verify_cost) == cal.max_rows and all(t > 0 for t in cal.verify_cost)
+
+
+def test_greedy_speculation_is_token_identical(tiny_engine):
+    accepted = 0
+    for p in prompts(45):
+        plain, plain_text, _ = run(tiny_engine, p, "off", max_tokens=48)
+        spec, spec_text, last = run(tiny_engine, p, "prompt_lookup", max_tokens=48)
+        assert spec == plain and spec_text == plain_text
+        accepted += last.stats.total.num_accepted_tokens
+    assert accepted > 50  # speculation really happened
+
+
+@pytest.mark.parametrize("temperature, extra", [(0.8, {}), (1.0, {"top_k": 20, "top_p": 0.9}),
+                                                (0.7, {"repetition_penalty": 1.2, "frequency_penalty": 0.3})])
+def test_sampled_speculation_with_fixed_seed_matches_plain_sampling(tiny_engine, temperature, extra):
+    for i, p in enumerate(prompts(9, seed=1)):
+        a, _, _ = run(tiny_engine, p, "off", max_tokens=24, temperature=temperature, seed=i, sampling_kw=extra)
+        b, _, _ = run(tiny_engine, p, "prompt_lookup", max_tokens=24, temperature=temperature, seed=i,
+                      sampling_kw=extra)
+        c, _, _ = run(tiny_engine, p, "prompt_lookup", max_tokens=24, temperature=temperature, seed=i,
+                      sampling_kw=extra)
+        assert a == b == c
+
+
+def test_max_tokens_and_context_never_exceeded_mid_block(tiny_engine):
+    p = [5, 6, 7, 8] * 10
+    for max_tokens in (1, 2, 3, 5, 8, 13):
+        ids, _, last = run(tiny_engine, p, "prompt_lookup", max_tokens=max_tokens)
+        assert len(ids) == max_tokens == last.completion_tokens
+        assert last.finish_reason is FinishReason.LENGTH
+
+
+def test_stop_string_and_stop_token_inside_accepted_block(tiny_engine):
+    p = prompts(30)[0]
+    full, full_text, _ = run(tiny_engine, p, "off", max_tokens=60)
+    spec_full, _, last = run(tiny_engine, p, "prompt_lookup", max_tokens=60)
+    assert spec_full == full and last.stats.total.num_accepted_tokens > 0
+    # a stop token id taken from the middle of the output
+    stop_id = full[len(full) // 2]
+    cut = full.index(stop_id) + 1
+    for method in ("off", "prompt_lookup"):
+        ids, _, last = run(tiny_engine, p, method, max_tokens=60, stop_token_ids=(stop_id,))
+        assert ids == full[:cut] and last.finish_reason is FinishReason.STOP
+        assert last.completion_tokens == cut
+    # a stop string spanning several tokens from the middle of the text
+    text = full_text
+    mid = len(text) // 2
+    stop = text[mid : mid + 3]
+    if stop and "\ufffd" not in stop:
+        expected = text[: text.find(stop)]
+        for method in ("off", "prompt_lookup"):
+            _, got, last = run(tiny_engine, p, method, max_tokens=60, stop=(stop,))
+            assert got == expected and last.finish_reason is FinishReason.STOP
+
+
+def test_usage_counts_emitted_tokens_only(tiny_engine):
+    p = [9, 10, 11, 12] * 6
+    full, _, _ = run(tiny_engine, p, "off", max_tokens=40)
+    stop_id = full[5]
+    ids, _, last = run(tiny_engine, p, "prompt_lookup", max_tokens=40, stop_token_ids=(stop_id,))
+    assert last.completion_tokens == len(ids) == full.index(stop_id) + 1
+    assert last.prompt_tokens == len(p)
+
+
+def test_per_request_max_draft_tokens_is_respected(tiny_engine):
+    p = [3, 4, 5, 6, 7] * 8
+    req = GenerationRequest(prompt_tokens=p, max_tokens=40, sampling=SamplingParams(temperature=0.0),
+                            speculative=SpeculativeParams("prompt_lookup", 2))
+    events = list(tiny_engine.generate(req))
+    stats = events[-1].stats
+    assert stats.total.num_drafts > 0
+    assert len(stats.total.accepted_per_position) <= 2
+
+
+def test_validation_errors(tiny_engine):
+    with pytest.raises(ContextLengthExceeded):
+        tiny_engine.validate(GenerationRequest(prompt_tokens=[5] * 100, max_tokens=5000))
+    with pytest.raises(InvalidRequestError):
+        tiny_engine.validate(GenerationRequest(prompt_tokens=[], max_tokens=5))
+    with pytest.raises(InvalidRequestError):
+        tiny_engine.validate(GenerationRequest(prompt_tokens=[999999], max_tokens=5))
+    with pytest.raises(InvalidRequestError):
+        tiny_engine.validate(GenerationRequest(prompt_tokens=[5], max_tokens=0))
+    with pytest.raises(InvalidRequestError):
+        tiny_engine.validate(GenerationRequest(prompt_tokens=[5], max_tokens=3,
+                                               speculative=SpeculativeParams("bogus")))
+
+
+def test_cancel_frees_the_request_and_others_continue(tiny_engine):
+    long_req = GenerationRequest(prompt_tokens=[5, 6, 7], max_tokens=1500,
+                                 sampling=SamplingParams(temperature=0.0), ignore_eos=True)
+    events = []
+    it = tiny_engine.generate(long_req)
+    events.append(next(it))
+    tiny_engine.cancel(long_req.request_id)
+    rest = list(it)
+    assert rest[-1].finish_reason is FinishReason.CANCELLED
+    assert sum(len(e.token_ids) for e in events + rest) < 1500
+    ids, _, _ = run(tiny_engine, [5, 6, 7], "prompt_lookup", max_tokens=10)
+    assert len(ids) == 10
+    assert tiny_engine.running() == 0
+
+
+def test_concurrent_requests_are_isolated(tiny_engine):
+    ps = prompts(8, seed=3)
+    solo = [run(tiny_engine, p, "prompt_lookup", max_tokens=30)[0] for p in ps]
+    results = [None] * len(ps)
+
+    def worker(i):
+        results[i] = run(tiny_engine, ps[i], "prompt_lookup", max_tokens=30)[0]
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(ps))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert results == solo
+
+
+def test_echo_prompt_logprobs_with_zero_max_tokens(tiny_engine):
+    req = GenerationRequest(prompt_tokens=[5, 6, 7, 8], max_tokens=0, logprobs=2, prompt_logprobs=True)
+    events = list(tiny_engine.generate(req))
+    lps = events[0].prompt_logprobs
+    assert [x.token for x in lps] == [5, 6, 7, 8] and lps[0].logprob is None
+    assert all(x.logprob is not None and x.logprob <= 0 and len(x.top) == 2 for x in lps[1:])
+    assert events[-1].completion_tokens == 0
+
+
+@pytest.mark.slow
+def test_sampled_distribution_is_preserved(tiny):
+    """The second generated token's distribution with prompt-lookup speculation equals the exact
+    target marginal sum_t1 p(t1) p(t2 | t1) (chi-square over 20k samples). A logit bias makes the
+    drafted tokens likely, so both accepted and recovered tokens occur often."""
+    eng = Engine(EngineConfig(speculation="prompt_lookup", calibration_contexts=(32,), warmup=False),
+                 loaded=tiny).start(wait=True)
+    try:
+        model = tiny.model
+
+        def raw(context):
+            return np.array(model(mx.array(context)[None])[0, -1].astype(mx.float32).tolist())
+
+        # Pattern [a b c]*4 + [a b]: when t1 = c, prompt lookup drafts `a` for t2. Biases on a and
+        # c cannot change r = p2(a)/p2(c) * p1(c)/p1(a), so pick tokens whose r is large, then
+        # biases that make t1 = c about 70% of the time and accept the draft about 40%.
+        rng = np.random.default_rng(0)
+        best = None
+        for _ in range(60):
+            a, b, c = (int(t) for t in rng.choice(np.arange(3, 259), 3, replace=False))
+            prompt = [a, b, c] * 4 + [a, b]
+            raw1, raw2 = raw(prompt), raw(prompt + [c])
+            r = raw2[a] - raw2[c] + raw1[c] - raw1[a]
+            if best is None or r > best[0]:
+                best = (r, a, b, c, prompt, raw1, raw2)
+        _, a, b, c, prompt, raw1, raw2 = best
+
+        def probs(z, ba, bc):
+            z = z.copy()
+            z[a] += ba
+            z[c] += bc
+            z = np.exp(z - z.max())
+            return z / z.sum()
+
+        grid = np.arange(0.0, 30.0, 0.25)
+        _, ba, bc = min((abs(probs(raw1, x, y)[c] - 0.7) + abs(probs(raw2, x, y)[a] - 0.4), x, y)
+                        for x in grid for y in grid)
+        bias = ((a, float(ba)), (c, float(bc)))
+        params = dict(temperature=1.0, logit_bias=bias)
+        # exact marginal of t2: one forward for every possible t1
+        logits = model(mx.array(prompt)[None])[0, -1].astype(mx.float32)
+        pipe_bias = mx.zeros((logits.shape[-1],))
+        for t, v in bias:
+            pipe_bias[t] = v
+        p1 = mx.softmax(logits + pipe_bias)
+        vocab = logits.shape[-1]
+        batch = mx.concatenate([mx.broadcast_to(mx.array(prompt), (vocab, len(prompt))),
+                                mx.arange(vocab)[:, None]], axis=1)
+        p2 = mx.softmax(model(batch)[:, -1].astype(mx.float32) + pipe_bias, axis=-1)
+        exact = np.array((p1[:, None] * p2).sum(0).tolist())
+        counts = np.zeros(vocab)
+        drafted = accepted = 0
+        n = 20_000
+        for seed in range(n):
+            req = GenerationRequest(prompt_tokens=prompt, max_tokens=3, ignore_eos=True,
+                                    sampling=SamplingParams(seed=seed, **params),
+                                    speculative=SpeculativeParams("prompt_lookup", min_draft_tokens=1))
+            events = list(eng.generate(req))
+            ids = [t for e in events for t in e.token_ids]
+            counts[ids[1]] += 1
+            drafted += events[-1].stats.total.num_draft_tokens
+            accepted += events[-1].stats.total.num_accepted_tokens
+        assert drafted > n / 4 and drafted / 20 < accepted < drafted * 0.8  # both paths exercised
+        big = exact * n >= 5
+        observed = np.append(counts[big], counts[~big].sum())
+        expected = np.append(exact[big] * n, exact[~big].sum() * n)
+        _, p_value = stats.chisquare(observed, expected * observed.sum() / expected.sum())
+        assert p_value > 1e-3, p_value
+    finally:
+        eng.stop()

@@ -1,0 +1,86 @@
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from drafters import DraftContext, PromptLookupDrafter, find_ngram_continuation
+from drafters.prompt_lookup import NgramIndex
+
+
+@pytest.mark.parametrize(
+    "tokens, min_n, max_n, k, expected",
+    [
+        # no earlier occurrence of any suffix n-gram: no draft
+        ([1, 2, 3, 4], 2, 4, 5, ([], 0)),
+        # bigram (3, 4) occurred before: copy what followed it
+        ([1, 3, 4, 9, 9, 3, 4], 2, 4, 5, ([9, 9, 3, 4, 9], 2)),
+        # the longer match wins over a more recent shorter one
+        ([7, 3, 4, 5, 8, 4, 5, 6, 3, 4, 5], 2, 4, 2, ([8, 4], 3)),
+        # tie rule: among equally long matches the most recent occurrence wins
+        ([1, 2, 10, 1, 2, 20, 1, 2], 2, 2, 1, ([20], 2)),
+        # k caps the continuation
+        ([1, 2, 3, 4, 5, 6, 1, 2], 2, 3, 3, ([3, 4, 5], 2)),
+        # a loop: the continuation repeats with the loop's period
+        ([5, 6, 5, 6, 5, 6], 2, 3, 5, ([5, 6, 5, 6, 5], 3)),
+        ([9, 7, 7, 7], 2, 2, 4, ([7, 7, 7, 7], 2)),
+        # min_n larger than any match: nothing
+        ([1, 2, 1, 2], 3, 4, 3, ([], 0)),
+    ],
+)
+def test_find_ngram_continuation_table(tokens, min_n, max_n, k, expected):
+    assert find_ngram_continuation(tokens, min_n, max_n, k) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 5), min_size=1, max_size=60),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    k=st.integers(1, 8),
+)
+def test_incremental_index_matches_reference(tokens, min_n, extra, k):
+    max_n = min_n + extra
+    index = NgramIndex(min_n, max_n)
+    for i, t in enumerate(tokens):  # grow one token at a time, checking every prefix
+        index.extend([t])
+        assert index.lookup(k) == find_ngram_continuation(tokens[: i + 1], min_n, max_n, k)
+
+
+def test_drafter_follows_growing_context_and_respects_max_len():
+    drafter = PromptLookupDrafter(min_n=2, max_n=4)
+    tokens = [1, 2, 3, 4, 5, 1, 2]
+    draft = drafter.propose(DraftContext(tokens), max_len=2)
+    assert draft.tokens == [3, 4] and draft.match_length == 2
+    tokens += [3, 4]
+    drafter.on_commit(2, DraftContext(tokens))
+    draft = drafter.propose(DraftContext(tokens), max_len=7)
+    assert draft.tokens == [5, 1, 2, 3, 4, 5, 1] and draft.match_length == 4
+    assert drafter.propose(DraftContext(tokens), max_len=0).tokens == []
+
+
+def test_drafter_resets_when_history_is_rewritten():
+    drafter = PromptLookupDrafter(2, 3)
+    drafter.propose(DraftContext([1, 2, 3, 1, 2]), 3)
+    draft = drafter.propose(DraftContext([9, 8, 9]), 3)  # a different sequence entirely
+    assert draft.tokens == [] and drafter.index.tokens == [9, 8, 9]
+
+
+def test_index_lookup_cost_does_not_grow_with_context():
+    rng = random.Random(0)
+    index = NgramIndex(2, 5)
+    index.extend([rng.randrange(50_000) for _ in range(32_000)])
+    # the index holds at most (max_n - min_n + 1) entries per position and lookup touches
+    # at most that many keys: count dictionary probes by wrapping the dict
+    probes = 0
+    original = index._last_end
+
+    class Counting(dict):
+        def get(self, key, default=None):
+            nonlocal probes
+            probes += 1
+            return original.get(key, default)
+
+    index._last_end = Counting()
+    index.lookup(8)
+    assert probes <= 4

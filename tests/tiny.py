@@ -1,0 +1,66 @@
+"""A tiny random Llama with a byte-level tokenizer, built in memory for unit tests."""
+
+from __future__ import annotations
+
+import engine  # noqa: F401  (loads OpenBLAS before mlx.core)
+import mlx.core as mx
+from mlx_lm.models import llama
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from engine.detokenizer import TokenTable, _gpt2_byte_decoder
+from engine.loader import LoadedModel, apply_weight_policy
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE with no merges: ids 0-2 are special, 3..258 are the 256 bytes."""
+    chars = sorted(_gpt2_byte_decoder().items(), key=lambda kv: kv[1])
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch, _ in chars:
+        vocab[ch] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+        unk_token="<|endoftext|>", pad_token="<|im_end|>", chat_template=CHAT_TEMPLATE,
+    )
+    tok.add_special_tokens({"additional_special_tokens": SPECIALS})
+    return tok
+
+
+def tiny_model(seed: int = 0, vocab: int = 259, layers: int = 2, hidden: int = 320, scale: float = 1.0):
+    """A 2-layer Llama (GQA: 8 query heads, 4 KV heads of 80). Matrices are at least 320 wide:
+    OpenBLAS's small-matrix kernels (used below ~64^3 multiply-adds) give row results that
+    depend on the row count, which calibration would answer with a narrow verify width."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=80, rms_norm_eps=1e-5, vocab_size=vocab,
+        rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=2048,
+    )
+    model = llama.Model(args)
+    if scale != 1.0:  # sharpen the output distribution
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * scale
+    mx.eval(model.parameters())
+    return model, args
+
+
+def tiny_loaded(seed: int = 0, weights: str = "float32", context: int = 2048, scale: float = 1.0) -> LoadedModel:
+    model, args = tiny_model(seed, scale=scale)
+    applied = apply_weight_policy(model, weights)
+    hf = byte_tokenizer()
+    wrapper = TokenizerWrapper(hf, eos_token_ids=[2])
+    config = {"model_type": "llama", "vocab_size": args.vocab_size, "max_position_embeddings": context}
+    return LoadedModel(
+        model=model, tokenizer=wrapper, config=config, name="tiny-llama", source="memory",
+        context_length=context, eos_token_ids=frozenset({2}), weights=applied,
+        token_table=TokenTable.from_tokenizer(wrapper),
+    )
