@@ -19,8 +19,8 @@ from .request import (  # noqa: E402
     GenerationRequest,
     InvalidRequestError,
     SamplingParams,
-    SpeculativeParams,
     SpecStats,
+    SpeculativeParams,
     TokenEvent,
     TokenLogprob,
 )

@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from drafters import PromptLookupDrafter
 
@@ -60,7 +60,7 @@ class EngineConfig:
     max_verify_rows: int = 16
     exact_verify: str = "auto"  # auto | row | batched
     calibration_contexts: tuple[int, ...] = (48, 1100)
-    prefill_step: int = 512
+    prefill_step: int = 2048  # mlx-lm's default, so long prompts are cached identically
     max_active: int = 8
     max_queue: int = 256
     warmup: bool = True
@@ -378,7 +378,11 @@ class Engine:
     def _step(self, handle: _Handle, seq: Sequence) -> None:
         """Advance one sequence by a prefill chunk or one speculative cycle and emit its event."""
         first = seq.num_generated == 0
-        result = prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost)
+        result = None
+        if not seq.prefilled:
+            result = prefill_step(seq)
+        if seq.prefilled and result is None:  # the first cycle may follow the last chunk at once
+            result = speculative_step(seq, self.cost)
         if result is None:
             return
         if result.verify_step is not None:

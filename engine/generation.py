@@ -172,33 +172,31 @@ def _logprob_rows(chosen_lp, top_ids, top_lp, tokens: list[int]) -> list[TokenLo
 
 
 def prefill_step(seq: Sequence) -> CommitResult | None:
-    """Feed the next prompt chunk; after the last chunk choose the first output token."""
+    """Feed the next prompt chunk into the KV cache.
+
+    The last prompt token is not prefilled: it is the first anchor, and the first output token
+    comes from the first verify pass, computed exactly as a one-token decode step would (as
+    mlx-lm's ``generate_step`` does), so prompt-lookup drafts can start on the first cycle.
+    Returns a finished result only for ``max_tokens == 0`` (prompt scoring), else None.
+    """
     runner, start = seq.runner, seq.num_prefilled
-    chunk = seq.request.prompt_tokens[start : start + runner.prefill_step]
-    logits = runner.prefill(chunk, seq.cache)
-    seq.num_prefilled += len(chunk)
-    if seq.prompt_logprobs is not None:
-        if start == 0:
-            seq.prompt_logprobs.append(TokenLogprob(chunk[0], None))
-        targets = seq.request.prompt_tokens[start + 1 : start + 1 + len(chunk)]
-        if targets:
-            rows = logits[: len(targets)].astype(mx.float32)
-            lp = raw_logprobs(rows, mx.array(targets), seq.request.logprobs or 0)
+    end = min(start + runner.prefill_step, seq.prompt_len - 1)
+    if seq.prompt_logprobs is not None and start == 0:
+        seq.prompt_logprobs.append(TokenLogprob(seq.tokens[0], None))
+    if end > start:
+        logits = runner.prefill(seq.tokens[start:end], seq.cache)
+        if seq.prompt_logprobs is not None:
+            targets = seq.tokens[start + 1 : end + 1]
+            lp = raw_logprobs(logits.astype(mx.float32), mx.array(targets), seq.request.logprobs or 0)
             mx.eval(*lp)
             seq.prompt_logprobs += _logprob_rows(*lp, targets)
-    if not seq.prefilled:
-        mx.eval(logits)
-        return None
-    if seq.request.max_tokens == 0:  # echo + logprobs scoring: prompt only
+        else:
+            mx.eval(logits)
+    seq.num_prefilled = end if end < seq.prompt_len - 1 else seq.prompt_len
+    if seq.prefilled and seq.request.max_tokens == 0:  # echo + logprobs scoring: prompt only
         seq.finish_reason = FinishReason.LENGTH
         return CommitResult([], "", None, True)
-    last = logits[-1:].astype(mx.float32)
-    processed = seq.pipeline.process(last, seq.tokens)
-    chosen = seq.pipeline.choose(processed, len(seq.tokens))
-    lp = raw_logprobs(last, chosen, seq.request.logprobs) if seq.request.logprobs is not None else ()
-    mx.eval(chosen, *lp)
-    token = chosen.item()
-    return seq.commit([token], _logprob_rows(*lp, [token]) if lp else None)
+    return None
 
 
 def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:

@@ -18,8 +18,8 @@ from engine import (
     FinishReason,
     GenerationRequest,
     SamplingParams,
-    SpeculativeParams,
     SpecStats,
+    SpeculativeParams,
     TokenEvent,
     TokenLogprob,
 )

@@ -54,7 +54,8 @@ class Settings(BaseSettings):
     speculation: Literal["off", "prompt_lookup", "auto"] = Field(
         "auto",
         description="Server default drafting: `off`, `prompt_lookup`, or `auto` (the scheduler "
-        "picks per request and cycle; requests may override with `speculative.method`).",
+        "chooses per request and cycle among the loaded drafters and plain decoding; requests may "
+        "override with `speculative.method`).",
     )
     prompt_lookup_min_ngram: int = Field(2, ge=1, le=16, description="Shortest n-gram prompt lookup matches.")
     prompt_lookup_max_ngram: int = Field(5, ge=1, le=32, description="Longest n-gram prompt lookup matches.")
@@ -71,7 +72,10 @@ class Settings(BaseSettings):
     )
 
     # --- scheduling and limits
-    prefill_step: int = Field(512, ge=16, le=8192, description="Prompt tokens per prefill chunk.")
+    prefill_step: int = Field(
+        2048, ge=16, le=16384,
+        description="Prompt tokens per prefill chunk (mlx-lm's default; other sequences step between chunks).",
+    )
     max_active: int = Field(8, ge=1, le=1024, description="Sequences interleaved by the engine at once.")
     max_queue: int = Field(256, ge=1, description="Waiting requests before new ones get HTTP 429.")
     max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per prompt) accepted.")

@@ -9,9 +9,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import engine  # noqa: E402,F401  (loads OpenBLAS before anything imports mlx.core)
 from tiny import tiny_loaded  # noqa: E402
 
+import engine  # noqa: E402,F401  (loads OpenBLAS before anything imports mlx.core)
 from engine import Engine, EngineConfig  # noqa: E402
 
 
@@ -36,3 +36,45 @@ def default_engine():
         wait=True, timeout=900)
     yield eng
     eng.stop()
+
+
+class LiveServer:
+    """uvicorn serving an app on 127.0.0.1 in a background thread."""
+
+    def __init__(self, app, eng, metrics):
+        import threading
+
+        import uvicorn
+
+        self.engine, self.metrics = eng, metrics
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        import time
+
+        deadline = time.time() + 60
+        while not self.server.started:
+            if time.time() > deadline:
+                raise RuntimeError("server did not start")
+            time.sleep(0.05)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        eng.wait_ready(300)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny):
+    from server.app import create_app
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    metrics = Metrics()
+    eng = Engine(EngineConfig(speculation="auto", calibration_contexts=(40, 300)), loaded=tiny, sink=metrics)
+    live = LiveServer(create_app(eng, Settings(max_n=4), metrics), eng, metrics)
+    yield live
+    live.stop()

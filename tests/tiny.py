@@ -1,8 +1,10 @@
-"""A tiny random Llama with a byte-level tokenizer, built in memory for unit tests."""
+"""A tiny random Llama with a byte-level tokenizer, built in memory for unit tests.
+
+conftest.py imports ``engine`` first, so OpenBLAS is loaded before ``mlx.core``.
+"""
 
 from __future__ import annotations
 
-import engine  # noqa: F401  (loads OpenBLAS before mlx.core)
 import mlx.core as mx
 from mlx_lm.models import llama
 from mlx_lm.tokenizer_utils import TokenizerWrapper

@@ -1,0 +1,39 @@
+# specserve: two commands on a fresh Linux or macOS machine.
+#   make serve   set up .venv, fetch the default model, serve it on 127.0.0.1:8000
+#   make test    set up .venv with the dev tools and run lint, layer contracts and all tests
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+UNAME := $(shell uname -s)
+EXTRAS ?= dev
+
+.PHONY: setup serve test lint unit bench clean
+
+$(VENV)/.installed-$(EXTRAS): pyproject.toml
+	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is required"'
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[$(EXTRAS)]'
+ifeq ($(UNAME),Linux)
+	@sh deploy/install-openblas.sh $(PY)
+endif
+	@touch $@
+
+setup: $(VENV)/.installed-$(EXTRAS)
+
+serve: $(VENV)/.installed-$(EXTRAS)
+	$(VENV)/bin/specserve --host 127.0.0.1 --port 8000
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check server engine drafters metal_kernels benchmarks tests
+	$(VENV)/bin/lint-imports
+
+test: $(VENV)/.installed-dev lint
+	$(PY) -m pytest -q
+
+unit: $(VENV)/.installed-dev
+	$(PY) -m pytest -q -m "not model and not slow"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

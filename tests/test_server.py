@@ -1,0 +1,244 @@
+"""The HTTP surface against the tiny model: OpenAI shapes, SSE framing, errors, disconnects, metrics."""
+
+import json
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+PROMPT = "abcabcabcabc abc"
+
+
+def post(server, path, body, **kw):
+    return httpx.post(server.url + path, json=body, timeout=120, **kw)
+
+
+def sse_events(response):
+    """Parse an SSE body strictly: every event is one `data:` line followed by a blank line."""
+    raw = response.text
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    blocks = raw.split("\n\n")
+    assert blocks[-1] == ""
+    events = []
+    for block in blocks[:-1]:
+        assert block.startswith("data: ") and "\n" not in block, block
+        payload = block[len("data: "):]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events[-1] == "[DONE]" and "[DONE]" not in events[:-1]
+    return events[:-1]
+
+
+def metric(server, name, labels=""):
+    text = httpx.get(server.url + "/metrics").text
+    pattern = re.escape(f"specserve:{name}{{{labels}}}" if labels else f"specserve:{name}") + r" ([0-9.e+-]+)"
+    m = re.search(pattern, text)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_health_ready_models(tiny_server):
+    assert httpx.get(tiny_server.url + "/health").json()["status"] == "ok"
+    assert httpx.get(tiny_server.url + "/ready").status_code == 200
+    models = httpx.get(tiny_server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "tiny-llama"
+    assert httpx.get(tiny_server.url + "/v1/models/tiny-llama").json()["id"] == "tiny-llama"
+    assert httpx.get(tiny_server.url + "/v1/models/nope").status_code == 404
+
+
+def test_completion_shape_and_usage(tiny_server):
+    r = post(tiny_server, "/v1/completions", {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 7,
+                                              "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["logprobs"] is None
+    assert body["usage"] == {"prompt_tokens": len(PROMPT.encode()), "completion_tokens": 7,
+                             "total_tokens": len(PROMPT.encode()) + 7}
+    assert body["speculative_decoding"]["num_verify_steps"] >= 1
+
+
+def test_stream_framing_and_equality_with_non_stream(tiny_server):
+    req = {"prompt": PROMPT, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+    full = post(tiny_server, "/v1/completions", req).json()
+    r = post(tiny_server, "/v1/completions", {**req, "stream": True, "stream_options": {"include_usage": True}})
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = sse_events(r)
+    ids = {e["id"] for e in events}
+    assert len(ids) == 1 and all(e["object"] == "text_completion" for e in events)
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == full["usage"]
+    assert all(e["usage"] is None for e in events[:-1])
+    assert "".join(e["choices"][0]["text"] for e in events[:-1]) == full["choices"][0]["text"]
+    assert events[-2]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["speculative_decoding"]["num_verify_steps"] >= 1
+
+
+def test_openai_sdk_both_endpoints_stream_equals_non_stream(tiny_server):
+    client = openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="unused")
+    c = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=16, temperature=0)
+    streamed = "".join(ch.choices[0].text for ch in client.completions.create(
+        model="tiny-llama", prompt=PROMPT, max_tokens=16, temperature=0, stream=True))
+    assert streamed == c.choices[0].text
+    msgs = [{"role": "user", "content": "abc abc abc"}]
+    chat = client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=16,
+                                                 temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == chat.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].usage.completion_tokens == chat.usage.completion_tokens
+
+
+@pytest.mark.parametrize("prompt, prompt_tokens", [(["ab", "cde"], 5), ([[70, 71, 72], [73, 74]], 5)])
+def test_n_and_prompt_lists(tiny_server, prompt, prompt_tokens):
+    body = {"prompt": prompt, "n": 2, "max_tokens": 4, "temperature": 0.9, "seed": 5, "ignore_eos": True}
+    r = post(tiny_server, "/v1/completions", body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert r["usage"]["prompt_tokens"] == prompt_tokens and r["usage"]["completion_tokens"] == 16
+    again = post(tiny_server, "/v1/completions", body).json()
+    assert [c["text"] for c in again["choices"]] == [c["text"] for c in r["choices"]]  # seeded
+    assert r["choices"][0]["text"] != r["choices"][1]["text"] or r["choices"][2]["text"] != r["choices"][3]["text"]
+
+
+def test_echo_and_legacy_logprobs(tiny_server):
+    r = post(tiny_server, "/v1/completions", {"prompt": "hello", "max_tokens": 3, "echo": True,
+                                              "logprobs": 2, "temperature": 0, "ignore_eos": True}).json()
+    choice = choice0 = r["choices"][0]
+    lp = choice["logprobs"]
+    assert choice["text"].startswith("hello")
+    assert len(lp["tokens"]) == 5 + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])
+    assert all(len(t) <= 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"][:5] == [0, 1, 2, 3, 4]
+    scored = post(tiny_server, "/v1/completions", {"prompt": "hello", "max_tokens": 0, "echo": True,
+                                                   "logprobs": 0}).json()
+    assert scored["choices"][0]["logprobs"]["token_logprobs"] == choice0["logprobs"]["token_logprobs"][:5]
+
+
+def test_chat_logprobs(tiny_server):
+    r = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                                   "max_tokens": 4, "logprobs": True, "top_logprobs": 3,
+                                                   "temperature": 0, "ignore_eos": True}).json()
+    content = r["choices"][0]["logprobs"]["content"]
+    assert len(content) == 4 and all(len(c["top_logprobs"]) == 3 for c in content)
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+        ({"prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": 5}, 400, "temperature"),
+        ({"prompt": 12}, 400, "prompt"),
+        ({"max_tokens": 3}, 400, "prompt"),
+        ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
+        ({"prompt": "x", "n": 99}, 400, "n"),
+        ({"prompt": "x", "logprobs": 9}, 400, "logprobs"),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
+        ({"prompt": "x", "suffix": "y"}, 400, None),
+        ({"prompt": "x", "speculative": {"method": "magic"}}, 400, "speculative.method"),
+        ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+        ({"prompt": [99999]}, 400, "prompt"),
+    ],
+)
+def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
+    r = post(tiny_server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_malformed_json_and_unknown_paths(tiny_server):
+    r = httpx.post(tiny_server.url + "/v1/completions", content=b"{not json", timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    r = httpx.get(tiny_server.url + "/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(tiny_server.url + "/v1/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_context_length_exceeded(tiny_server):
+    r = post(tiny_server, "/v1/completions", {"prompt": "x" * 100, "max_tokens": 5000})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    # and the server keeps serving
+    assert post(tiny_server, "/v1/completions", {"prompt": "ab", "max_tokens": 2}).status_code == 200
+
+
+def test_chat_errors(tiny_server):
+    r = post(tiny_server, "/v1/chat/completions", {"messages": []})
+    assert r.status_code == 400
+    r = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400
+    r = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                   "tools": [{"type": "function"}]})
+    assert r.status_code == 400 and "tool" in r.json()["error"]["message"]
+
+
+def _wait_idle(engine, timeout=10.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if engine.running() == 0 and engine.queue_depth() == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_stream_disconnect_cancels_the_request(tiny_server):
+    before = metric(tiny_server, "request_success_total", 'finished_reason="cancelled"')
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", timeout=60,
+                      json={"prompt": "a", "max_tokens": 1900, "stream": True, "ignore_eos": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # got the first chunk, now hang up
+    assert _wait_idle(tiny_server.engine)
+    assert metric(tiny_server, "request_success_total", 'finished_reason="cancelled"') == before + 1
+
+
+def test_non_stream_disconnect_cancels_the_request(tiny_server):
+    before = metric(tiny_server, "request_success_total", 'finished_reason="cancelled"')
+
+    def fire():
+        try:
+            httpx.post(tiny_server.url + "/v1/completions", timeout=0.5,
+                       json={"prompt": "a", "max_tokens": 1900, "ignore_eos": True})
+        except httpx.TimeoutException:
+            pass
+
+    t = threading.Thread(target=fire)
+    t.start()
+    t.join()
+    assert _wait_idle(tiny_server.engine)
+    assert metric(tiny_server, "request_success_total", 'finished_reason="cancelled"') == before + 1
+
+
+def test_spec_metrics_move_and_equal_response_stats(tiny_server):
+    names = ["spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+             "spec_decode_num_accepted_tokens_total"]
+    label = 'drafter="prompt_lookup"'
+    before = {n: metric(tiny_server, n, label) for n in names}
+    r = post(tiny_server, "/v1/completions", {"prompt": "xyzxyzxyzxyzxyzxyz", "max_tokens": 40,
+                                              "temperature": 0, "ignore_eos": True,
+                                              "speculative": {"method": "prompt_lookup"}}).json()
+    stats = r["speculative_decoding"]["by_drafter"]["prompt_lookup"]
+    after = {n: metric(tiny_server, n, label) for n in names}
+    assert stats["num_drafts"] > 0
+    assert after[names[0]] - before[names[0]] == stats["num_drafts"]
+    assert after[names[1]] - before[names[1]] == stats["num_draft_tokens"]
+    assert after[names[2]] - before[names[2]] == stats["num_accepted_tokens"]
+    text = httpx.get(tiny_server.url + "/metrics").text
+    assert 'specserve:spec_decode_num_accepted_tokens_per_pos_total{drafter="prompt_lookup",position="0"}' in text
+    assert "specserve:verify_cost_seconds{rows=\"1\"}" in text
+    assert "specserve:time_to_first_token_seconds_count" in text
+
+
+def test_speculation_off_per_request(tiny_server):
+    r = post(tiny_server, "/v1/completions", {"prompt": "xyzxyzxyzxyz", "max_tokens": 20, "temperature": 0,
+                                              "speculative": {"method": "off"}}).json()
+    assert r["speculative_decoding"]["num_drafts"] == 0

@@ -1,0 +1,37 @@
+import os
+import pathlib
+
+from server.settings import Settings, build_parser, load_settings, markdown_table
+
+DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
+
+
+def test_docs_list_every_setting():
+    text = DOCS.read_text()
+    assert markdown_table() in text, "docs/configuration.md is stale: paste `python -m server.settings`"
+
+
+def test_cli_wins_over_env_which_wins_over_default(monkeypatch):
+    monkeypatch.setenv("SPECSERVE_MAX_QUEUE", "77")
+    monkeypatch.setenv("SPECSERVE_SPECULATION", "off")
+    s = load_settings(["--speculation", "prompt_lookup"])
+    assert s.max_queue == 77 and s.speculation == "prompt_lookup"
+    assert load_settings([]).speculation == "off"
+    monkeypatch.delenv("SPECSERVE_MAX_QUEUE")
+    assert load_settings([]).max_queue == Settings.model_fields["max_queue"].default
+
+
+def test_every_field_has_a_flag_and_description():
+    flags = {a.dest for a in build_parser()._actions}
+    for name, field in Settings.model_fields.items():
+        assert name in flags and field.description
+
+
+def test_invalid_env_value_is_rejected(monkeypatch):
+    import pydantic
+    import pytest
+
+    monkeypatch.setenv("SPECSERVE_PORT", "not-a-port")
+    with pytest.raises(pydantic.ValidationError):
+        load_settings([])
+    assert os.environ["SPECSERVE_PORT"] == "not-a-port"
