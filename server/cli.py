@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 
@@ -35,8 +36,18 @@ def main(argv: list[str] | None = None) -> None:
     metrics = Metrics()
     engine = Engine(settings.engine_config(), sink=metrics)
     app = create_app(engine, settings, metrics)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                timeout_graceful_shutdown=10)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            super().handle_exit(sig, frame)
+            # uvicorn re-raises the signal after its graceful shutdown, which makes the exit
+            # status -15; a SIGTERM-requested shutdown that completed is a clean exit (0).
+            if sig == signal.SIGTERM and sig in self._captured_signals:
+                self._captured_signals.remove(sig)
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            timeout_graceful_shutdown=10)
+    Server(config).run()
 
 
 if __name__ == "__main__":
