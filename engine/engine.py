@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from drafters import PromptLookupDrafter
 
 from .generation import Sequence, prefill_step, speculative_step
@@ -302,6 +304,15 @@ class Engine:
         )
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            # Release this thread's MLX streams; otherwise their worker threads can still be
+            # joinable when the interpreter exits, and the C++ runtime aborts the process.
+            mx.synchronize()
+            mx.clear_streams()
+
+    def _serve(self) -> None:
         try:
             self._load()
             self._state = "ready"

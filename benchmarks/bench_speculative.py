@@ -1,0 +1,182 @@
+"""Speculative decoding benchmark: plain decoding vs drafters on workload files, side by side.
+
+Every (workload, prompt, repeat) runs each method back to back in the same process, so machine
+noise hits all methods alike; the order of methods alternates between repeats. Greedy decoding;
+outputs are checked token for token across methods (speculation must not change them).
+
+Reported per workload and method: decode tokens/s (tokens after the first over the time after
+the first token), the ratio to plain decoding, acceptance rate (accepted / drafted), mean
+acceptance length (1 + accepted / drafts, bonus included) and tokens per verify step.
+
+    python -m benchmarks.bench_speculative --repeats 3 --out benchmarks/results/spec_cpu.json \
+        --plot benchmarks/results/spec_cpu.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import engine  # noqa: F401  (OpenBLAS before mlx.core)
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
+
+WORKLOADS = Path(__file__).parent / "workloads"
+
+
+def load_workloads(names: list[str] | None) -> list[dict]:
+    files = sorted(WORKLOADS.glob("*.json"))
+    loaded = [json.loads(f.read_text()) for f in files]
+    if names:
+        by_name = {w["name"]: w for w in loaded}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise SystemExit(f"unknown workloads {missing}; have {sorted(by_name)}")
+        loaded = [by_name[n] for n in names]
+    return loaded
+
+
+def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
+    if prompt["kind"] == "chat":
+        return list(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True))
+    return tokenizer.encode(prompt["prompt"])
+
+
+def run_once(eng: Engine, tokens: list[int], method: str, max_tokens: int) -> dict:
+    req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens,
+                            sampling=SamplingParams(temperature=0.0),
+                            speculative=SpeculativeParams(method=method))
+    start = time.perf_counter()
+    first = None
+    ids = []
+    last = None
+    for event in eng.generate(req, timeout=3600):
+        if event.error is not None:
+            raise RuntimeError(event.error)
+        if event.token_ids and first is None:
+            first = time.perf_counter()
+        ids += event.token_ids
+        last = event
+    end = time.perf_counter()
+    stats = last.stats
+    return {
+        "ids": ids, "tokens": len(ids), "ttft": (first or end) - start,
+        "decode_s": end - (first or end), "total_s": end - start,
+        "verify_steps": stats.num_verify_steps if stats else 0,
+        "drafts": stats.total.num_drafts if stats else 0,
+        "drafted": stats.total.num_draft_tokens if stats else 0,
+        "accepted": stats.total.num_accepted_tokens if stats else 0,
+    }
+
+
+def summarize(rows: list[dict]) -> dict:
+    tokens = sum(r["tokens"] - 1 for r in rows)
+    decode = sum(r["decode_s"] for r in rows)
+    drafted = sum(r["drafted"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    drafts = sum(r["drafts"] for r in rows)
+    steps = sum(r["verify_steps"] for r in rows)
+    return {
+        "runs": len(rows),
+        "tokens": sum(r["tokens"] for r in rows),
+        "decode_tokens_per_s": tokens / decode if decode else 0.0,
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "tokens_per_verify_step": (tokens / steps) if steps else None,
+        "mean_ttft_s": sum(r["ttft"] for r in rows) / len(rows),
+    }
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--weights", default="auto")
+    ap.add_argument("--methods", default="off,prompt_lookup")
+    ap.add_argument("--workloads", default=None, help="comma-separated names (default: all files)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
+    ap.add_argument("--out", default=None, help="JSON results path")
+    ap.add_argument("--plot", default=None, help="PNG chart path")
+    args = ap.parse_args(argv)
+
+    methods = args.methods.split(",")
+    workloads = load_workloads(args.workloads.split(",") if args.workloads else None)
+    eng = Engine(EngineConfig(model=args.model, weights=args.weights, speculation="prompt_lookup")).start(wait=True)
+    tok = eng.loaded.tokenizer
+    import mlx.core as mx
+
+    results = {
+        "machine": {"platform": platform.platform(), "processor": platform.processor(),
+                    "device": str(mx.default_device()), "python": sys.version.split()[0],
+                    "mlx": mx.__version__, "blas": engine.BLAS.status},
+        "model": eng.info(), "methods": methods, "repeats": args.repeats, "workloads": {},
+    }
+    print(f"device={mx.default_device()} blas={engine.BLAS.status} calibration={eng.calibration.summary()}",
+          flush=True)
+    for w in workloads:  # warm-up: every prompt once per method, not measured
+        for p in w["prompts"]:
+            for m in methods:
+                run_once(eng, prompt_tokens(tok, p), m, 16)
+    for w in workloads:
+        rows = defaultdict(list)
+        identical = True
+        max_tokens = args.max_tokens or w["max_tokens"]
+        for rep in range(args.repeats):
+            order = methods if rep % 2 == 0 else methods[::-1]
+            for p in w["prompts"]:
+                tokens = prompt_tokens(tok, p)
+                outs = {}
+                for m in order:
+                    r = run_once(eng, tokens, m, max_tokens)
+                    outs[m] = r.pop("ids")
+                    rows[m].append(r)
+                identical &= all(o == outs[methods[0]] for o in outs.values())
+        summary = {m: summarize(rows[m]) for m in methods}
+        base = summary[methods[0]]["decode_tokens_per_s"]
+        for m in methods:
+            summary[m]["speedup"] = summary[m]["decode_tokens_per_s"] / base if base else None
+        results["workloads"][w["name"]] = {"description": w["description"], "identical": identical,
+                                           "methods": summary}
+        line = "  ".join(f"{m}: {s['decode_tokens_per_s']:.1f} tok/s x{s['speedup']:.2f}"
+                         + (f" acc={s['acceptance_rate']:.2f} mal={s['mean_acceptance_length']:.2f}"
+                            if s["acceptance_rate"] is not None else "")
+                         for m, s in summary.items())
+        print(f"{w['name']:12s} identical={identical}  {line}", flush=True)
+    eng.stop()
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.plot:
+        plot(results, args.plot)
+    return results
+
+
+def plot(results: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results["workloads"])
+    methods = results["methods"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.8 / len(methods)
+    for i, m in enumerate(methods):
+        values = [results["workloads"][n]["methods"][m]["speedup"] for n in names]
+        ax.bar([x + i * width for x in range(len(names))], values, width, label=m)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(names))], names)
+    ax.set_ylabel("decode tokens/s vs plain")
+    ax.set_title(f"{results['model'].get('model')} on {results['machine']['device']}")
+    ax.legend()
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
