@@ -205,29 +205,27 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
     draft = seq.propose(cost)
     rows = [seq.tokens[-1], *draft.tokens]  # the anchor, then the drafts
 
-    # 2. Verify: one target pass; row r chooses the token after anchor + draft[:r].
+    # 2. Verify: one target pass; row r decides the token after anchor + draft[:r].
     started = time.perf_counter()
     logits = seq.runner.verify(rows, seq.cache)
     processed = seq.pipeline.process(logits, seq.tokens, draft.tokens)
-    targets = seq.pipeline.choose(processed, len(seq.tokens))
+    row_tokens, passed = seq.pipeline.verify(processed, draft.tokens, draft.draft_probs, len(seq.tokens))
     want_lp = seq.request.logprobs is not None
-    lp = raw_logprobs(logits, targets, seq.request.logprobs) if want_lp else ()
-    mx.eval(targets, *lp)  # the cycle's only host sync
+    lp = raw_logprobs(logits, row_tokens, seq.request.logprobs) if want_lp else ()
+    mx.eval(row_tokens, passed, *lp)  # the cycle's only host sync
     cost.observe(len(rows), time.perf_counter() - started)
-    targets = targets.tolist()
 
-    # 3. Accept the longest prefix the target agrees with, plus its bonus/recovered token.
-    num_accepted = 0
-    while num_accepted < len(draft.tokens) and draft.tokens[num_accepted] == targets[num_accepted]:
-        num_accepted += 1
-    committed = draft.tokens[:num_accepted] + [targets[num_accepted]]
+    # 3. Accept the drafts up to the first rejection, plus the bonus/recovered token.
+    num_accepted = next((i for i, ok in enumerate(passed.tolist()) if not ok), len(draft.tokens))
+    row_tokens = row_tokens.tolist()
+    committed = draft.tokens[:num_accepted] + [row_tokens[num_accepted]]
 
     # 4. Roll back the KV cache: keep the anchor and the accepted drafts.
     seq.runner.trim(seq.cache, len(draft.tokens) - num_accepted)
 
     # 5. Statistics, then commit (cut at EOS / stop string / max_tokens).
     drafter = seq.observe(draft, num_accepted)
-    logprobs = _logprob_rows(*lp, committed) if want_lp else None
+    logprobs = _logprob_rows(*lp, row_tokens)[: num_accepted + 1] if want_lp else None
     result = seq.commit(committed, logprobs)
     result.verify_step = (drafter, len(draft.tokens), num_accepted)
     return result

@@ -37,9 +37,14 @@ _GOLDEN = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
 
 
-def position_key(seed: int, position: int) -> mx.array:
-    """The PRNG key for the token at ``position`` of a request seeded with ``seed``."""
-    return mx.random.key(((seed + 1) * _GOLDEN + position * 0xBF58476D1CE4E5B9) & _MASK64)
+def position_key(seed: int, position: int, stream: int = 0) -> mx.array:
+    """The PRNG key for the token at ``position`` of a request seeded with ``seed``.
+
+    ``stream`` separates independent uses at one position (0: the token's Gumbel noise,
+    1: the uniform of the rejection test).
+    """
+    mixed = (seed + 1) * _GOLDEN + position * 0xBF58476D1CE4E5B9 + stream * 0x94D049BB133111EB
+    return mx.random.key(mixed & _MASK64)
 
 
 class LogitsPipeline:
@@ -133,15 +138,59 @@ class LogitsPipeline:
         """
         if self.params.greedy:
             return mx.argmax(logits, axis=-1)
-        logprobs = self.filtered_logprobs(logits)
+        return mx.argmax(self.filtered_logprobs(logits) + self._gumbel(logits, first_position), axis=-1)
+
+    def _gumbel(self, logits: mx.array, first_position: int) -> mx.array:
         vocab = logits.shape[-1]
-        noise = mx.stack(
+        return mx.stack(
             [
                 mx.random.gumbel(shape=(vocab,), key=position_key(self.seed, first_position + r))
                 for r in range(logits.shape[0])
             ]
         )
-        return mx.argmax(logprobs + noise, axis=-1)
+
+    def verify(
+        self, logits: mx.array, draft: Sequence[int], draft_probs: mx.array | None, first_position: int
+    ) -> tuple[mx.array, mx.array]:
+        """Decide a verify pass: the token each row commits if reached, and which drafts pass.
+
+        Args:
+            logits: processed target logits ``[L + 1, V]``; row ``r`` follows ``draft[:r]``.
+            draft: the ``L`` draft tokens.
+            draft_probs: ``[L, V]`` float32 draft distributions q the drafts were sampled from,
+                or None for a deterministic drafter (one-hot q).
+            first_position: absolute position of row 0's token.
+        Returns:
+            ``(row_tokens [L + 1], accepted [L] bool)``, lazy. The accepted length ``n`` is the
+            first False in ``accepted`` (or ``L``); the committed tokens are
+            ``draft[:n] + [row_tokens[n]]`` and ``row_tokens[r] == draft[r]`` for ``r < n``.
+
+        Greedy requests and one-hot drafts: a draft passes iff it equals the target's choice
+        (argmax or Gumbel-max), i.e. accept with probability p(x) and recover from p without x.
+        Otherwise the rejection rule of Leviathan et al. (2023) / Chen et al. (2023): draft x_r
+        passes with probability min(1, p_r(x_r) / q_r(x_r)); the recovered token at the first
+        rejection is drawn from norm(max(0, p_r - q_r)); after a full accept the bonus token is
+        drawn from p_L. p is the processed target distribution (temperature, filters, penalties).
+        """
+        n = len(draft)
+        drafted = mx.array(list(draft), dtype=mx.uint32)
+        if draft_probs is None or self.params.greedy:
+            targets = self.choose(logits, first_position)
+            return targets, targets[:n] == drafted
+        p = self.target_probs(logits)  # [L + 1, V]
+        rows = mx.arange(n)
+        p_x = p[rows, drafted]
+        q_x = draft_probs[rows, drafted]
+        uniform = mx.stack(
+            [mx.random.uniform(key=position_key(self.seed, first_position + r, 1)) for r in range(n)]
+        ) if n else mx.zeros((0,))
+        accepted = uniform * q_x < p_x
+        residual = mx.maximum(p[:n] - draft_probs, 0.0)
+        residual = mx.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p[:n])
+        candidates = mx.concatenate([mx.log(residual), mx.log(p[n:])], axis=0)
+        row_tokens = mx.argmax(candidates + self._gumbel(logits, first_position), axis=-1)
+        row_tokens = mx.concatenate([mx.where(accepted, drafted, row_tokens[:n]), row_tokens[n:]])
+        return row_tokens, accepted
 
 
 def raw_logprobs(logits: mx.array, chosen: mx.array, top: int) -> tuple[mx.array, mx.array, mx.array]:

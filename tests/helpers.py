@@ -9,8 +9,9 @@ def run(engine, prompt_tokens, method="off", max_tokens=32, temperature=0.0, see
     """Generate one sequence; returns (token ids, text, last event)."""
     sampling = kw.pop("sampling", None) or SamplingParams(temperature=temperature, seed=seed,
                                                           **kw.pop("sampling_kw", {}))
+    speculative = kw.pop("speculative", None) or SpeculativeParams(method=method)
     req = GenerationRequest(prompt_tokens=list(prompt_tokens), max_tokens=max_tokens, sampling=sampling,
-                            speculative=SpeculativeParams(method=method), **kw)
+                            speculative=speculative, **kw)
     events = list(engine.generate(req, timeout=600))
     assert events[-1].error is None, events[-1].error
     ids = [t for e in events for t in e.token_ids]

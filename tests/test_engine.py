@@ -73,16 +73,20 @@ def test_max_tokens_and_context_never_exceeded_mid_block(tiny_engine):
         assert last.finish_reason is FinishReason.LENGTH
 
 
+FORCE = SpeculativeParams("prompt_lookup", min_draft_tokens=4)  # draft whenever lookup matches
+
+
 def test_stop_string_and_stop_token_inside_accepted_block(tiny_engine):
     p = prompts(30)[0]
     full, full_text, _ = run(tiny_engine, p, "off", max_tokens=60)
-    spec_full, _, last = run(tiny_engine, p, "prompt_lookup", max_tokens=60)
+    spec_full, _, last = run(tiny_engine, p, "prompt_lookup", max_tokens=60, speculative=FORCE)
     assert spec_full == full and last.stats.total.num_accepted_tokens > 0
     # a stop token id taken from the middle of the output
     stop_id = full[len(full) // 2]
     cut = full.index(stop_id) + 1
     for method in ("off", "prompt_lookup"):
-        ids, _, last = run(tiny_engine, p, method, max_tokens=60, stop_token_ids=(stop_id,))
+        ids, _, last = run(tiny_engine, p, method, max_tokens=60, stop_token_ids=(stop_id,),
+                           speculative=FORCE if method != "off" else SpeculativeParams("off"))
         assert ids == full[:cut] and last.finish_reason is FinishReason.STOP
         assert last.completion_tokens == cut
     # a stop string spanning several tokens from the middle of the text
@@ -92,7 +96,8 @@ def test_stop_string_and_stop_token_inside_accepted_block(tiny_engine):
     if stop and "\ufffd" not in stop:
         expected = text[: text.find(stop)]
         for method in ("off", "prompt_lookup"):
-            _, got, last = run(tiny_engine, p, method, max_tokens=60, stop=(stop,))
+            _, got, last = run(tiny_engine, p, method, max_tokens=60, stop=(stop,),
+                               speculative=FORCE if method != "off" else SpeculativeParams("off"))
             assert got == expected and last.finish_reason is FinishReason.STOP
 
 

@@ -92,3 +92,44 @@ def test_raw_logprobs_are_log_softmax_and_sorted():
         order = np.argsort(-ref[r])[:4]
         assert ids[r].tolist() == order.tolist()
         assert top[r].tolist() == sorted(top[r].tolist(), reverse=True)
+
+
+def test_rejection_rule_preserves_the_target_distribution():
+    """Drafts x ~ q, verified with min(1, p/q) and residual resampling: the committed token's
+    distribution equals p (chi-square, 20k trials), for a q quite different from p."""
+    pipe = LogitsPipeline(SamplingParams(temperature=1.0), seed=11, prompt_len=1)
+    target_logits = logits_rows(2, seed=21, scale=1.2)  # row 0 judges the draft, row 1 = bonus
+    p = np.array(pipe.target_probs(target_logits)[0].tolist())
+    q_logits = logits_rows(1, seed=22, scale=1.2)
+    q = mx.softmax(q_logits, axis=-1)
+    n = 20_000
+    counts = np.zeros(V)
+    accepted = 0
+    drafts = mx.random.categorical(mx.broadcast_to(mx.log(q), (n, V)), key=mx.random.key(5)).tolist()
+    for trial, x in enumerate(drafts):
+        row_tokens, passed = pipe.verify(target_logits, [x], q, first_position=10 * trial)
+        token = row_tokens[0].item()
+        counts[token] += 1
+        accepted += int(passed[0].item())
+        if passed[0].item():
+            assert token == x
+    expected = p * n
+    big = expected >= 5
+    observed, exp = counts[big], expected[big]
+    if (~big).any():
+        observed, exp = np.append(observed, counts[~big].sum()), np.append(exp, expected[~big].sum())
+    _, p_value = stats.chisquare(observed, exp * observed.sum() / exp.sum())
+    assert p_value > 1e-3, p_value
+    # the acceptance rate is sum_x min(p, q) (the overlap), not p(x) or 1
+    overlap = np.minimum(p, np.array(q[0].tolist())).sum()
+    assert abs(accepted / n - overlap) < 0.02
+
+
+def test_greedy_verify_ignores_draft_probs():
+    pipe = LogitsPipeline(SamplingParams(temperature=0.0), seed=0, prompt_len=1)
+    logits = logits_rows(3, seed=9)
+    best = mx.argmax(logits, axis=-1).tolist()
+    q = mx.softmax(logits_rows(2, seed=10), axis=-1)
+    row_tokens, passed = pipe.verify(logits, [best[0], (best[1] + 1) % V], q, first_position=4)
+    assert row_tokens.tolist() == [best[0], best[1], best[2]]
+    assert passed.tolist() == [True, False]

@@ -1,9 +1,9 @@
 import mlx.core as mx
 import pytest
 from mlx.utils import tree_flatten
+from tiny import tiny_model
 
 from engine.taps import Taps
-from tiny import tiny_model
 
 
 def test_taps_record_layer_outputs_without_changing_the_forward():
