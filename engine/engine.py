@@ -8,8 +8,13 @@ Threads and queues::
     async for event in stream:                   loop: one step per active sequence
         <- asyncio.Queue <- call_soon_threadsafe    (prefill chunk or speculative cycle)
     cancel(id) -> cancelled set ---------------> checked before every step
+    (deadline, abort_all) ---------------------> checked before every step
 
 Exceptions in a step become an error event for that request only; the worker keeps serving.
+Every request ends with exactly one final event (finish_reason set): finished, cancelled (client
+gone: cancel(); server shutting down: abort_all() with an error), timed out (the configured
+``request_timeout``, counted from submit), or failed. A cancel or deadline takes effect before
+the request's next step, so at most the step already running completes after it.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from .request import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
+    RequestTimeout,
     TokenEvent,
 )
 from .runner import Calibration, TargetRunner, cost_model
@@ -65,6 +71,7 @@ class EngineConfig:
     prefill_step: int = 2048  # mlx-lm's default, so long prompts are cached identically
     max_active: int = 8
     max_queue: int = 256
+    request_timeout: float | None = None  # seconds from submit to the last event; None: no limit
     warmup: bool = True
 
 
@@ -73,6 +80,7 @@ class _Handle:
     request: GenerationRequest
     emit: Callable[[TokenEvent], None]
     done: bool = False
+    deadline: float | None = None  # time.monotonic() past which the request times out
 
 
 class Engine:
@@ -100,7 +108,9 @@ class Engine:
         self._waiting: deque[_Handle] = deque()
         self._active: list[tuple[_Handle, Sequence]] = []
         self._cancelled: set[str] = set()
+        self._abort_errors: dict[str, EngineError] = {}  # cancelled with an error (shutdown)
         self._live: set[str] = set()
+        self._closed = False
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -133,6 +143,48 @@ class Engine:
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+
+    def close(self) -> None:
+        """Refuse new requests from now on (EngineUnavailable, HTTP 503); admitted ones go on."""
+        self._closed = True
+
+    def idle(self) -> bool:
+        """True when no request is queued or running (every submitted one has had its last event)."""
+        with self._lock:
+            return not self._live
+
+    def abort_all(self, error: EngineError) -> int:
+        """End every queued and running request before its next step with ``error`` as its last
+        event (finish_reason ``cancelled``). Returns how many requests were aborted."""
+        with self._lock:
+            ids = list(self._live)
+            for rid in ids:
+                self._cancelled.add(rid)
+                self._abort_errors.setdefault(rid, error)
+        if ids:
+            self._inbox.put(())  # wake the worker if it is idle
+        return len(ids)
+
+    def drain(self, timeout: float, poll: float = 0.05) -> bool:
+        """Graceful shutdown: refuse new requests, let queued and running ones finish for up to
+        ``timeout`` seconds, then abort the rest (EngineUnavailable, HTTP 503) and wait for their
+        last events. Returns True when every request finished on its own. Call from any thread
+        but the worker; :meth:`stop` afterwards."""
+        self.close()
+        deadline = time.monotonic() + max(0.0, timeout)
+        while not self.idle() and time.monotonic() < deadline and self._worker_alive():
+            time.sleep(poll)
+        if self.idle():
+            return True
+        n = self.abort_all(EngineUnavailable("the server shut down before this request finished"))
+        log.warning("shutdown deadline (%.1f s) passed: aborting %d request(s)", timeout, n)
+        end = time.monotonic() + 10.0  # one step of each active sequence
+        while not self.idle() and time.monotonic() < end and self._worker_alive():
+            time.sleep(poll)
+        return False
+
+    def _worker_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     @property
     def ready(self) -> bool:
@@ -168,6 +220,8 @@ class Engine:
 
     def validate(self, request: GenerationRequest) -> None:
         """Raise :class:`InvalidRequestError` for a request the engine cannot serve."""
+        if self._closed:
+            raise EngineUnavailable("the server is shutting down")
         if not self.ready:
             raise EngineUnavailable("the model is still loading" if not self._error else self._error)
         loaded = self.loaded
@@ -206,7 +260,8 @@ class Engine:
                 raise InvalidRequestError(f"duplicate request id {request.request_id}")
             self._queued += 1
             self._live.add(request.request_id)
-        handle = _Handle(request, emit)
+        timeout = self.config.request_timeout
+        handle = _Handle(request, emit, deadline=time.monotonic() + timeout if timeout else None)
         self._inbox.put(handle)
         return handle
 
@@ -333,7 +388,7 @@ class Engine:
             except Exception:  # a bug outside any one request: log it and keep serving
                 log.exception("engine step failed")
         for handle, seq in self._active:
-            self._finish(handle, seq, FinishReason.CANCELLED)
+            self._finish(handle, seq, FinishReason.CANCELLED, EngineUnavailable("server shutting down"))
         for handle in self._waiting:
             handle.emit(TokenEvent(handle.request.request_id, [], "", error=EngineUnavailable("server shutting down")))
 
@@ -363,13 +418,15 @@ class Engine:
     def _step_all(self) -> None:
         with self._lock:
             cancelled = set(self._cancelled)
-        if cancelled:
-            self._cancel_waiting(cancelled)
+        now = time.monotonic()
+        if cancelled or self.config.request_timeout:
+            self._end_waiting(cancelled, now)
         still = []
         for handle, seq in self._active:
             rid = handle.request.request_id
-            if rid in cancelled:
-                self._finish(handle, seq, FinishReason.CANCELLED)
+            end = self._end_reason(handle, cancelled, now)
+            if end is not None:
+                self._finish(handle, seq, *end)
                 continue
             try:
                 self._step(handle, seq)
@@ -406,31 +463,47 @@ class Engine:
         if seq.finished:
             self.sink.request_finished(event)
 
-    def _cancel_waiting(self, cancelled: set[str]) -> None:
+    def _end_reason(self, handle: _Handle, cancelled: set[str], now: float):
+        """(finish reason, error or None) when the request must end before its next step."""
+        rid = handle.request.request_id
+        if rid in cancelled:
+            with self._lock:
+                return FinishReason.CANCELLED, self._abort_errors.get(rid)
+        if handle.deadline is not None and now >= handle.deadline:
+            return FinishReason.TIMEOUT, RequestTimeout(
+                f"the request ran past the server's time limit of {self.config.request_timeout:g} s")
+        return None
+
+    def _end_waiting(self, cancelled: set[str], now: float) -> None:
         keep = deque()
         for handle in self._waiting:
-            rid = handle.request.request_id
-            if rid in cancelled:
-                with self._lock:
-                    self._queued -= 1
-                self._done(rid)
-                handle.emit(TokenEvent(rid, [], "", finish_reason=FinishReason.CANCELLED))
-            else:
+            end = self._end_reason(handle, cancelled, now)
+            if end is None:
                 keep.append(handle)
+                continue
+            rid = handle.request.request_id
+            with self._lock:
+                self._queued -= 1
+            self._done(rid)
+            event = TokenEvent(rid, [], "", finish_reason=end[0], error=end[1])
+            handle.emit(event)
+            self.sink.request_finished(event)
         self._waiting = keep
 
     def _done(self, request_id: str) -> None:
         with self._lock:
             self._live.discard(request_id)
             self._cancelled.discard(request_id)
+            self._abort_errors.pop(request_id, None)
 
-    def _finish(self, handle: _Handle, seq: Sequence, reason: FinishReason) -> None:
+    def _finish(self, handle: _Handle, seq: Sequence, reason: FinishReason,
+                error: EngineError | None = None) -> None:
         seq.finish_reason = reason
         seq.cache = None
         self._done(handle.request.request_id)
         event = TokenEvent(handle.request.request_id, [], "", finish_reason=reason,
                            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
-                           stats=seq.stats, elapsed=time.perf_counter() - seq.submitted_at)
+                           stats=seq.stats, elapsed=time.perf_counter() - seq.submitted_at, error=error)
         handle.emit(event)
         self.sink.request_finished(event)
 

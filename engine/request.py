@@ -54,16 +54,29 @@ class EngineOverloaded(EngineError):
 
 
 class EngineUnavailable(EngineError):
-    """The engine is not running (HTTP 503)."""
+    """The engine is not running, still loading, or shutting down (HTTP 503)."""
 
     status = 503
     type = "unavailable_error"
 
 
+class RequestTimeout(EngineError):
+    """The request ran past the server's time limit and was stopped (HTTP 408).
+
+    Raised for non-streaming responses; a stream gets it as its last (error) event after the
+    tokens produced in time.
+    """
+
+    status = 408
+    type = "timeout_error"
+    code = "request_timeout"
+
+
 class FinishReason(str, Enum):
     STOP = "stop"  # EOS or a stop string
     LENGTH = "length"  # max_tokens or the context window
-    CANCELLED = "cancelled"  # the client went away
+    CANCELLED = "cancelled"  # the client went away, or the server shut down
+    TIMEOUT = "timeout"  # past the request time limit
     ERROR = "error"
 
 

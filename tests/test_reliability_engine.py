@@ -1,0 +1,158 @@
+"""Engine reliability: cancels take effect within one step, timeouts, abort/drain, no leaked state."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from helpers import run
+
+from engine import (
+    Engine,
+    EngineConfig,
+    EngineUnavailable,
+    FinishReason,
+    GenerationRequest,
+    RequestTimeout,
+    SamplingParams,
+    SpeculativeParams,
+)
+
+LONG = dict(max_tokens=1900, ignore_eos=True)
+
+
+def assert_no_leaks(eng: Engine, timeout: float = 10.0) -> None:
+    """Every per-request map of the engine is empty once all requests have ended."""
+    deadline = time.monotonic() + timeout
+    while not eng.idle() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # let the worker finish the step it is in
+    with eng._lock:
+        assert not eng._live and not eng._cancelled and not eng._abort_errors and eng._queued == 0
+    assert not eng._active and not eng._waiting
+
+
+def greedy(prompt, method="auto", max_tokens=48, rid=None, **kw):
+    extra = {"request_id": rid} if rid else {}
+    return GenerationRequest(prompt_tokens=list(prompt), max_tokens=max_tokens, ignore_eos=True,
+                             sampling=SamplingParams(temperature=0.0),
+                             speculative=SpeculativeParams(method=method), **extra, **kw)
+
+
+class Recorder:
+    """An emit callback that timestamps every event (worker-thread time)."""
+
+    def __init__(self):
+        self.events, self.times, self.done = [], [], threading.Event()
+
+    def __call__(self, event):
+        self.times.append(time.monotonic())
+        self.events.append(event)
+        if event.finish_reason is not None or event.error is not None:
+            self.done.set()
+
+
+def test_cancel_takes_effect_before_the_next_step(tiny_engine):
+    for method in ("off", "prompt_lookup"):
+        rec = Recorder()
+        req = greedy([5, 6, 7, 8, 9] * 4, method=method, max_tokens=1900)
+        tiny_engine._enqueue(req, rec)
+        while sum(1 for e in rec.events if e.token_ids) < 3:
+            time.sleep(0.001)
+        cancelled_at = time.monotonic()
+        tiny_engine.cancel(req.request_id)
+        assert rec.done.wait(30)
+        after = [e for e, t in zip(rec.events, rec.times) if t > cancelled_at and e.token_ids]
+        assert len(after) <= 1, f"{len(after)} steps ran after cancel ({method})"
+        last = rec.events[-1]
+        assert last.finish_reason is FinishReason.CANCELLED and last.error is None
+        assert last.completion_tokens < 1900
+        assert_no_leaks(tiny_engine)
+
+
+def test_cancels_interleaved_with_other_requests_do_not_change_their_outputs(tiny_engine):
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 259) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
+    prompts += [[10, 11, 12, 13] * 6, list(b"def f(x):\n    return x + 1\n\ndef g(x):\n")]
+    solo = [run(tiny_engine, p, method="auto", max_tokens=48, ignore_eos=True)[0] for p in prompts]
+    assert_no_leaks(tiny_engine)
+
+    results: dict[int, list[int]] = {}
+
+    def keep(i):
+        results[i] = [t for e in tiny_engine.generate(greedy(prompts[i]), timeout=120) for t in e.token_ids]
+
+    def victim(j):  # abandon the stream after a few events: the generator's close cancels it
+        gen = tiny_engine.generate(greedy(prompts[j % len(prompts)], max_tokens=1900), timeout=120)
+        for k, _ in enumerate(gen):
+            if k >= j % 4:
+                break
+        gen.close()
+
+    threads = []
+    for i in range(len(prompts)):
+        threads.append(threading.Thread(target=keep, args=(i,)))
+        threads.append(threading.Thread(target=victim, args=(i,)))
+    rng.shuffle(threads)
+    for t in threads:
+        t.start()
+        time.sleep(rng.random() * 0.02)
+    for t in threads:
+        t.join(120)
+    assert [results[i] for i in range(len(prompts))] == solo
+    assert_no_leaks(tiny_engine)
+
+
+@pytest.fixture(scope="module")
+def timeout_engine(tiny):
+    eng = Engine(EngineConfig(speculation="auto", calibration_contexts=(40, 300), max_active=1,
+                              request_timeout=0.5), loaded=tiny).start(wait=True, timeout=300)
+    yield eng
+    eng.stop()
+
+
+def test_request_timeout_stops_running_and_queued_requests(timeout_engine):
+    running, queued = Recorder(), Recorder()
+    started = time.monotonic()
+    timeout_engine._enqueue(greedy([3, 4, 5], method="off", max_tokens=1900), running)
+    timeout_engine._enqueue(greedy([6, 7, 8], method="off", max_tokens=1900), queued)
+    assert running.done.wait(30) and queued.done.wait(30)
+    elapsed = time.monotonic() - started
+    for rec in (running, queued):
+        last = rec.events[-1]
+        assert last.finish_reason is FinishReason.TIMEOUT
+        assert isinstance(last.error, RequestTimeout) and last.error.status == 408
+    assert 0 < running.events[-1].completion_tokens < 1900
+    assert sum(len(e.token_ids) for e in running.events) == running.events[-1].completion_tokens
+    assert queued.events == [queued.events[-1]] and queued.events[-1].completion_tokens == 0
+    assert 0.5 <= elapsed < 5.0
+    assert_no_leaks(timeout_engine)
+    # a short request inside the limit is unaffected
+    ids, _, last = run(timeout_engine, [3, 4, 5], max_tokens=8, ignore_eos=True)
+    assert len(ids) == 8 and last.finish_reason is FinishReason.LENGTH
+
+
+def test_drain_finishes_short_requests_and_aborts_long_ones(tiny):
+    eng = Engine(EngineConfig(speculation="auto", calibration_contexts=(40, 300)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    try:
+        short, long_ = Recorder(), Recorder()
+        eng._enqueue(greedy([3, 4, 5], max_tokens=16), short)
+        eng._enqueue(greedy([6, 7, 8], method="off", max_tokens=1900), long_)
+        started = time.monotonic()
+        assert eng.drain(timeout=1.0) is False
+        assert time.monotonic() - started < 5.0
+        assert short.events[-1].finish_reason is FinishReason.LENGTH and short.events[-1].error is None
+        assert short.events[-1].completion_tokens == 16
+        last = long_.events[-1]
+        assert last.finish_reason is FinishReason.CANCELLED and isinstance(last.error, EngineUnavailable)
+        with pytest.raises(EngineUnavailable, match="shutting down"):
+            eng.validate(greedy([3, 4, 5]))
+        with pytest.raises(EngineUnavailable):
+            eng._enqueue(greedy([3, 4, 5]), Recorder())
+        assert_no_leaks(eng)
+        assert eng.drain(timeout=1.0) is True  # nothing left: returns at once
+    finally:
+        eng.stop()
