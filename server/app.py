@@ -14,6 +14,7 @@ from starlette.middleware.base import BaseHTTPMiddleware
 from engine import Engine
 
 from .errors import APIError, error_response, install_error_handlers
+from .guard import Guard
 from .metrics import Metrics
 from .openai_api import router as openai_router
 from .settings import Settings
@@ -37,7 +38,7 @@ class _CountRequests(BaseHTTPMiddleware):
 
 def _error_type(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-            413: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable_error"}.get(
+            408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable_error"}.get(
         status, "server_error" if status >= 500 else "invalid_request_error")
 
 
@@ -58,9 +59,13 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
     app.state.metrics = metrics
     app.state.started = int(time.time())
     app.state.fingerprint = "fp_" + hashlib.sha1(f"{settings.model}:{settings.weights}".encode()).hexdigest()[:10]
+    app.state.draining = False
     metrics.attach(engine)
     install_error_handlers(app)
-    app.add_middleware(_CountRequests)
+    app.add_middleware(Guard, state=app.state)
+    app.add_middleware(_CountRequests)  # outermost: counts the guard's refusals too
+    log.info("API key authentication %s; /metrics %s", "on" if settings.api_key else "off",
+             "protected" if settings.api_key and settings.protect_metrics else "open")
     app.include_router(openai_router)
 
     @app.get("/health")
@@ -69,7 +74,7 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
         info = engine.health()
         if info["state"] in ("error", "stopped"):
             return JSONResponse({"status": info["state"], **info}, status_code=503)
-        return {"status": "ok", **info}
+        return {"status": "ok", "draining": app.state.draining, **info}
 
     @app.get("/ready")
     async def ready():
@@ -103,3 +108,13 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
+
+
+def drain(app: FastAPI, timeout: float) -> bool:
+    """Graceful shutdown, blocking (run it off the event loop): from now on every request but
+    /health and /metrics gets 503; queued and running generations get ``timeout`` seconds to
+    finish, then the rest end with a 503 error. Returns True when none had to be cut."""
+    app.state.draining = True
+    finished = app.state.engine.drain(timeout)
+    log.info("drained: %s", "all requests finished" if finished else "unfinished requests aborted")
+    return finished

@@ -19,6 +19,7 @@ _TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
     503: "unavailable_error",
@@ -87,7 +88,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"Unknown path {request.url.path}"
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        return error_response(exc.status_code, message, code=getattr(exc, "code", None),
+                              headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):

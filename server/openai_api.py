@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +30,9 @@ from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 router = APIRouter()
 MAX_PROMPTS = 64
+# Request log lines: ids, counts and timings at DEBUG; prompt and output text only with the
+# `log_requests` setting (prompts may hold secrets or personal data).
+req_log = logging.getLogger("specserve.requests")
 
 
 @dataclass
@@ -101,17 +105,40 @@ def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int],
     return out
 
 
+def capped_max_tokens(settings, requested: int | None, default: int, param: str) -> int:
+    """``requested``, or ``default`` when omitted, under the server's ``max_tokens_limit``.
+
+    Raises APIError 400 ``max_tokens_too_large`` above the limit (explicit values are not clamped).
+    """
+    limit = settings.max_tokens_limit
+    if requested is None:
+        return min(default, limit) if limit else default
+    if limit and requested > limit:
+        raise APIError(400, f"{param} is {requested}, above this server's limit of {limit}.",
+                       param=param, code="max_tokens_too_large")
+    return requested
+
+
+def check_prompt_length(settings, tokens: list[int], param: str) -> None:
+    """Raise APIError 400 ``prompt_too_long`` past the server's ``max_prompt_tokens``."""
+    limit = settings.max_prompt_tokens
+    if limit and len(tokens) > limit:
+        raise APIError(400, f"The prompt has {len(tokens)} tokens; this server accepts at most {limit}.",
+                       param=param, code="prompt_too_long")
+
+
 def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list[Job]:
     settings = _state(request).settings
     if body.n > settings.max_n:
         raise APIError(400, f"n must be at most {settings.max_n}", param="n")
-    max_tokens = settings.default_max_tokens if body.max_tokens is None else body.max_tokens
+    max_tokens = capped_max_tokens(settings, body.max_tokens, settings.default_max_tokens, "max_tokens")
     if max_tokens == 0 and not (body.echo and body.logprobs is not None):
         raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo and logprobs)",
                        param="max_tokens")
     table = _state(request).engine.loaded.token_table
     jobs = []
     for p_index, (tokens, text) in enumerate(_prompts(request, body)):
+        check_prompt_length(settings, tokens, "prompt")
         echo = (text if text is not None else table.decode(tokens)) if body.echo else None
         for i in range(body.n):
             req = GenerationRequest(
@@ -145,9 +172,10 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
     except Exception as exc:  # template errors, e.g. roles out of order
         raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from exc
     tokens = list(tokens)
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, engine.loaded.context_length - len(tokens))
+    check_prompt_length(settings, tokens, "messages")
+    param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
+    max_tokens = capped_max_tokens(settings, body.max_completion_tokens or body.max_tokens,
+                                   max(1, engine.loaded.context_length - len(tokens)), param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return [
         Job(i, GenerationRequest(
@@ -296,6 +324,26 @@ def finish_reason(event: TokenEvent | None) -> str | None:
     return "stop" if event.finish_reason is FinishReason.CANCELLED else "error"
 
 
+def log_request(request: Request, rid: str, jobs: list[Job]) -> None:
+    """One log line per generation request; prompt and output text only with ``log_requests``."""
+    content = _state(request).settings.log_requests
+    if not req_log.isEnabledFor(logging.INFO if content else logging.DEBUG):
+        return
+    u = usage(jobs)
+    reasons = ",".join(finish_reason(job.events[-1]) or "none" if job.events else "none" for job in jobs)
+    started = getattr(request.state, "started", None)
+    elapsed = time.perf_counter() - started if started is not None else float("nan")
+    line = "%s: %d choice(s), %d prompt tokens, %d completion tokens, finish=%s, %.3f s"
+    args = [rid, len(jobs), u["prompt_tokens"], u["completion_tokens"], reasons, elapsed]
+    if not content:
+        req_log.debug(line, *args)
+        return
+    table = _state(request).engine.loaded.token_table
+    prompts = list(dict.fromkeys(table.decode(job.request.prompt_tokens) for job in jobs))
+    outputs = ["".join(e.text for e in job.events) for job in jobs]
+    req_log.info(line + " prompts=%r outputs=%r", *args, prompts, outputs)
+
+
 class LegacyLogprobs:
     """Accumulates the completions API's ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
 
@@ -328,6 +376,16 @@ def chat_logprobs(table, items: list[TokenLogprob]) -> list[dict]:
     ]
 
 
+async def _logged(request: Request, rid: str, jobs: list[Job], chunks: AsyncIterator[str]):
+    """Pass a stream's chunks through; log the request when it ends (finished or disconnected)."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        await chunks.aclose()
+        log_request(request, rid, jobs)
+
+
 def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -337,6 +395,7 @@ def _sse(payload: dict | str) -> str:
 
 @router.post("/v1/completions")
 async def completions(request: Request, body: CompletionRequest):
+    request.state.started = time.perf_counter()
     model = check_model(request, body.model)
     rid = f"cmpl-{uuid.uuid4().hex}"
     jobs = completion_jobs(request, body, rid)
@@ -346,11 +405,15 @@ async def completions(request: Request, body: CompletionRequest):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            stream_completions(request, jobs, streams, rid, model, created, table, include_usage),
+            _logged(request, rid, jobs,
+                    stream_completions(request, jobs, streams, rid, model, created, table, include_usage)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    await collect(request, jobs, streams)
+    try:
+        await collect(request, jobs, streams)
+    finally:
+        log_request(request, rid, jobs)
     err = first_error(jobs)
     if err is not None:
         raise err
@@ -403,6 +466,7 @@ async def stream_completions(request, jobs, streams, rid, model, created, table,
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request, body: ChatCompletionRequest):
+    request.state.started = time.perf_counter()
     model = check_model(request, body.model)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = chat_jobs(request, body, rid)
@@ -412,11 +476,15 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return StreamingResponse(
-            stream_chat(request, jobs, streams, rid, model, created, table, include_usage),
+            _logged(request, rid, jobs,
+                    stream_chat(request, jobs, streams, rid, model, created, table, include_usage)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    await collect(request, jobs, streams)
+    try:
+        await collect(request, jobs, streams)
+    finally:
+        log_request(request, rid, jobs)
     err = first_error(jobs)
     if err is not None:
         raise err

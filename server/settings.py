@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "SPECSERVE_"
@@ -77,9 +77,64 @@ class Settings(BaseSettings):
         description="Prompt tokens per prefill chunk (mlx-lm's default; other sequences step between chunks).",
     )
     max_active: int = Field(8, ge=1, le=1024, description="Sequences interleaved by the engine at once.")
-    max_queue: int = Field(256, ge=1, description="Waiting requests before new ones get HTTP 429.")
+    max_queue: int = Field(
+        256, ge=1,
+        description="Requests waiting for a free slot (beyond `max_active`) before new ones get HTTP 429 "
+        "`rate_limit_error` with `Retry-After`.",
+    )
     max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per prompt) accepted.")
     default_max_tokens: int = Field(16, ge=1, description="`max_tokens` for /v1/completions when the request omits it (OpenAI: 16).")
+    max_prompt_tokens: int = Field(
+        0, ge=0, description="Most tokens one prompt may have; longer ones get 400 `prompt_too_long` (0: the model's context window)."
+    )
+    max_tokens_limit: int = Field(
+        0, ge=0,
+        description="Largest `max_tokens` / `max_completion_tokens` a request may ask for: more gets 400 "
+        "`max_tokens_too_large` (not clamped); a request that omits it gets at most this (0: no limit "
+        "beyond the context window).",
+    )
+    request_timeout: float = Field(
+        600.0, ge=0,
+        description="Seconds from arrival (queue wait included) after which a generation is stopped in "
+        "the engine: 408 `timeout_error` for non-streaming requests, an error event and `[DONE]` for "
+        "streams (0: no limit).",
+    )
+    max_body_bytes: int = Field(
+        8 * 1024 * 1024, ge=1024,
+        description="Largest request body in bytes: 413 at once when Content-Length says more, and as "
+        "soon as a body without one passes the limit while it is read.",
+    )
+
+    # --- security and operations
+    api_key: SecretStr | None = Field(
+        None,
+        description="If set, requests need `Authorization: Bearer <key>` (401 `authentication_error` "
+        "otherwise) on every path but /health, /ready and (unless `protect_metrics`) /metrics. "
+        "Prefer the environment variable: command lines are visible to other local users.",
+    )
+    protect_metrics: bool = Field(
+        False, description="Require the API key on /metrics too (default off: Prometheus scrapes without "
+        "credentials, so keep /metrics on a private network)."
+    )
+    log_requests: bool = Field(
+        False,
+        description="Log every request's prompt and output text at INFO. Off (default): request log lines "
+        "(DEBUG) carry ids, token counts, finish reasons and timings, never text.",
+    )
+    shutdown_timeout: float = Field(
+        20.0, ge=0,
+        description="On SIGTERM/SIGINT: new requests get 503 while in-flight ones get this many seconds to "
+        "finish; the rest are then ended with a 503 error and the process exits 0. Keep it below the "
+        "orchestrator's kill grace period (Kubernetes: 30 s).",
+    )
+
+    @field_validator("api_key")
+    @classmethod
+    def _nonempty_key(cls, v: SecretStr | None):
+        # fail closed: an empty key from a missing variable must not silently disable auth
+        if v is not None and not v.get_secret_value().strip():
+            raise ValueError("api_key is set but empty; unset it to disable authentication")
+        return v
 
     def engine_config(self):
         from engine import EngineConfig
@@ -97,6 +152,7 @@ class Settings(BaseSettings):
             prefill_step=self.prefill_step,
             max_active=self.max_active,
             max_queue=self.max_queue,
+            request_timeout=self.request_timeout or None,
         )
 
 

@@ -78,3 +78,19 @@ def tiny_server(tiny):
     live = LiveServer(create_app(eng, Settings(max_n=4), metrics), eng, metrics)
     yield live
     live.stop()
+
+
+def tiny_live_server(tiny_model, **settings) -> LiveServer:
+    """A LiveServer on the tiny model with these server settings (engine options follow them, as
+    in `specserve`); calibration is shortened for tests."""
+    import dataclasses
+
+    from server.app import create_app
+    from server.metrics import Metrics
+    from server.settings import Settings
+
+    s = Settings(**settings)
+    metrics = Metrics()
+    cfg = dataclasses.replace(s.engine_config(), calibration_contexts=(40, 300))
+    eng = Engine(cfg, loaded=tiny_model, sink=metrics)
+    return LiveServer(create_app(eng, s, metrics), eng, metrics)

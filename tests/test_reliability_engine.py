@@ -7,7 +7,7 @@ import threading
 import time
 
 import pytest
-from helpers import run
+from helpers import assert_no_leaks, run
 
 from engine import (
     Engine,
@@ -21,17 +21,6 @@ from engine import (
 )
 
 LONG = dict(max_tokens=1900, ignore_eos=True)
-
-
-def assert_no_leaks(eng: Engine, timeout: float = 10.0) -> None:
-    """Every per-request map of the engine is empty once all requests have ended."""
-    deadline = time.monotonic() + timeout
-    while not eng.idle() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    time.sleep(0.05)  # let the worker finish the step it is in
-    with eng._lock:
-        assert not eng._live and not eng._cancelled and not eng._abort_errors and eng._queued == 0
-    assert not eng._active and not eng._waiting
 
 
 def greedy(prompt, method="auto", max_tokens=48, rid=None, **kw):
