@@ -2,6 +2,10 @@
 
 Options that must act before MLX is imported (``--blas``, ``--cache-dir``) are exported to the
 environment first; the engine package is imported only after that.
+
+Shutdown: the first SIGTERM or SIGINT drains (new requests get 503, in-flight ones get
+``shutdown_timeout`` seconds, the rest end with a 503 error), then uvicorn closes connections and
+the engine stops; a SIGTERM shutdown exits 0. A second signal skips what is left of the drain.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -28,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from engine import BLAS, Engine
 
-    from .app import create_app
+    from .app import create_app, drain
     from .metrics import Metrics
 
     log = logging.getLogger("specserve")
@@ -38,15 +43,35 @@ def main(argv: list[str] | None = None) -> None:
     app = create_app(engine, settings, metrics)
 
     class Server(uvicorn.Server):
+        draining = False
+
         def handle_exit(self, sig, frame):
-            super().handle_exit(sig, frame)
+            if not self.draining and not self.should_exit:
+                self.draining = True  # drain off the signal handler; uvicorn's exit follows
+                log.info("signal %d: draining for up to %.1f s", sig, settings.shutdown_timeout)
+                threading.Thread(target=self._drain_then_exit, args=(sig,), name="specserve-drain",
+                                 daemon=True).start()
+                return
+            self._exit(sig)
+
+        def _drain_then_exit(self, sig):
+            try:
+                drain(app, settings.shutdown_timeout)
+            except Exception:
+                log.exception("drain failed")
+            finally:
+                self._exit(sig)
+
+        def _exit(self, sig):
+            super().handle_exit(sig, None)
             # uvicorn re-raises the signal after its graceful shutdown, which makes the exit
             # status -15; a SIGTERM-requested shutdown that completed is a clean exit (0).
             if sig == signal.SIGTERM and sig in self._captured_signals:
                 self._captured_signals.remove(sig)
 
+    # after the drain only finished responses remain to be flushed
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=10)
+                            timeout_graceful_shutdown=5)
     Server(config).run()
 
 

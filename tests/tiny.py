@@ -66,3 +66,17 @@ def tiny_loaded(seed: int = 0, weights: str = "float32", context: int = 2048, sc
         context_length=context, eos_token_ids=frozenset({2}), weights=applied,
         token_table=TokenTable.from_tokenizer(wrapper),
     )
+
+
+def write_tiny_mlx_dir(out, seed: int = 0, context: int = 2048):
+    """Write the tiny model as an MLX model directory (config.json, safetensors, tokenizer), the
+    supported `--model <dir>` path, so a real `specserve` process can serve it in tests."""
+    import dataclasses
+
+    from engine.loader import save_mlx_dir
+
+    _, args = tiny_model(seed)
+    loaded = tiny_loaded(seed, context=context)
+    config = {k: v for k, v in dataclasses.asdict(args).items() if v is not None}
+    config["max_position_embeddings"] = context
+    return save_mlx_dir(dataclasses.replace(loaded, config=config), out)

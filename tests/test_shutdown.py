@@ -1,0 +1,130 @@
+"""Graceful shutdown of a real `specserve` process (tiny model written as an MLX directory)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from test_server import metric, sse_events
+from tiny import write_tiny_mlx_dir
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return write_tiny_mlx_dir(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+class Proc:
+    """`python -m server` on a free loopback port; output goes to a log file."""
+
+    def __init__(self, model_dir: Path, log: Path, *flags: str):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(self.port),
+                 "--log-level", "info", *flags], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.time() + 180
+        while True:
+            assert self.proc.poll() is None, self.output()
+            try:
+                if httpx.get(self.url + "/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not become ready:\n" + self.output()
+            time.sleep(0.2)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _wait(pred, timeout=30.0):
+    deadline = time.time() + timeout
+    while not pred():
+        assert time.time() < deadline
+        time.sleep(0.02)
+
+
+def test_sigterm_refuses_new_work_finishes_or_aborts_in_flight_and_exits_zero(model_dir, tmp_path):
+    srv = Proc(model_dir, tmp_path / "server.log", "--max-active", "1", "--shutdown-timeout", "2.5")
+    try:
+        url = srv.url + "/v1/completions"
+        results = {}
+
+        def short():  # running when SIGTERM arrives; must finish normally
+            results["short"] = httpx.post(url, timeout=60, json={
+                "prompt": "ab", "max_tokens": 400, "ignore_eos": True, "speculative": {"method": "off"}})
+
+        def long(i):  # queued behind it; must be cut at the deadline with a clear error
+            results[i] = httpx.post(url, timeout=60, json={
+                "prompt": "cd", "max_tokens": 1900, "ignore_eos": True, "stream": True,
+                "speculative": {"method": "off"}})
+
+        threads = [threading.Thread(target=short)]
+        threads[0].start()
+        _wait(lambda: metric(srv, "num_requests_running") == 1)
+        threads += [threading.Thread(target=long, args=(i,)) for i in range(2)]
+        for t in threads[1:]:
+            t.start()
+        _wait(lambda: metric(srv, "num_requests_waiting") == 2)
+        sent = time.time()
+        srv.proc.send_signal(signal.SIGTERM)
+        _wait(lambda: httpx.get(srv.url + "/health").json().get("draining") is True, 10)
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+        assert httpx.get(srv.url + "/ready").status_code == 503
+        for t in threads:
+            t.join(60)
+        code = srv.proc.wait(60)
+        elapsed = time.time() - sent
+        assert code == 0, srv.output()
+        assert 2.5 <= elapsed < 20, elapsed
+        ok = results["short"].json()
+        assert results["short"].status_code == 200 and ok["usage"]["completion_tokens"] == 400
+        for i in range(2):
+            last = sse_events(results[i])[-1]
+            assert last["error"]["type"] == "unavailable_error", last
+        assert "aborting 2 request(s)" in srv.output()
+    finally:
+        srv.kill()
+
+
+def test_sigterm_exits_as_soon_as_in_flight_work_is_done(model_dir, tmp_path):
+    srv = Proc(model_dir, tmp_path / "server.log", "--shutdown-timeout", "60")
+    try:
+        result = {}
+        t = threading.Thread(target=lambda: result.setdefault("r", httpx.post(
+            srv.url + "/v1/chat/completions", timeout=60,
+            json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "ignore_eos": True})))
+        t.start()
+        _wait(lambda: metric(srv, "num_requests_running") == 1)
+        sent = time.time()
+        srv.proc.send_signal(signal.SIGTERM)
+        t.join(60)
+        assert srv.proc.wait(60) == 0, srv.output()
+        assert time.time() - sent < 15  # far below the 60 s deadline
+        assert result["r"].status_code == 200
+        assert result["r"].json()["usage"]["completion_tokens"] == 200
+        assert "aborting" not in srv.output()
+    finally:
+        srv.kill()
