@@ -41,9 +41,17 @@ def error_body(message: str, type: str, param: str | None = None, code: str | in
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+class _ASCIIJSON(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote client input that is not valid
+    UTF-8 text (lone surrogates), and rendering the error must never fail."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode()
+
+
 def error_response(status: int, message: str, type: str | None = None, param: str | None = None,
                    code: str | None = None, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(
+    return _ASCIIJSON(
         error_body(message, type or _TYPES.get(status, "server_error"), param, code),
         status_code=status,
         headers=headers,

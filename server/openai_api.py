@@ -139,7 +139,7 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
     jobs = []
     for p_index, (tokens, text) in enumerate(_prompts(request, body)):
         check_prompt_length(settings, tokens, "prompt")
-        echo = (text if text is not None else table.decode(tokens)) if body.echo else None
+        echo = None
         for i in range(body.n):
             req = GenerationRequest(
                 prompt_tokens=tokens,
@@ -153,6 +153,9 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
                 speculative=speculative_params(body),
                 request_id=f"{rid}-{p_index}-{i}",
             )
+            if body.echo and echo is None:
+                _state(request).engine.validate(req)  # token ids in range before decoding them
+                echo = text if text is not None else table.decode(tokens)
             jobs.append(Job(len(jobs), req, echo))
     return jobs
 

@@ -7,11 +7,34 @@ that send newer fields keep working. Extensions: ``speculative``, ``top_k``, ``m
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 SpecMethod = Literal["auto", "prompt_lookup", "dspark", "off"]
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def surrogate_path(value, path: str = "") -> str | None:
+    """Where in decoded JSON a string holds a lone surrogate (JSON allows ``"\\ud800"``; such a
+    string is not Unicode text and cannot be tokenized or encoded as UTF-8), else None."""
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        here = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _SURROGATE.search(key):
+            return path or "body"
+        found = surrogate_path(item, here)
+        if found is not None:
+            return found
+    return None
 
 
 class SpeculativeOptions(BaseModel):
@@ -49,6 +72,14 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     speculative: SpeculativeOptions | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        where = surrogate_path(data)
+        if where is not None:
+            raise ValueError(f"{where}: strings must be valid Unicode (found a lone surrogate escape)")
+        return data
 
     @field_validator("stop")
     @classmethod
