@@ -9,10 +9,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from tiny import tiny_loaded  # noqa: E402
-
-import engine  # noqa: E402,F401  (loads OpenBLAS before anything imports mlx.core)
+import engine  # noqa: E402,F401,I001  (loads OpenBLAS before anything imports mlx.core: tiny does)
 from engine import Engine, EngineConfig  # noqa: E402
+from tiny import tiny_loaded  # noqa: E402
 
 
 @pytest.fixture(scope="session")
