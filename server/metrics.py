@@ -12,6 +12,7 @@ from prometheus_client import (
     CollectorRegistry,
     Counter,
     Histogram,
+    ProcessCollector,
     disable_created_metrics,
     generate_latest,
 )
@@ -58,6 +59,7 @@ class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)  # process_resident_memory_bytes etc. (Linux /proc; absent elsewhere)
         self.requests = Counter(PREFIX + "requests", "HTTP requests by endpoint and status code.",
                                 ["endpoint", "status"], registry=r)
         self.errors = Counter(PREFIX + "errors", "Error responses by OpenAI error type.",

@@ -207,9 +207,9 @@ def submit_all(request: Request, jobs: list[Job]) -> list[AsyncIterator[TokenEve
     try:
         for job in jobs:
             streams.append(engine.submit(job.request))
-    except EngineError:
-        for s in streams:
-            asyncio.ensure_future(s.aclose())
+    except EngineError:  # e.g. the queue filled up part way: withdraw the jobs already queued
+        for job in jobs[: len(streams)]:  # (their streams never started, so closing them is a no-op)
+            engine.cancel(job.request.request_id)
         raise
     return streams
 
@@ -245,10 +245,15 @@ async def merged(request: Request, jobs: list[Job], streams) -> AsyncIterator[tu
                 continue
             yield job, event
     finally:
+        # No awaits here: this runs when the client hangs up, inside a cancelled task (anyio
+        # cancels every await), and a pump may still be inside its stream (aclose() would raise
+        # "already running"). Cancelling the pumps closes their streams; engine.cancel also
+        # covers streams a pump never started. Finished requests ignore the cancel.
         for task in tasks:
             task.cancel()
-        for s in streams:
-            await s.aclose()
+        engine = _state(request).engine
+        for job in jobs:
+            engine.cancel(job.request.request_id)
 
 
 async def collect(request: Request, jobs: list[Job], streams) -> None:

@@ -96,11 +96,27 @@ def test_full_queue_gets_429_with_retry_after_and_metrics(queue_server):
     assert r.status_code == 200
 
 
+def test_request_refused_part_way_withdraws_its_queued_choices(queue_server):
+    """n=3 with one slot busy: choices 0 and 1 fill the queue, choice 2 gets 429, and 0 and 1
+    must leave the queue at once instead of running for nobody."""
+    url = queue_server.url + "/v1/completions"
+    with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as held:
+        _wait_metric(queue_server, "num_requests_running", 1)
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 5, "n": 3}, timeout=30)
+        assert_envelope(r, 429, "rate_limit_error", "queue_full")
+        _wait_metric(queue_server, "num_requests_waiting", 0, timeout=2)
+        assert len(queue_server.engine._live) == 1  # only the held stream
+        assert held.status_code == 200
+    assert_no_leaks(queue_server.engine)
+
+
 # ---- 2. cancellation --------------------------------------------------------------------------
 
 
-def test_disconnects_interleaved_with_requests_do_not_change_outputs(tiny_server):
+def test_disconnects_interleaved_with_requests_do_not_change_outputs(tiny_server, caplog):
+    caplog.set_level(logging.WARNING)
     url = tiny_server.url + "/v1/completions"
+    errors_500 = metric(tiny_server, "requests_total", 'endpoint="/v1/completions",status="500"')
     rng = random.Random(1)
     prompts = ["abcabcabc abc", "the cat sat on the mat, the cat", "xyz" * 9, "def f(x):\n    return x\n",
                "".join(chr(rng.randrange(97, 123)) for _ in range(30)), "0 1 2 3 0 1 2 3 0 1"]
@@ -142,6 +158,9 @@ def test_disconnects_interleaved_with_requests_do_not_change_outputs(tiny_server
     assert not failures, failures
     assert [out[i] for i in range(len(prompts))] == solo
     assert_no_leaks(tiny_server.engine)
+    # a hang-up is not a server error: nothing logged at ERROR, no 500 counted
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], _log_text(caplog)[:3000]
+    assert metric(tiny_server, "requests_total", 'endpoint="/v1/completions",status="500"') == errors_500
 
 
 # ---- 3. auth ---------------------------------------------------------------------------------
