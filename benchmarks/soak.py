@@ -76,7 +76,7 @@ async def one(client: httpx.AsyncClient, kind: str, rng: random.Random) -> str:
         if kind in ("stream", "drop"):
             return await _stream(client, path, body, drop=kind == "drop")
         if kind == "long":
-            body = {"prompt": (text + "\n") * 20, "max_tokens": 64, "temperature": 0}
+            body = {"prompt": (_prompt(rng, 30) + "\n") * 6, "max_tokens": 64, "temperature": 0}
             return await _stream(client, "/v1/completions", body, drop=False)
         if kind == "complete":
             body |= {"temperature": 0.8, "seed": rng.randrange(1 << 30), "n": rng.choice([1, 2])}
