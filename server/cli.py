@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> None:
     from .metrics import Metrics
 
     log = logging.getLogger("specserve")
-    log.info("BLAS: %s %s", BLAS.status, BLAS.path or BLAS.detail)
+    log.info("BLAS: %s %s %s", BLAS.status, BLAS.path or "", BLAS.detail)
     metrics = Metrics()
     engine = Engine(settings.engine_config(), sink=metrics)
     app = create_app(engine, settings, metrics)
