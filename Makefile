@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 UNAME := $(shell uname -s)
 EXTRAS ?= dev
 
-.PHONY: setup serve test lint unit bench clean
+.PHONY: setup serve test test-tools lint unit bench clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is required"'
@@ -29,7 +29,11 @@ lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check server engine drafters metal_kernels benchmarks tests
 	$(VENV)/bin/lint-imports
 
-test: $(VENV)/.installed-dev lint
+# Prometheus, promtool and Docker Compose for the deploy tests (tests/test_deploy_*.py).
+test-tools: $(VENV)/.installed-dev
+	@sh deploy/install-test-tools.sh $(VENV)
+
+test: $(VENV)/.installed-dev test-tools lint
 	$(PY) -m pytest -q
 
 unit: $(VENV)/.installed-dev
