@@ -7,6 +7,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 UNAME := $(shell uname -s)
 EXTRAS ?= dev
+# MLX backend extra on Linux: cuda where an NVIDIA driver answers, else cpu (macOS: Metal, none).
+ifeq ($(UNAME),Linux)
+BACKEND ?= $(if $(shell nvidia-smi -L 2>/dev/null),cuda,cpu)
+INSTALL_EXTRAS := $(EXTRAS),$(BACKEND)
+else
+INSTALL_EXTRAS := $(EXTRAS)
+endif
 
 .PHONY: setup serve test test-tools lint unit bench clean
 
@@ -14,7 +21,7 @@ $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is required"'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[$(EXTRAS)]'
+	$(PIP) install -q -e '.[$(INSTALL_EXTRAS)]'
 ifeq ($(UNAME),Linux)
 	@sh deploy/install-openblas.sh $(PY)
 endif
