@@ -184,7 +184,7 @@ def prefill_step(seq: Sequence) -> CommitResult | None:
     if seq.prompt_logprobs is not None and start == 0:
         seq.prompt_logprobs.append(TokenLogprob(seq.tokens[0], None))
     if end > start:
-        logits = runner.prefill(seq.tokens[start:end], seq.cache)
+        logits, _ = runner.prefill(seq.tokens[start:end], seq.cache)
         if seq.prompt_logprobs is not None:
             targets = seq.tokens[start + 1 : end + 1]
             lp = raw_logprobs(logits.astype(mx.float32), mx.array(targets), seq.request.logprobs or 0)
@@ -207,7 +207,7 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
 
     # 2. Verify: one target pass; row r decides the token after anchor + draft[:r].
     started = time.perf_counter()
-    logits = seq.runner.verify(rows, seq.cache)
+    logits, _ = seq.runner.verify(rows, seq.cache)
     processed = seq.pipeline.process(logits, seq.tokens, draft.tokens)
     row_tokens, passed = seq.pipeline.verify(processed, draft.tokens, draft.draft_probs, len(seq.tokens))
     want_lp = seq.request.logprobs is not None
