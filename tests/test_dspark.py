@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -41,7 +43,9 @@ from drafters.dspark.train import (
     evaluate_acceptance,
     latest_checkpoint,
     make_batch,
+    restore,
     train_dspark,
+    train_loop,
 )
 
 V, D = 97, 64
@@ -400,10 +404,13 @@ def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target)
     model, tok = tiny_target
     records = instruction_prompts(16, seed=0)
     arch = DraftArch(layers=1, target_layer_ids=[0, 1], block_size=4, markov_rank=16, mask_token_id=0)
-    data = DataConfig(max_new_tokens=24, temperature=1.0, gen_batch_size=16)
+    data = DataConfig(max_new_tokens=24, temperature=1.0, gen_batch_size=16, shard_size=8)
     train = TrainConfig(steps=12, batch_size=4, num_anchors=16, save_every=6, log_every=1, lr=3e-3)
-    run = train_dspark(model, tok, tmp_path / "run", arch=arch, data=data, train=train, records=records,
-                       eval_per_source=0, export_bits=None, progress=False)
+    kw = dict(arch=arch, data=data, train=train, eval_per_source=0, export_bits=None, progress=False)
+    first = train_dspark(model, tok, tmp_path / "run", records=records, time_budget_s=1e-9, **kw)
+    assert not first.completed and first.steps == 0  # out of time before the first shard
+    run = train_dspark(model, tok, tmp_path / "run", **kw)  # picks the saved prompt set up
+    assert run.completed and len(list((tmp_path / "run" / "data" / "shards").iterdir())) == 2
     log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(1, 13))
     assert np.mean([r["loss"] for r in log[-3:]]) < 0.8 * log[0]["loss"]
@@ -411,22 +418,26 @@ def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target)
     assert trained.config.target_layer_ids == [0, 1] and trained.config.num_target_layers == 3
     assert latest_checkpoint(tmp_path / "run").name == "step-0000012"
     # Drop the last checkpoint: a rerun resumes at step 6 and ends with the same weights.
-    import shutil
-
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-0000012")
-    rerun = train_dspark(model, tok, tmp_path / "run", arch=arch, data=data, train=train,
-                         eval_per_source=0, export_bits=None, progress=False)
-    assert rerun.final_metrics["step"] == 12
+    rerun = train_dspark(model, tok, tmp_path / "run", **kw)
+    assert rerun.completed and rerun.final_metrics["step"] == 12
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert steps[12:] == list(range(7, 13))
     resumed = load_dspark(rerun.drafter_dir)
     for (_, a), (_, b) in zip(tree_flatten(trained.parameters()), tree_flatten(resumed.parameters())):
         assert mx.allclose(a, b, atol=1e-6)
-    taps = TargetTaps(model, trained.config.target_layer_ids)
+    # A deadline already past: one more step, a checkpoint, then a clean stop.
+    longer = TrainConfig(**{**train.__dict__, "steps": 20})
+    net, opt, step = restore(latest_checkpoint(tmp_path / "run"), longer)
+    taps = TargetTaps(model, net.config.target_layer_ids)
+    examples = [(list(range(3, 40)), 10)]
+    _, done = train_loop(net, opt, step, taps, examples, longer, tmp_path / "run", False, time.perf_counter())
+    assert (step, done) == (12, 13) and latest_checkpoint(tmp_path / "run").name == "step-0000013"
     prompts = [tok.encode("hello there"), tok.encode("abc")]
     ev = evaluate_acceptance(taps, trained, prompts, [2], max_new_tokens=12)
     assert 1.0 <= ev["mean_acceptance_length"] <= 5.0 and len(ev["acceptance_per_position"]) == 4
-    assert ev["tokens"] >= 12 or ev["cycles"] >= 1
+    assert math.isclose(ev["mean_acceptance_length"], ev["tokens"] / ev["cycles"])
+    assert ev["tokens"] >= ev["cycles"] >= 2
 
 
 def test_prompt_sources_and_splits(tmp_path):

@@ -25,6 +25,7 @@ import hashlib
 import json
 import random
 import sysconfig
+import textwrap
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -68,9 +69,9 @@ def _snippets(path: Path, max_chars: int) -> list[str]:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             lines = (node.end_lineno or node.lineno) - node.lineno + 1
             if 4 <= lines <= 60:
-                seg = ast.get_source_segment(source, node)
+                seg = ast.get_source_segment(source, node, padded=True)
                 if seg and len(seg) <= max_chars:
-                    out.append(seg)
+                    out.append(textwrap.dedent(seg))
     return out
 
 

@@ -76,6 +76,7 @@ class DataConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     gen_batch_size: int = 128
+    shard_size: int = 2048  # prompts per resumable generation shard
     seed: int = 0
 
 
@@ -384,11 +385,13 @@ def _to_float(x) -> float | list:
 
 def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, taps: TargetTaps,
                examples: list[tuple[list[int], int]], train_cfg: TrainConfig, out_dir: Path,
-               progress: bool = True) -> list[dict]:
+               progress: bool = True, deadline: float | None = None) -> tuple[list[dict], int]:
     """Optimise ``model`` from ``start_step`` to ``train_cfg.steps``; checkpoints as it goes.
 
     Batch ``t`` is drawn with ``numpy.random.default_rng([seed, t])``, so a resumed run sees the
-    same batches as an uninterrupted one. Returns the logged metric rows.
+    same batches as an uninterrupted one. When ``deadline`` (a ``time.perf_counter()`` value)
+    passes, a checkpoint is written and the loop stops early.
+    Returns ``(logged metric rows, steps completed)``.
     """
     from tqdm import tqdm
 
@@ -425,10 +428,16 @@ def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, 
             rows.append(row)
             with open(log_path, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
-        if done % train_cfg.save_every == 0 or done == train_cfg.steps:
+        out_of_time = deadline is not None and time.perf_counter() > deadline and done < train_cfg.steps
+        if done % train_cfg.save_every == 0 or done == train_cfg.steps or out_of_time:
             save_checkpoint(out_dir, done, model, optimizer, train_cfg)
+        if out_of_time:
+            log.info("time budget reached at step %d; rerun to resume", done)
+            break
+    else:
+        done = max(start_step, train_cfg.steps)
     bar.close()
-    return rows
+    return rows, done
 
 
 def default_mask_token_id(tokenizer) -> int:
@@ -476,9 +485,10 @@ def _eval_prompts(rows: list[dict], per_source: int, seed: int) -> dict[str, lis
 @dataclass
 class RunResult:
     out_dir: str
-    drafter_dir: str
-    exported_dir: str | None
-    steps: int
+    completed: bool  # False: the time budget ran out; rerun the same command to continue
+    steps: int  # optimizer steps done so far
+    drafter_dir: str | None = None
+    exported_dir: str | None = None
     final_metrics: dict = field(default_factory=dict)
     evaluation: dict = field(default_factory=dict)
 
@@ -494,62 +504,62 @@ def _new_model(target: nn.Module, tokenizer, arch: DraftArch, seed: int) -> DSpa
     return model
 
 
-def _load_or_generate(target, tokenizer, out_dir: Path, data_cfg: DataConfig, records, progress) -> list[dict]:
+def _load_or_generate(target, tokenizer, out_dir: Path, data_cfg: DataConfig, records, progress,
+                      deadline: float | None = None) -> list[dict] | None:
+    """Generated examples, resumable: responses are written in shards of ``data_cfg.shard_size``
+    prompts (``data/shards/``) and merged into ``data/examples.jsonl`` when all exist. Returns
+    None when ``deadline`` (a ``time.perf_counter()`` value) passed before the last shard."""
     path = out_dir / "data" / "examples.jsonl"
     if path.exists():
         rows = read_jsonl(path)
         log.info("reusing %d generated examples from %s", len(rows), path)
         return rows
-    if records is None:
+    prompts_path = out_dir / "data" / "prompts.jsonl"
+    if prompts_path.exists():  # the prompt set of an interrupted run
+        records = [PromptRecord(**r) for r in read_jsonl(prompts_path)]
+    elif records is None:
         records = build_prompt_set(data_cfg.n_code, data_cfg.n_instruct, data_cfg.seed,
                                    data_cfg.humaneval, data_cfg.humaneval_path, data_cfg.eval_fraction)
-    write_jsonl(out_dir / "data" / "prompts.jsonl", records)
-    started = time.perf_counter()
-    rows = generate_examples(target, tokenizer, records, data_cfg, progress)
-    log.info("generated %d responses (%d tokens) in %.1fs", len(rows),
-             sum(len(r["response"]) for r in rows), time.perf_counter() - started)
+    if not prompts_path.exists():
+        write_jsonl(prompts_path, records)
+    train_records = [r for r in records if r.split == "train"]
+    rows, size = [], max(1, data_cfg.shard_size)
+    for i in range(0, len(train_records), size):
+        shard = out_dir / "data" / "shards" / f"shard-{i // size:05d}.jsonl"
+        if not shard.exists():
+            if deadline is not None and time.perf_counter() > deadline:
+                log.info("time budget reached during generation; rerun to continue")
+                return None
+            started = time.perf_counter()
+            part = generate_examples(target, tokenizer, train_records[i : i + size], data_cfg, progress)
+            log.info("shard %s: %d responses, %d tokens, %.1fs", shard.name, len(part),
+                     sum(len(r["response"]) for r in part), time.perf_counter() - started)
+            write_jsonl(shard, part)
+        rows += read_jsonl(shard)
+    for r in records:  # held-out prompts only need their tokens (the evaluation decodes them)
+        if r.split == "eval":
+            prompt = encode_prompt(tokenizer, r)
+            if 1 < len(prompt) <= data_cfg.max_prompt_tokens:
+                rows.append({"id": r.id, "source": r.source, "split": "eval", "prompt": prompt, "response": []})
     write_jsonl(path, rows)
     return rows
 
 
-def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: DraftArch | None = None,
-                 data: DataConfig | None = None, train: TrainConfig | None = None,
-                 records: list[PromptRecord] | None = None, eval_per_source: int = 20,
-                 eval_max_new_tokens: int = 128, export_bits: int | None = 4,
-                 export_group_size: int = 64, progress: bool = True) -> RunResult:
-    """Self-distil a DSpark drafter for ``target`` and write it in the DeepSpec layout.
-
-    Resumable: generated data (``data/examples.jsonl``) is reused, and training continues from
-    the newest ``checkpoints/step-N`` (model, AdamW state and step) when one exists.
-
-    Args:
-        target: an mlx-lm model (Llama/Qwen2/Qwen3 style), frozen.
-        tokenizer: its mlx-lm ``TokenizerWrapper`` (chat template, ``eos_token_ids``).
-        out_dir: run directory. Outputs: ``drafter/`` (float32), ``drafter-q{bits}/``
-            (quantized export), ``eval.json``, ``train_log.jsonl``, ``checkpoints/``.
-        records: prompts to use instead of :func:`build_prompt_set`.
-        eval_per_source: held-out prompts per source for the acceptance evaluation (0 = skip).
-        export_bits: bits of the shipped export (None = no export).
-    """
-    arch, data, train = arch or DraftArch(), data or DataConfig(), train or TrainConfig()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    target.freeze()
-    rows = _load_or_generate(target, tokenizer, out_dir, data, records, progress)
-    examples = _examples_for_training(rows, train.max_seq_len)
-    if not examples:
-        raise ValueError("no training examples (every prompt was held out, too long, or empty)")
+def _prepare(target, tokenizer, out_dir: Path, arch: DraftArch, data: DataConfig, train: TrainConfig):
     ckpt = latest_checkpoint(out_dir)
     if ckpt is not None:
         model, optimizer, step = restore(ckpt, train)
         log.info("resuming from %s (step %d)", ckpt, step)
-    else:
-        model, step = _new_model(target, tokenizer, arch, train.seed), 0
-        optimizer = make_optimizer(train)
-        (out_dir / "run_config.json").write_text(json.dumps(
-            {"arch": asdict(arch), "data": asdict(data), "train": asdict(train)}, indent=2))
-    taps = TargetTaps(target, model.config.target_layer_ids)
-    logged = train_loop(model, optimizer, step, taps, examples, train, out_dir, progress) if step < train.steps else []
+        return model, optimizer, step
+    model = _new_model(target, tokenizer, arch, train.seed)
+    (out_dir / "run_config.json").write_text(json.dumps(
+        {"arch": asdict(arch), "data": asdict(data), "train": asdict(train),
+         "draft_config": model.config.to_dict()}, indent=2))
+    return model, make_optimizer(train), 0
+
+
+def _finish(model, taps, tokenizer, rows, out_dir: Path, train: TrainConfig, eval_per_source: int,
+            eval_max_new_tokens: int, export_bits: int | None, export_group_size: int, progress: bool):
     drafter_dir = save_dspark(model, out_dir / "drafter")
     exported = None
     if export_bits:
@@ -557,17 +567,60 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
                                group_size=export_group_size, dtype="float16")
     evaluation = {}
     if eval_per_source > 0:
-        eos = tokenizer.eos_token_ids
-        for source, prompts in _eval_prompts(rows, eval_per_source, train.seed).items():
+        eos, sets = tokenizer.eos_token_ids, _eval_prompts(rows, eval_per_source, train.seed)
+        for source, prompts in sets.items():
             evaluation[source] = evaluate_acceptance(taps, model, prompts, eos, eval_max_new_tokens, progress)
         if exported is not None:
             small = load_dspark(exported)
-            evaluation["quantized_export"] = {
+            evaluation["quantized_export_mean_acceptance_length"] = {
                 s: evaluate_acceptance(taps, small, ps, eos, eval_max_new_tokens)["mean_acceptance_length"]
-                for s, ps in _eval_prompts(rows, eval_per_source, train.seed).items()}
+                for s, ps in sets.items()}
         (out_dir / "eval.json").write_text(json.dumps(evaluation, indent=2))
-    return RunResult(str(out_dir), str(drafter_dir), str(exported) if exported else None, train.steps,
-                     logged[-1] if logged else {}, evaluation)
+    return str(drafter_dir), (str(exported) if exported else None), evaluation
+
+
+def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: DraftArch | None = None,
+                 data: DataConfig | None = None, train: TrainConfig | None = None,
+                 records: list[PromptRecord] | None = None, eval_per_source: int = 20,
+                 eval_max_new_tokens: int = 128, export_bits: int | None = 4,
+                 export_group_size: int = 64, time_budget_s: float | None = None,
+                 progress: bool = True) -> RunResult:
+    """Self-distil a DSpark drafter for ``target`` and write it in the DeepSpec layout.
+
+    Resumable at every stage: generation shards (``data/shards/``) and the merged
+    ``data/examples.jsonl`` are reused, and training continues from the newest
+    ``checkpoints/step-N`` (weights, AdamW state, step). With ``time_budget_s`` the run stops
+    cleanly (checkpoint written, ``completed=False``) once that many seconds have passed, so a
+    long run can be split over several bounded commands: rerun the same call to continue.
+
+    Args:
+        target: an mlx-lm model (Llama/Qwen2/Qwen3 style), frozen.
+        tokenizer: its mlx-lm ``TokenizerWrapper`` (chat template, ``eos_token_ids``).
+        out_dir: run directory. Outputs: ``drafter/`` (float32), ``drafter-q{bits}/``
+            (quantized export), ``eval.json``, ``train_log.jsonl``, ``checkpoints/``.
+        records: prompts to use instead of :func:`build_prompt_set` (new runs only).
+        eval_per_source: held-out prompts per source for the acceptance evaluation (0 = skip).
+        export_bits: bits of the shipped export (None = no export).
+    """
+    arch, data, train = arch or DraftArch(), data or DataConfig(), train or TrainConfig()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    deadline = time.perf_counter() + time_budget_s if time_budget_s else None
+    target.freeze()
+    rows = _load_or_generate(target, tokenizer, out_dir, data, records, progress, deadline)
+    if rows is None:
+        return RunResult(str(out_dir), completed=False, steps=0)
+    examples = _examples_for_training(rows, train.max_seq_len)
+    if not examples:
+        raise ValueError("no training examples (every prompt was held out, too long, or empty)")
+    model, optimizer, step = _prepare(target, tokenizer, out_dir, arch, data, train)
+    taps = TargetTaps(target, model.config.target_layer_ids)
+    logged, step = train_loop(model, optimizer, step, taps, examples, train, out_dir, progress, deadline)
+    if step < train.steps:
+        return RunResult(str(out_dir), completed=False, steps=step, final_metrics=logged[-1] if logged else {})
+    drafter_dir, exported, evaluation = _finish(model, taps, tokenizer, rows, out_dir, train, eval_per_source,
+                                                eval_max_new_tokens, export_bits, export_group_size, progress)
+    return RunResult(str(out_dir), True, step, drafter_dir, exported, logged[-1] if logged else {}, evaluation)
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -616,6 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-per-source", type=int, default=20)
     g.add_argument("--eval-max-new-tokens", type=int, default=128)
     g.add_argument("--export-bits", type=int, default=4, help="0 = no quantized export")
+    g.add_argument("--time-budget", type=float, default=None,
+                   help="stop cleanly after this many seconds (checkpoint written); rerun to continue")
     g.add_argument("--no-progress", action="store_true")
     return p
 
@@ -637,6 +692,7 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
         "warmup_ratio", "weight_decay", "grad_clip")})
     result = train_dspark(model, tokenizer, args.out, arch=arch, data=data, train=train,
                           eval_per_source=args.eval_per_source, eval_max_new_tokens=args.eval_max_new_tokens,
-                          export_bits=args.export_bits or None, progress=not args.no_progress)
+                          export_bits=args.export_bits or None, time_budget_s=args.time_budget,
+                          progress=not args.no_progress)
     print(json.dumps(asdict(result), indent=2))
-    return 0
+    return 0 if result.completed else 3
