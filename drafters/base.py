@@ -16,10 +16,16 @@ class DraftContext:
             target's KV cache).
         hidden: tapped target hidden states of committed positions not yet seen by the drafter
             (DSpark only), ``[n, num_taps * hidden_size]``; None for other drafters.
+        temperature: the request's sampling temperature; 0 = greedy (drafters that sample draw
+            their drafts from their own distribution at this temperature).
+        seed: the request's PRNG seed; a sampling drafter derives its keys from
+            ``(seed, position)`` so a fixed seed gives fixed drafts.
     """
 
     tokens: Sequence[int]
     hidden: Any = None
+    temperature: float = 0.0
+    seed: int = 0
 
 
 @dataclass
