@@ -39,12 +39,17 @@ class Draft:
         confidence: per-token conditional survival estimates ``c_k`` (probability that draft k is
             accepted given drafts 1..k-1 were), or None when the drafter has none.
         match_length: for prompt lookup, the length of the matched n-gram (0 otherwise).
+        drafter: the proposing drafter's name (set by the engine's scheduler).
+        expected_accepted: the scheduler's estimate of accepted drafts, ``sum_k a_k`` over the
+            tokens kept (for calibration metrics).
     """
 
     tokens: list[int] = field(default_factory=list)
     draft_probs: Any = None
     confidence: list[float] | None = None
     match_length: int = 0
+    drafter: str | None = None
+    expected_accepted: float = 0.0
 
 
 class Drafter(Protocol):

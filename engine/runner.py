@@ -19,7 +19,6 @@ import mlx.nn as nn
 
 from . import exact_attention
 from .scheduler import CostModel
-from .taps import Taps
 
 log = logging.getLogger("specserve.runner")
 
@@ -69,24 +68,25 @@ class TargetRunner:
     def cache_length(cache: list) -> int:
         return cache[0].offset
 
-    def _forward(self, tokens: list[int], cache: list, taps: Taps | None):
+    def _forward(self, tokens: list[int], cache: list, taps):
         ids = mx.array(tokens, dtype=mx.uint32)[None]
         if taps is None:
             return self.model(ids, cache=cache)[0], None
-        with taps.recording() as store:
-            logits = self.model(ids, cache=cache)[0]
-        return logits, taps.concat(store)[0]
+        # drafters.dspark.TargetTaps runs the same modules as the model's own forward (same
+        # logits bit for bit) and keeps the tapped layers' outputs.
+        final, hidden = taps.forward(ids, cache)
+        return taps.lm_head(final)[0], hidden[0].astype(mx.float32)
 
-    def prefill(self, tokens: list[int], cache: list, taps: Taps | None = None):
+    def prefill(self, tokens: list[int], cache: list, taps=None):
         """Run ``tokens`` (a prompt chunk) through the target.
 
         Returns:
             ``(logits [n, V], hidden [n, m*d] float32 or None)``, lazy; ``hidden`` holds the tapped
-            layers' outputs when ``taps`` is given (DSpark context).
+            layers' outputs when ``taps`` (a ``drafters.dspark.TargetTaps``) is given.
         """
         return self._forward(tokens, cache, taps)
 
-    def verify(self, tokens: list[int], cache: list, taps: Taps | None = None):
+    def verify(self, tokens: list[int], cache: list, taps=None):
         """Decode (one token) or verify (anchor + drafts).
 
         Every row computes what a one-token decode step at its position computes.
