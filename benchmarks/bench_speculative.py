@@ -68,12 +68,28 @@ def run_once(eng: Engine, tokens: list[int], method: str, max_tokens: int) -> di
         "decode_s": end - (first or end), "total_s": end - start,
         "verify_steps": stats.num_verify_steps if stats else 0,
         "drafts": stats.total.num_drafts if stats else 0,
+        "by_drafter": {k: v.as_dict() for k, v in stats.by_drafter.items()} if stats else {},
         "drafted": stats.total.num_draft_tokens if stats else 0,
         "accepted": stats.total.num_accepted_tokens if stats else 0,
     }
 
 
 def summarize(rows: list[dict]) -> dict:
+    by_drafter: dict = {}
+    for r in rows:
+        for name, d in r["by_drafter"].items():
+            agg = by_drafter.setdefault(name, {"drafts": 0, "drafted": 0, "accepted": 0, "per_position": []})
+            agg["drafts"] += d["num_drafts"]
+            agg["drafted"] += d["num_draft_tokens"]
+            agg["accepted"] += d["num_accepted_tokens"]
+            pos = agg["per_position"]
+            for i, v in enumerate(d["accepted_per_position"]):
+                pos += [0] * (i + 1 - len(pos))
+                pos[i] += v
+    for agg in by_drafter.values():
+        agg["acceptance_rate"] = agg["accepted"] / agg["drafted"] if agg["drafted"] else None
+        agg["mean_acceptance_length"] = 1 + agg["accepted"] / agg["drafts"] if agg["drafts"] else None
+        agg["acceptance_per_position"] = [v / agg["drafts"] for v in agg["per_position"]] if agg["drafts"] else []
     tokens = sum(r["tokens"] - 1 for r in rows)
     decode = sum(r["decode_s"] for r in rows)
     drafted = sum(r["drafted"] for r in rows)
@@ -88,6 +104,7 @@ def summarize(rows: list[dict]) -> dict:
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "tokens_per_verify_step": (tokens / steps) if steps else None,
         "mean_ttft_s": sum(r["ttft"] for r in rows) / len(rows),
+        "by_drafter": by_drafter,
     }
 
 
@@ -95,7 +112,11 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--weights", default="auto")
-    ap.add_argument("--methods", default="off,prompt_lookup")
+    ap.add_argument("--methods", default="off,prompt_lookup",
+                    help="comma-separated: off, prompt_lookup, dspark, auto (off first: the baseline)")
+    ap.add_argument("--dspark-drafter", default=None,
+                    help="DSpark drafter directory (loads DSpark; default: the shipped one, if any)")
+    ap.add_argument("--dspark", action="store_true", help="load the shipped DSpark drafter")
     ap.add_argument("--workloads", default=None, help="comma-separated names (default: all files)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
@@ -105,7 +126,9 @@ def main(argv=None) -> dict:
 
     methods = args.methods.split(",")
     workloads = load_workloads(args.workloads.split(",") if args.workloads else None)
-    eng = Engine(EngineConfig(model=args.model, weights=args.weights, speculation="prompt_lookup")).start(wait=True)
+    use_dspark = bool(args.dspark or args.dspark_drafter or {"dspark", "auto"} & set(methods))
+    eng = Engine(EngineConfig(model=args.model, weights=args.weights, speculation="auto", dspark=use_dspark,
+                              dspark_drafter=args.dspark_drafter)).start(wait=True)
     tok = eng.loaded.tokenizer
     import mlx.core as mx
 
