@@ -41,6 +41,8 @@ def load_workloads(names: list[str] | None) -> list[dict]:
 
 
 def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
+    if prompt["kind"] == "session":
+        raise ValueError("sessions run turn by turn (run_session)")
     if prompt["kind"] == "chat":
         return list(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True))
     return tokenizer.encode(prompt["prompt"])
@@ -72,6 +74,24 @@ def run_once(eng: Engine, tokens: list[int], method: str, max_tokens: int) -> di
         "drafted": stats.total.num_draft_tokens if stats else 0,
         "accepted": stats.total.num_accepted_tokens if stats else 0,
     }
+
+
+def run_prompt(eng: Engine, tok, prompt: dict, method: str, max_tokens: int) -> tuple[list[int], list[dict]]:
+    """One prompt (or every turn of a session, with the assistant's replies appended to the
+    history) under one method. Returns all generated ids and one measurement row per turn."""
+    if prompt["kind"] != "session":
+        r = run_once(eng, prompt_tokens(tok, prompt), method, max_tokens)
+        return r.pop("ids"), [r]
+    messages, ids, rows = [], [], []
+    for turn in prompt["turns"]:
+        messages.append({"role": "user", "content": turn})
+        tokens = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+        r = run_once(eng, tokens, method, max_tokens)
+        reply = r.pop("ids")
+        ids += reply
+        rows.append(r)
+        messages.append({"role": "assistant", "content": eng.loaded.token_table.decode(reply)})
+    return ids, rows
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -143,7 +163,7 @@ def main(argv=None) -> dict:
     for w in workloads:  # warm-up: every prompt once per method, not measured
         for p in w["prompts"]:
             for m in methods:
-                run_once(eng, prompt_tokens(tok, p), m, 16)
+                run_prompt(eng, tok, p, m, 16)
     for w in workloads:
         rows = defaultdict(list)
         identical = True
@@ -151,12 +171,10 @@ def main(argv=None) -> dict:
         for rep in range(args.repeats):
             order = methods if rep % 2 == 0 else methods[::-1]
             for p in w["prompts"]:
-                tokens = prompt_tokens(tok, p)
                 outs = {}
                 for m in order:
-                    r = run_once(eng, tokens, m, max_tokens)
-                    outs[m] = r.pop("ids")
-                    rows[m].append(r)
+                    outs[m], measured = run_prompt(eng, tok, p, m, max_tokens)
+                    rows[m] += measured
                 identical &= all(o == outs[methods[0]] for o in outs.values())
         summary = {m: summarize(rows[m]) for m in methods}
         base = summary[methods[0]]["decode_tokens_per_s"]
