@@ -7,14 +7,21 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 UNAME := $(shell uname -s)
 EXTRAS ?= dev
+# MLX backend extra on Linux: cuda where an NVIDIA driver answers, else cpu (macOS: Metal, none).
+ifeq ($(UNAME),Linux)
+BACKEND ?= $(if $(shell nvidia-smi -L 2>/dev/null),cuda,cpu)
+INSTALL_EXTRAS := $(EXTRAS),$(BACKEND)
+else
+INSTALL_EXTRAS := $(EXTRAS)
+endif
 
-.PHONY: setup serve test lint unit bench clean
+.PHONY: setup serve test test-tools lint unit bench clean
 
 $(VENV)/.installed-$(EXTRAS): pyproject.toml
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is required"'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[$(EXTRAS)]'
+	$(PIP) install -q -e '.[$(INSTALL_EXTRAS)]'
 ifeq ($(UNAME),Linux)
 	@sh deploy/install-openblas.sh $(PY)
 endif
@@ -29,7 +36,11 @@ lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check server engine drafters metal_kernels benchmarks tests
 	$(VENV)/bin/lint-imports
 
-test: $(VENV)/.installed-dev lint
+# Prometheus, promtool and Docker Compose for the deploy tests (tests/test_deploy_*.py).
+test-tools: $(VENV)/.installed-dev
+	@sh deploy/install-test-tools.sh $(VENV)
+
+test: $(VENV)/.installed-dev test-tools lint
 	$(PY) -m pytest -q
 
 unit: $(VENV)/.installed-dev

@@ -41,6 +41,8 @@ def load_workloads(names: list[str] | None) -> list[dict]:
 
 
 def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
+    if prompt["kind"] == "session":
+        raise ValueError("sessions run turn by turn (run_session)")
     if prompt["kind"] == "chat":
         return list(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True))
     return tokenizer.encode(prompt["prompt"])
@@ -68,12 +70,46 @@ def run_once(eng: Engine, tokens: list[int], method: str, max_tokens: int) -> di
         "decode_s": end - (first or end), "total_s": end - start,
         "verify_steps": stats.num_verify_steps if stats else 0,
         "drafts": stats.total.num_drafts if stats else 0,
+        "by_drafter": {k: v.as_dict() for k, v in stats.by_drafter.items()} if stats else {},
         "drafted": stats.total.num_draft_tokens if stats else 0,
         "accepted": stats.total.num_accepted_tokens if stats else 0,
     }
 
 
+def run_prompt(eng: Engine, tok, prompt: dict, method: str, max_tokens: int) -> tuple[list[int], list[dict]]:
+    """One prompt (or every turn of a session, with the assistant's replies appended to the
+    history) under one method. Returns all generated ids and one measurement row per turn."""
+    if prompt["kind"] != "session":
+        r = run_once(eng, prompt_tokens(tok, prompt), method, max_tokens)
+        return r.pop("ids"), [r]
+    messages, ids, rows = [], [], []
+    for turn in prompt["turns"]:
+        messages.append({"role": "user", "content": turn})
+        tokens = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+        r = run_once(eng, tokens, method, max_tokens)
+        reply = r.pop("ids")
+        ids += reply
+        rows.append(r)
+        messages.append({"role": "assistant", "content": eng.loaded.token_table.decode(reply)})
+    return ids, rows
+
+
 def summarize(rows: list[dict]) -> dict:
+    by_drafter: dict = {}
+    for r in rows:
+        for name, d in r["by_drafter"].items():
+            agg = by_drafter.setdefault(name, {"drafts": 0, "drafted": 0, "accepted": 0, "per_position": []})
+            agg["drafts"] += d["num_drafts"]
+            agg["drafted"] += d["num_draft_tokens"]
+            agg["accepted"] += d["num_accepted_tokens"]
+            pos = agg["per_position"]
+            for i, v in enumerate(d["accepted_per_position"]):
+                pos += [0] * (i + 1 - len(pos))
+                pos[i] += v
+    for agg in by_drafter.values():
+        agg["acceptance_rate"] = agg["accepted"] / agg["drafted"] if agg["drafted"] else None
+        agg["mean_acceptance_length"] = 1 + agg["accepted"] / agg["drafts"] if agg["drafts"] else None
+        agg["acceptance_per_position"] = [v / agg["drafts"] for v in agg["per_position"]] if agg["drafts"] else []
     tokens = sum(r["tokens"] - 1 for r in rows)
     decode = sum(r["decode_s"] for r in rows)
     drafted = sum(r["drafted"] for r in rows)
@@ -88,6 +124,7 @@ def summarize(rows: list[dict]) -> dict:
         "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
         "tokens_per_verify_step": (tokens / steps) if steps else None,
         "mean_ttft_s": sum(r["ttft"] for r in rows) / len(rows),
+        "by_drafter": by_drafter,
     }
 
 
@@ -95,7 +132,11 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
     ap.add_argument("--weights", default="auto")
-    ap.add_argument("--methods", default="off,prompt_lookup")
+    ap.add_argument("--methods", default="off,prompt_lookup",
+                    help="comma-separated: off, prompt_lookup, dspark, auto (off first: the baseline)")
+    ap.add_argument("--dspark-drafter", default=None,
+                    help="DSpark drafter directory (loads DSpark; default: the shipped one, if any)")
+    ap.add_argument("--dspark", action="store_true", help="load the shipped DSpark drafter")
     ap.add_argument("--workloads", default=None, help="comma-separated names (default: all files)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
@@ -105,7 +146,9 @@ def main(argv=None) -> dict:
 
     methods = args.methods.split(",")
     workloads = load_workloads(args.workloads.split(",") if args.workloads else None)
-    eng = Engine(EngineConfig(model=args.model, weights=args.weights, speculation="prompt_lookup")).start(wait=True)
+    use_dspark = bool(args.dspark or args.dspark_drafter or {"dspark", "auto"} & set(methods))
+    eng = Engine(EngineConfig(model=args.model, weights=args.weights, speculation="auto", dspark=use_dspark,
+                              dspark_drafter=args.dspark_drafter)).start(wait=True)
     tok = eng.loaded.tokenizer
     import mlx.core as mx
 
@@ -120,7 +163,7 @@ def main(argv=None) -> dict:
     for w in workloads:  # warm-up: every prompt once per method, not measured
         for p in w["prompts"]:
             for m in methods:
-                run_once(eng, prompt_tokens(tok, p), m, 16)
+                run_prompt(eng, tok, p, m, 16)
     for w in workloads:
         rows = defaultdict(list)
         identical = True
@@ -128,12 +171,10 @@ def main(argv=None) -> dict:
         for rep in range(args.repeats):
             order = methods if rep % 2 == 0 else methods[::-1]
             for p in w["prompts"]:
-                tokens = prompt_tokens(tok, p)
                 outs = {}
                 for m in order:
-                    r = run_once(eng, tokens, m, max_tokens)
-                    outs[m] = r.pop("ids")
-                    rows[m].append(r)
+                    outs[m], measured = run_prompt(eng, tok, p, m, max_tokens)
+                    rows[m] += measured
                 identical &= all(o == outs[methods[0]] for o in outs.values())
         summary = {m: summarize(rows[m]) for m in methods}
         base = summary[methods[0]]["decode_tokens_per_s"]

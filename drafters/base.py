@@ -16,10 +16,16 @@ class DraftContext:
             target's KV cache).
         hidden: tapped target hidden states of committed positions not yet seen by the drafter
             (DSpark only), ``[n, num_taps * hidden_size]``; None for other drafters.
+        temperature: the request's sampling temperature; 0 = greedy (drafters that sample draw
+            their drafts from their own distribution at this temperature).
+        seed: the request's PRNG seed; a sampling drafter derives its keys from
+            ``(seed, position)`` so a fixed seed gives fixed drafts.
     """
 
     tokens: Sequence[int]
     hidden: Any = None
+    temperature: float = 0.0
+    seed: int = 0
 
 
 @dataclass
@@ -33,12 +39,17 @@ class Draft:
         confidence: per-token conditional survival estimates ``c_k`` (probability that draft k is
             accepted given drafts 1..k-1 were), or None when the drafter has none.
         match_length: for prompt lookup, the length of the matched n-gram (0 otherwise).
+        drafter: the proposing drafter's name (set by the engine's scheduler).
+        expected_accepted: the scheduler's estimate of accepted drafts, ``sum_k a_k`` over the
+            tokens kept (for calibration metrics).
     """
 
     tokens: list[int] = field(default_factory=list)
     draft_probs: Any = None
     confidence: list[float] | None = None
     match_length: int = 0
+    drafter: str | None = None
+    expected_accepted: float = 0.0
 
 
 class Drafter(Protocol):

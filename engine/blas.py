@@ -16,6 +16,12 @@ Search order (``SPECSERVE_BLAS``: ``auto`` | ``off`` | a path to a shared librar
 
 Nothing is done on macOS (MLX uses Accelerate and Metal there) or when ``mlx.core`` is
 already imported (too late: a warning says so).
+
+Kernel choice matters for exactness, not only speed: OpenBLAS picks micro-kernels by CPU, and
+its AVX-512 (SkylakeX/Cooperlake) sgemm kernels give row results that depend on the number of
+rows from 2 rows on, so start-up calibration would allow no speculation at all; its Haswell
+(AVX2) kernels keep rows independent up to 12 rows. When ``OPENBLAS_CORETYPE`` is unset and the
+CPU has AVX2 and FMA, it is set to ``Haswell`` before the library loads (a user's value wins).
 """
 
 from __future__ import annotations
@@ -77,6 +83,22 @@ def _candidates(choice: str) -> list[str]:
     return paths + _cmeel_candidates()
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _choose_coretype() -> None:
+    if "OPENBLAS_CORETYPE" not in os.environ and {"avx2", "fma"} <= _cpu_flags():
+        os.environ["OPENBLAS_CORETYPE"] = "Haswell"
+
+
 def preload_blas(choice: str | None = None) -> BlasInfo:
     """Load OpenBLAS globally so MLX's CPU matmuls use it. Idempotent.
 
@@ -99,13 +121,15 @@ def preload_blas(choice: str | None = None) -> BlasInfo:
         log.warning("OpenBLAS not loaded: mlx.core was imported first. Import `engine` before mlx.")
     else:
         errors = []
+        _choose_coretype()
         for path in _candidates(choice):
             try:
                 ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
             except OSError as exc:  # e.g. libgfortran.so.5 missing for the cmeel wheel
                 errors.append(f"{path}: {exc}")
                 continue
-            _RESULT = BlasInfo("openblas", path=path)
+            _RESULT = BlasInfo("openblas", path=path,
+                               detail=f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', 'auto')}")
             break
         else:
             detail = "; ".join(errors) or "no OpenBLAS found"

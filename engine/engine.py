@@ -48,7 +48,7 @@ from .request import (
     TokenEvent,
 )
 from .runner import Calibration, TargetRunner, cost_model
-from .scheduler import AcceptanceModel, CostModel, RequestAcceptance
+from .scheduler import AcceptanceModel, CostModel, DsparkStats, RequestAcceptance
 from .stats import NullSink, StatsSink
 
 log = logging.getLogger("specserve.engine")
@@ -61,7 +61,9 @@ class EngineConfig:
     model: str = "default"
     served_model_name: str | None = None
     weights: str = "auto"
-    speculation: str = "auto"  # off | prompt_lookup | auto
+    speculation: str = "auto"  # off | prompt_lookup | dspark | auto
+    dspark: bool = False  # load the DSpark drafter
+    dspark_drafter: str | None = None  # its directory (default: the one shipped for the default model)
     prompt_lookup_min_ngram: int = 2
     prompt_lookup_max_ngram: int = 5
     prompt_lookup_max_draft: int = 15
@@ -96,14 +98,17 @@ class Engine:
     def __init__(self, config: EngineConfig | None = None, loaded: LoadedModel | None = None,
                  sink: StatsSink | None = None):
         self.config = config or EngineConfig()
-        if self.config.speculation not in ("off", "prompt_lookup", "auto"):
-            raise ValueError(f"speculation must be off|prompt_lookup|auto, got {self.config.speculation!r}")
+        if self.config.speculation not in SPECULATION_METHODS:
+            raise ValueError(f"speculation must be one of {SPECULATION_METHODS}, got {self.config.speculation!r}")
         self.loaded = loaded
         self.sink: StatsSink = sink or NullSink()
         self.runner: TargetRunner | None = None
         self.calibration: Calibration | None = None
         self.cost: CostModel | None = None
         self.acceptance = AcceptanceModel()
+        self.dspark_stats = DsparkStats()
+        self.dspark = None  # the shared DSpark network, when loaded
+        self.target_taps = None
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[_Handle] = deque()
         self._active: list[tuple[_Handle, Sequence]] = []
@@ -239,9 +244,10 @@ class Engine:
         if method is not None and method not in SPECULATION_METHODS:
             raise InvalidRequestError(f"speculative.method must be one of {SPECULATION_METHODS}",
                                       param="speculative.method")
-        if method == "dspark":
-            raise InvalidRequestError("the DSpark drafter is not loaded on this server",
-                                      param="speculative.method", code="drafter_unavailable")
+        if method == "dspark" and self.dspark is None:
+            raise InvalidRequestError("the DSpark drafter is not loaded on this server (start it with "
+                                      "SPECSERVE_DSPARK=1)", param="speculative.method",
+                                      code="drafter_unavailable")
         for token, _ in request.sampling.logit_bias:
             if not 0 <= token < vocab:
                 raise InvalidRequestError(f"logit_bias token {token} is out of range", param="logit_bias")
@@ -334,6 +340,8 @@ class Engine:
         )
         self.cost = cost_model(self.calibration)
         log.info("calibration: %s", self.calibration.summary())
+        if cfg.dspark or cfg.speculation == "dspark":
+            self._load_dspark()
         if cfg.warmup:
             warm = GenerationRequest(prompt_tokens=self.loaded.tokenizer.encode("Hello, world"),
                                      max_tokens=4)
@@ -342,20 +350,46 @@ class Engine:
             while not seq.finished:
                 (prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost))
 
+    def _load_dspark(self) -> None:
+        from drafters.dspark import DSparkDrafter, TargetTaps, load_dspark
+
+        from .loader import default_dspark_path
+
+        path = self.config.dspark_drafter or default_dspark_path(self.loaded)
+        if path is None:
+            raise ValueError("SPECSERVE_DSPARK is on but no drafter was given (SPECSERVE_DSPARK_DRAFTER) "
+                             "and none ships for this model")
+        on_cpu = mx.default_device() == mx.cpu  # 4-bit matmuls are slow on the CPU backend
+        self.dspark = load_dspark(path, dtype="float32", dequantize=on_cpu)
+        cfg = self.dspark.config
+        args = self.loaded.model.args
+        if (cfg.vocab_size, cfg.hidden_size) != (args.vocab_size, args.hidden_size):
+            raise ValueError(f"DSpark drafter {path} (vocab {cfg.vocab_size}, hidden {cfg.hidden_size}) does "
+                             f"not match the target (vocab {args.vocab_size}, hidden {args.hidden_size})")
+        self.target_taps = TargetTaps(self.loaded.model, cfg.target_layer_ids)
+        self._dspark_drafter = DSparkDrafter
+        log.info("DSpark drafter loaded from %s: %d layers, block %d, taps %s", path,
+                 cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids)
+
     def _make_sequence(self, request: GenerationRequest) -> Sequence:
         cfg = self.config
         method = request.speculative.method or cfg.speculation
-        drafter, acceptance = None, None
-        if method in ("prompt_lookup", "auto") and self.cost.max_rows > 1:
-            drafter = PromptLookupDrafter(cfg.prompt_lookup_min_ngram, cfg.prompt_lookup_max_ngram)
-            acceptance = RequestAcceptance(self.acceptance)
+        drafters = {}
+        if self.cost.max_rows > 1:
+            if method in ("prompt_lookup", "auto"):
+                drafters["prompt_lookup"] = PromptLookupDrafter(cfg.prompt_lookup_min_ngram,
+                                                                cfg.prompt_lookup_max_ngram)
+            if method in ("dspark", "auto") and self.dspark is not None:
+                drafters["dspark"] = self._dspark_drafter(self.dspark, self.target_taps.embed,
+                                                          self.target_taps.lm_head)
         seed = request.sampling.seed
         if seed is None:
             seed = random.SystemRandom().getrandbits(63)
         return Sequence(
             request, self.runner, self.loaded.token_table, self.loaded.eos_token_ids,
-            self.loaded.context_length, seed, drafter=drafter, acceptance=acceptance,
-            max_draft=cfg.prompt_lookup_max_draft,
+            self.loaded.context_length, seed, drafters=drafters,
+            acceptance=RequestAcceptance(self.acceptance), dspark_stats=self.dspark_stats,
+            taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
         )
 
     def _run(self) -> None:

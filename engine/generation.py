@@ -19,7 +19,7 @@ from .detokenizer import StreamingDetokenizer, TokenTable
 from .request import FinishReason, GenerationRequest, SpecStats, TokenEvent, TokenLogprob
 from .runner import TargetRunner
 from .sampling import LogitsPipeline, raw_logprobs
-from .scheduler import CostModel, RequestAcceptance, best_length
+from .scheduler import CostModel, DsparkStats, RequestAcceptance, choose_length, expected_tokens
 from .stops import StopMatcher
 
 
@@ -29,7 +29,7 @@ class CommitResult:
     text: str
     logprobs: list[TokenLogprob] | None
     finished: bool
-    verify_step: tuple[str | None, int, int] | None = None  # (drafter, drafted, accepted)
+    verify_step: tuple | None = None  # (drafter, drafted, accepted, expected accepted)
 
 
 class Sequence:
@@ -43,8 +43,10 @@ class Sequence:
         eos_token_ids: frozenset[int],
         context_length: int,
         seed: int,
-        drafter=None,
+        drafters: dict | None = None,
         acceptance: RequestAcceptance | None = None,
+        dspark_stats: DsparkStats | None = None,
+        taps=None,
         max_draft: int = 0,
     ):
         self.request = request
@@ -63,8 +65,14 @@ class Sequence:
             stop_ids |= set(eos_token_ids)
         self.stop_ids = frozenset(stop_ids)
         self.context_length = context_length
-        self.drafter = drafter
+        self.drafters = drafters or {}
         self.acceptance = acceptance
+        self.dspark_stats = dspark_stats
+        # DSpark reads tapped target hidden states: rows of committed positions not yet given
+        # to the drafter wait here (every row is handed over exactly once).
+        self.taps = taps if "dspark" in self.drafters else None
+        self.pending_hidden: list[mx.array] = []
+        self.cycles_since_dspark = 0
         self.max_draft = max_draft
         self.stats = SpecStats()
         self.finish_reason: FinishReason | None = None
@@ -141,26 +149,74 @@ class Sequence:
         return max(0, min(left, room, max_rows - 1, cap))
 
     def propose(self, cost: CostModel) -> Draft:
-        """Ask the drafter for a proposal and cut it to the length that maximises tokens/s."""
+        """Choose this cycle's drafter and draft length (issue #6's rule, engine/scheduler.py).
+
+        Prompt lookup proposes for free; DSpark costs a draft forward, so it runs only when its
+        recent yield (tokens per second, draft cost included) beats the best option so far, or
+        as a periodic probe. Each proposal is cut to the length maximising ``E(L) / T(L + 1)``
+        under its acceptance estimate; the best rate wins, plain decoding when none beats it.
+        """
         budget = self.draft_budget(cost.max_rows)
-        if self.drafter is None or budget == 0:
+        if budget == 0 or not self.drafters:
             return Draft()
-        proposal = self.drafter.propose(DraftContext(self.tokens), budget)
-        if not proposal.tokens:
-            return proposal
-        conditional = proposal.confidence or self.acceptance.survival(
-            proposal.match_length, len(proposal.tokens)
-        )
-        length = max(best_length(conditional, cost), self.request.speculative.min_draft_tokens)
+        ctx = DraftContext(self.tokens, temperature=self.request.sampling.temperature,
+                           seed=self.pipeline.seed)
+        options = []  # (rate, length, proposal, conditional)
+        lookup = self.drafters.get("prompt_lookup")
+        if lookup is not None:
+            proposal = lookup.propose(ctx, budget)
+            proposal.drafter = "prompt_lookup"
+            if proposal.tokens:
+                conditional = self.acceptance.survival(proposal.match_length, len(proposal.tokens))
+                length, rate = choose_length(conditional, cost)
+                options.append((rate, length, proposal, conditional))
+        dspark = self.drafters.get("dspark")
+        if dspark is not None:
+            best_so_far = max([1.0 / cost.T(1)] + [o[0] for o in options])
+            probe = self.cycles_since_dspark >= 32
+            if len(self.drafters) == 1 or probe or self.dspark_stats.expected_rate(cost) > best_so_far:
+                options.append(self._propose_dspark(ctx, budget, cost))
+        if not options:
+            return Draft()
+        rate, length, proposal, conditional = max(options, key=lambda o: o[0])
+        if length == 0 and self.request.speculative.min_draft_tokens:
+            rate, length, proposal, conditional = options[0]
+        length = max(length, min(self.request.speculative.min_draft_tokens, len(proposal.tokens)))
+        if length == 0:
+            return Draft()
         proposal.tokens = proposal.tokens[:length]
+        if proposal.draft_probs is not None:
+            proposal.draft_probs = proposal.draft_probs[:length]
+        proposal.expected_accepted = expected_tokens(conditional[:length])[-1] - 1.0
         return proposal
 
-    def observe(self, draft: Draft, num_accepted: int) -> str | None:
-        """Record a verify step; returns the drafter's name (None for a plain decode step)."""
-        name = self.drafter.name if (self.drafter is not None and draft.tokens) else None
+    def _propose_dspark(self, ctx: DraftContext, budget: int, cost: CostModel):
+        self.cycles_since_dspark = 0
+        if self.pending_hidden:
+            ctx.hidden = mx.concatenate(self.pending_hidden) if len(self.pending_hidden) > 1 else self.pending_hidden[0]
+            self.pending_hidden = []
+        started = time.perf_counter()
+        proposal = self.drafters["dspark"].propose(ctx, budget)
+        self.dspark_stats.observe_cost(time.perf_counter() - started)
+        proposal.drafter = "dspark"
+        raw = proposal.confidence or [0.5] * len(proposal.tokens)
+        conditional = self.dspark_stats.calibrated(raw)
+        length, rate = choose_length(conditional, cost)
+        return rate, length, proposal, conditional
+
+    def observe(self, draft: Draft, num_accepted: int, hidden: mx.array | None) -> str | None:
+        """Record a verify step and hand committed hidden rows on; returns the drafter's name."""
+        if hidden is not None:
+            self.pending_hidden.append(hidden[: num_accepted + 1])
+        name = draft.drafter if draft.tokens else None
         self.stats.observe(name, len(draft.tokens), num_accepted)
-        if draft.tokens and self.acceptance is not None:
+        if "dspark" in self.drafters and name != "dspark":
+            self.cycles_since_dspark += 1
+        if name == "prompt_lookup":
             self.acceptance.observe(draft.match_length, len(draft.tokens), num_accepted)
+        elif name == "dspark":
+            raw = draft.confidence[: len(draft.tokens)] if draft.confidence else [0.5] * len(draft.tokens)
+            self.dspark_stats.observe(raw, len(draft.tokens), num_accepted)
         return name
 
 
@@ -184,7 +240,9 @@ def prefill_step(seq: Sequence) -> CommitResult | None:
     if seq.prompt_logprobs is not None and start == 0:
         seq.prompt_logprobs.append(TokenLogprob(seq.tokens[0], None))
     if end > start:
-        logits = runner.prefill(seq.tokens[start:end], seq.cache)
+        logits, hidden = runner.prefill(seq.tokens[start:end], seq.cache, seq.taps)
+        if hidden is not None:
+            seq.pending_hidden.append(hidden)
         if seq.prompt_logprobs is not None:
             targets = seq.tokens[start + 1 : end + 1]
             lp = raw_logprobs(logits.astype(mx.float32), mx.array(targets), seq.request.logprobs or 0)
@@ -207,7 +265,7 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
 
     # 2. Verify: one target pass; row r decides the token after anchor + draft[:r].
     started = time.perf_counter()
-    logits = seq.runner.verify(rows, seq.cache)
+    logits, hidden = seq.runner.verify(rows, seq.cache, seq.taps)
     processed = seq.pipeline.process(logits, seq.tokens, draft.tokens)
     row_tokens, passed = seq.pipeline.verify(processed, draft.tokens, draft.draft_probs, len(seq.tokens))
     want_lp = seq.request.logprobs is not None
@@ -224,8 +282,8 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
     seq.runner.trim(seq.cache, len(draft.tokens) - num_accepted)
 
     # 5. Statistics, then commit (cut at EOS / stop string / max_tokens).
-    drafter = seq.observe(draft, num_accepted)
+    drafter = seq.observe(draft, num_accepted, hidden)
     logprobs = _logprob_rows(*lp, row_tokens)[: num_accepted + 1] if want_lp else None
     result = seq.commit(committed, logprobs)
-    result.verify_step = (drafter, len(draft.tokens), num_accepted)
+    result.verify_step = (drafter, len(draft.tokens), num_accepted, draft.expected_accepted)
     return result

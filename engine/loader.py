@@ -144,6 +144,26 @@ def load_target(model: str = "default", weights: str = "auto", served_name: str 
     )
 
 
+DSPARK_SHIPPED = {DEFAULT_MODEL_NAME: "dspark-smollm2-135m-instruct"}
+
+
+def models_dir() -> Path:
+    """The project's ``models/`` folder: the source tree's, else ``<prefix>/share/specserve/models``."""
+    import sys
+
+    here = Path(__file__).resolve().parents[1] / "models"
+    return here if here.is_dir() else Path(sys.prefix) / "share" / "specserve" / "models"
+
+
+def default_dspark_path(loaded: LoadedModel) -> str | None:
+    """The DSpark drafter shipped for this target, if there is one."""
+    name = DSPARK_SHIPPED.get(loaded.name)
+    if name is None:
+        return None
+    path = models_dir() / name
+    return str(path) if (path / "config.json").exists() else None
+
+
 def save_mlx_dir(loaded: LoadedModel, out: str | Path) -> Path:
     """Write the loaded model as an MLX model directory (config.json, safetensors, tokenizer).
 

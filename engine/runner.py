@@ -68,36 +68,53 @@ class TargetRunner:
     def cache_length(cache: list) -> int:
         return cache[0].offset
 
-    def prefill(self, tokens: list[int], cache: list) -> mx.array:
-        """Run ``tokens`` (a prompt chunk) through the target. Returns logits ``[n, V]`` (lazy)."""
-        return self.model(mx.array(tokens, dtype=mx.uint32)[None], cache=cache)[0]
+    def _forward(self, tokens: list[int], cache: list, taps):
+        ids = mx.array(tokens, dtype=mx.uint32)[None]
+        if taps is None:
+            return self.model(ids, cache=cache)[0], None
+        # drafters.dspark.TargetTaps runs the same modules as the model's own forward (same
+        # logits bit for bit) and keeps the tapped layers' outputs.
+        final, hidden = taps.forward(ids, cache)
+        return taps.lm_head(final)[0], hidden[0].astype(mx.float32)
 
-    def verify(self, tokens: list[int], cache: list) -> mx.array:
-        """Decode (one token) or verify (anchor + drafts): logits ``[len(tokens), V]`` float32.
+    def prefill(self, tokens: list[int], cache: list, taps=None):
+        """Run ``tokens`` (a prompt chunk) through the target.
+
+        Returns:
+            ``(logits [n, V], hidden [n, m*d] float32 or None)``, lazy; ``hidden`` holds the tapped
+            layers' outputs when ``taps`` (a ``drafters.dspark.TargetTaps``) is given.
+        """
+        return self._forward(tokens, cache, taps)
+
+    def verify(self, tokens: list[int], cache: list, taps=None):
+        """Decode (one token) or verify (anchor + drafts).
 
         Every row computes what a one-token decode step at its position computes.
+
+        Returns:
+            ``(logits [len(tokens), V] float32, hidden [len(tokens), m*d] float32 or None)``, lazy.
         """
         exact_attention.set_row_exact(cache, self.row_exact_attention)
         try:
-            logits = self.model(mx.array(tokens, dtype=mx.uint32)[None], cache=cache)[0]
+            logits, hidden = self._forward(tokens, cache, taps)
         finally:
             exact_attention.set_row_exact(cache, False)
-        return logits.astype(mx.float32)
+        return logits.astype(mx.float32), hidden
 
     # ---- calibration -------------------------------------------------------------------------
 
     def _exact_width(self, context: list[int], probe: list[int], widths: int) -> int:
         """Widest ``w <= widths`` whose verify rows equal one-token decode logits bit for bit."""
         cache = self.make_cache()
-        mx.eval(self.prefill(context, cache))
+        mx.eval(self.prefill(context, cache)[0])
         decoded = []
         for t in probe[:widths]:
-            row = self.verify([t], cache)[0]
+            row = self.verify([t], cache)[0][0]
             mx.eval(row)
             decoded.append(row)
         self.trim(cache, widths)
         for w in range(2, widths + 1):
-            rows = self.verify(probe[:w], cache)
+            rows = self.verify(probe[:w], cache)[0]
             mx.eval(rows)
             self.trim(cache, w)
             if not all(mx.array_equal(rows[i], decoded[i]).item() for i in range(w)):
@@ -106,13 +123,13 @@ class TargetRunner:
 
     def _measure_cost(self, context: list[int], probe: list[int], widths: int, repeats: int) -> list[float]:
         cache = self.make_cache()
-        mx.eval(self.prefill(context, cache))
+        mx.eval(self.prefill(context, cache)[0])
         costs = []
         for w in range(1, widths + 1):
             times = []
             for _ in range(repeats + 1):  # first run warms up this width
                 start = time.perf_counter()
-                mx.eval(self.verify(probe[:w], cache))
+                mx.eval(self.verify(probe[:w], cache)[0])
                 times.append(time.perf_counter() - start)
                 self.trim(cache, w)
             times = sorted(times[1:])

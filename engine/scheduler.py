@@ -132,16 +132,67 @@ def expected_tokens(conditional: list[float]) -> list[float]:
     return out
 
 
-def best_length(conditional: list[float], cost: CostModel, min_gain: float = 1.0) -> int:
-    """The ``L`` in ``0..len(conditional)`` maximising ``E(L) / T(L + 1)``.
+def best_length(conditional: list[float], cost: CostModel) -> int:
+    """The ``L`` in ``0..len(conditional)`` maximising ``E(L) / T(L + 1)`` (0 = plain decoding)."""
+    return choose_length(conditional, cost)[0]
 
-    A draft length is chosen only if its rate beats plain decoding by the factor ``min_gain``.
+def prefix_to_conditional(survival: list[float]) -> list[float]:
+    out, prev = [], 1.0
+    for a in survival:
+        out.append(a / prev if prev > 0 else 0.0)
+        prev = a
+    return out
+
+
+class DsparkStats:
+    """Engine-wide DSpark evidence: confidence calibration, draft cost, recent realised yield.
+
+    Calibration follows vLLM's online rule (confidence-scheduled verification, PR #47808): per
+    draft position an EMA of realised over predicted prefix survival, clamped to [0.25, 4],
+    rescales the confidence head's prefix survival ``a_k = prod c_i``.
     """
+
+    def __init__(self, positions: int = 16, alpha: float = 0.05):
+        self.alpha = alpha
+        self.realised = [1.0] * positions
+        self.predicted = [1.0] * positions
+        self.draft_cost = 0.0  # seconds per propose (EMA)
+        self.accepted_ema = 1.0  # accepted drafts per DSpark cycle (EMA)
+        self.length_ema = 4.0  # verified draft length per DSpark cycle (EMA)
+
+    def calibrated(self, conditional: list[float]) -> list[float]:
+        survival, acc = [], 1.0
+        for k, c in enumerate(conditional):
+            acc *= c
+            i = min(k, len(self.realised) - 1)
+            ratio = min(4.0, max(0.25, self.realised[i] / max(self.predicted[i], 1e-6)))
+            survival.append(min(acc * ratio, survival[-1] if survival else 1.0))
+        return prefix_to_conditional(survival)
+
+    def observe(self, conditional: list[float], num_draft: int, num_accepted: int) -> None:
+        acc = 1.0
+        for k in range(min(num_draft, len(self.realised))):
+            acc *= conditional[k]
+            self.predicted[k] += self.alpha * (acc - self.predicted[k])
+            self.realised[k] += self.alpha * (float(k < num_accepted) - self.realised[k])
+        self.accepted_ema += self.alpha * (num_accepted - self.accepted_ema)
+        self.length_ema += self.alpha * (num_draft - self.length_ema)
+
+    def observe_cost(self, seconds: float) -> None:
+        self.draft_cost = seconds if self.draft_cost == 0 else self.draft_cost + 0.1 * (seconds - self.draft_cost)
+
+    def expected_rate(self, cost: CostModel) -> float:
+        """Tokens per second DSpark has recently delivered (draft cost included)."""
+        length = max(1, min(round(self.length_ema), cost.max_rows - 1))
+        return (1.0 + self.accepted_ema) / (cost.T(length + 1) + self.draft_cost)
+
+
+def choose_length(conditional: list[float], cost: CostModel, extra_cost: float = 0.0) -> tuple[int, float]:
+    """``(L, rate)`` maximising ``E(L) / (T(L + 1) + extra_cost)`` over ``L = 0..len``."""
     exp = expected_tokens(conditional[: cost.max_rows - 1])
-    plain = 1.0 / cost.T(1)
-    best, best_rate = 0, plain * min_gain
+    best, best_rate = 0, 1.0 / cost.T(1)
     for length in range(1, len(exp)):
-        rate = exp[length] / cost.T(length + 1)
+        rate = exp[length] / (cost.T(length + 1) + extra_cost)
         if rate > best_rate:
             best, best_rate = length, rate
-    return best
+    return best, best_rate

@@ -12,8 +12,10 @@ from .request import TokenEvent
 
 
 class StatsSink(Protocol):
-    def spec_step(self, drafter: str | None, num_draft: int, num_accepted: int, num_committed: int) -> None:
-        """One verify step: ``drafter`` None for a plain decode step (no draft)."""
+    def spec_step(self, drafter: str | None, num_draft: int, num_accepted: int,
+                  expected_accepted: float, num_committed: int) -> None:
+        """One verify step: ``drafter`` None for a plain decode step (no draft);
+        ``expected_accepted`` is the scheduler's estimate for the kept draft (calibration)."""
 
     def request_finished(self, event: TokenEvent) -> None:
         """The last event of a request (finish_reason, usage, timings, stats)."""
@@ -23,7 +25,7 @@ class StatsSink(Protocol):
 
 
 class NullSink:
-    def spec_step(self, drafter, num_draft, num_accepted, num_committed) -> None:
+    def spec_step(self, drafter, num_draft, num_accepted, expected_accepted, num_committed) -> None:
         pass
 
     def request_finished(self, event) -> None:

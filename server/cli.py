@@ -17,11 +17,27 @@ import sys
 import threading
 
 
+def train_dspark(argv: list[str]) -> int:
+    """``specserve train-dspark --target ... --out ...``: the DSpark self-distillation trainer
+    (drafters/dspark/train.py) with the engine's loader, so GGUF targets work too."""
+    # engine first: it loads OpenBLAS before anything imports mlx.core
+    from engine.loader import load_target  # noqa: I001
+    from drafters.dspark.train import main as train_main
+
+    def load(spec: str):
+        loaded = load_target(spec, weights="auto")
+        return loaded.model, loaded.tokenizer
+
+    return train_main(argv, load_target=load)
+
+
 def main(argv: list[str] | None = None) -> None:
     from .settings import load_settings
 
     if argv is None:
         argv = sys.argv[1:]
+    if argv and argv[0] == "train-dspark":
+        raise SystemExit(train_dspark(argv[1:]))
     settings = load_settings(argv)
     os.environ["SPECSERVE_BLAS"] = settings.blas
     if settings.cache_dir:
@@ -37,7 +53,7 @@ def main(argv: list[str] | None = None) -> None:
     from .metrics import Metrics
 
     log = logging.getLogger("specserve")
-    log.info("BLAS: %s %s", BLAS.status, BLAS.path or BLAS.detail)
+    log.info("BLAS: %s %s %s", BLAS.status, BLAS.path or "", BLAS.detail)
     metrics = Metrics()
     engine = Engine(settings.engine_config(), sink=metrics)
     app = create_app(engine, settings, metrics)

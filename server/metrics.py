@@ -83,6 +83,12 @@ class Metrics:
         self.accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by draft position (0-based).",
                                         ["drafter", "position"], registry=r)
+        self.decisions = Counter(PREFIX + "scheduler_decisions",
+                                 "Scheduler choices per verify step: prompt_lookup, dspark or plain.",
+                                 ["outcome"], registry=r)
+        self.expected_accepted = Counter(PREFIX + "spec_decode_expected_accepted_tokens",
+                                         "Accepted draft tokens the scheduler predicted (calibration).",
+                                         ["drafter"], registry=r)
         self.tokens_per_step = Histogram(PREFIX + "spec_decode_tokens_per_step",
                                          "Tokens committed per target verify step (drafter=none: plain decode).",
                                          ["drafter"], buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
@@ -95,11 +101,14 @@ class Metrics:
 
     # ---- engine StatsSink --------------------------------------------------------------------
 
-    def spec_step(self, drafter: str | None, num_draft: int, num_accepted: int, num_committed: int) -> None:
+    def spec_step(self, drafter: str | None, num_draft: int, num_accepted: int,
+                  expected_accepted: float, num_committed: int) -> None:
         label = drafter or "none"
         self.tokens_per_step.labels(label).observe(num_committed)
+        self.decisions.labels(drafter or "plain").inc()
         if drafter is None or num_draft == 0:
             return
+        self.expected_accepted.labels(drafter).inc(expected_accepted)
         self.num_drafts.labels(drafter).inc()
         self.num_draft_tokens.labels(drafter).inc(num_draft)
         self.num_accepted.labels(drafter).inc(num_accepted)

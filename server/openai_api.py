@@ -202,7 +202,11 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
 def submit_all(request: Request, jobs: list[Job]) -> list[AsyncIterator[TokenEvent]]:
     engine = _state(request).engine
     for job in jobs:  # validate every job before any runs
-        engine.validate(job.request)
+        try:
+            engine.validate(job.request)
+        except EngineError as exc:  # counted here: the engine's own count sees only submits
+            _state(request).metrics.request_rejected(type(exc).__name__)
+            raise
     streams = []
     try:
         for job in jobs:

@@ -51,11 +51,19 @@ class Settings(BaseSettings):
     )
 
     # --- speculative decoding
-    speculation: Literal["off", "prompt_lookup", "auto"] = Field(
+    speculation: Literal["off", "prompt_lookup", "dspark", "auto"] = Field(
         "auto",
-        description="Server default drafting: `off`, `prompt_lookup`, or `auto` (the scheduler "
-        "chooses per request and cycle among the loaded drafters and plain decoding; requests may "
-        "override with `speculative.method`).",
+        description="Server default drafting: `off`, `prompt_lookup`, `dspark`, or `auto` (the "
+        "scheduler chooses per request and cycle among the loaded drafters and plain decoding; "
+        "requests may override with `speculative.method`).",
+    )
+    dspark: bool = Field(
+        False, description="Load the DSpark drafter (also implied by `speculation=dspark`)."
+    )
+    dspark_drafter: str | None = Field(
+        None,
+        description="DSpark drafter directory (DeepSpec layout: config.json + safetensors); default: "
+        "the one in models/ shipped for the default model.",
     )
     prompt_lookup_min_ngram: int = Field(2, ge=1, le=16, description="Shortest n-gram prompt lookup matches.")
     prompt_lookup_max_ngram: int = Field(5, ge=1, le=32, description="Longest n-gram prompt lookup matches.")
@@ -144,6 +152,8 @@ class Settings(BaseSettings):
             served_model_name=self.served_model_name,
             weights=self.weights,
             speculation=self.speculation,
+            dspark=self.dspark,
+            dspark_drafter=self.dspark_drafter,
             prompt_lookup_min_ngram=self.prompt_lookup_min_ngram,
             prompt_lookup_max_ngram=max(self.prompt_lookup_max_ngram, self.prompt_lookup_min_ngram),
             prompt_lookup_max_draft=self.prompt_lookup_max_draft,
@@ -172,6 +182,15 @@ def _base_type(annotation):
     return annotation
 
 
+def _parse_bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="specserve",
@@ -183,6 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs = {"default": None, "help": f"{field.description} [env {env_name(name)}; default {field.default!r}]"}
         if typing.get_origin(base) is Literal:
             kwargs["choices"] = list(typing.get_args(base))
+        elif base is bool:
+            kwargs["type"] = _parse_bool
+            kwargs["metavar"] = "{true,false}"
         elif base in (int, float):
             kwargs["type"] = base
         parser.add_argument(flag_name(name), dest=name, **kwargs)

@@ -113,7 +113,7 @@ def test_usage_counts_emitted_tokens_only(tiny_engine):
 def test_per_request_max_draft_tokens_is_respected(tiny_engine):
     p = [3, 4, 5, 6, 7] * 8
     req = GenerationRequest(prompt_tokens=p, max_tokens=40, sampling=SamplingParams(temperature=0.0),
-                            speculative=SpeculativeParams("prompt_lookup", 2))
+                            speculative=SpeculativeParams("prompt_lookup", 2, min_draft_tokens=2))
     events = list(tiny_engine.generate(req))
     stats = events[-1].stats
     assert stats.total.num_drafts > 0

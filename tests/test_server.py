@@ -164,9 +164,12 @@ def test_malformed_json_and_unknown_paths(tiny_server):
 
 
 def test_context_length_exceeded(tiny_server):
+    labels = 'reason="ContextLengthExceeded"'
+    before = metric(tiny_server, "requests_rejected_total", labels)
     r = post(tiny_server, "/v1/completions", {"prompt": "x" * 100, "max_tokens": 5000})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert metric(tiny_server, "requests_rejected_total", labels) == before + 1
     # and the server keeps serving
     assert post(tiny_server, "/v1/completions", {"prompt": "ab", "max_tokens": 2}).status_code == 200
 

@@ -60,7 +60,9 @@ def tiny_loaded(seed: int = 0, weights: str = "float32", context: int = 2048, sc
     applied = apply_weight_policy(model, weights)
     hf = byte_tokenizer()
     wrapper = TokenizerWrapper(hf, eos_token_ids=[2])
-    config = {"model_type": "llama", "vocab_size": args.vocab_size, "max_position_embeddings": context}
+    import dataclasses
+
+    config = {**dataclasses.asdict(args), "max_position_embeddings": context}
     return LoadedModel(
         model=model, tokenizer=wrapper, config=config, name="tiny-llama", source="memory",
         context_length=context, eos_token_ids=frozenset({2}), weights=applied,

@@ -1,0 +1,328 @@
+"""Verify cost T(k)/T(1), k = 1..16, for the small-batch kernels against MLX's own path.
+
+Three parts, kernel vs ``mx.quantized_matmul`` in one run:
+
+- ``matrices``: single 4-bit (group 64) matrices 4096x4096 and 14336x4096 (N x K); each
+  timed graph runs the matmul over 32 distinct weight sets so L2 never holds them; time is
+  per matmul. Effective bandwidth = packed weight + scale + bias bytes / time.
+- ``llama8b``: an 8B-shaped random-weight Llama from mlx-lm's classes (hidden 4096, 32
+  layers, 32 heads, 8 KV heads, FFN 14336, vocab 128256), quantized with ``nn.quantize``
+  (4-bit, group 64). T(k) = one forward of k tokens on a KV cache holding --context tokens
+  (the cache is trimmed back after each pass).
+- ``smollm``: random weights with the default model's exact config (SmolLM2-135M: hidden
+  576, 30 layers, 9/3 heads, FFN 1536, vocab 49152, tied; 4-bit group 32, 8-bit embedding).
+
+Timing: warm-up, then the median of --reps runs, each ``mx.eval`` + ``perf_counter`` after
+``mx.synchronize``. ``--tune`` first sweeps the mma kernel's split per weight shape of the
+8B model and installs the best (metal_kernels.qmv.set_mma_config); models are then timed
+with both the default and the tuned split. JSON goes to --out; tables are printed.
+
+    python benchmarks/verify_cost.py --out verify_cost.json [--parts matrices,llama8b,smollm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import time
+import traceback
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from metal_kernels import backend, patch_model, plan, qmv, quantized_matmul, unpatch_model
+
+H200_BW = 4.8e12  # bytes/s, NVIDIA datasheet
+KS = list(range(1, 17))
+
+
+def _sync():
+    getattr(mx, "synchronize", lambda: None)()
+
+
+def _median_time(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        mx.eval(fn())
+    _sync()
+    times = []
+    for _ in range(reps):
+        _sync()
+        t0 = time.perf_counter()
+        mx.eval(fn())
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _nbytes(*arrays) -> int:
+    return sum(a.nbytes for a in arrays)
+
+
+# ------------------------------------------------------------------ single matrices
+
+
+def _weight_sets(n, k, bits, gs, dtype, count):
+    sets = []
+    for i in range(count):
+        mx.random.seed(1000 + i)
+        sets.append(mx.quantize(mx.random.normal((n, k)).astype(dtype), group_size=gs, bits=bits))
+        mx.eval(sets[-1])
+    return sets
+
+
+def _time_matrix(sets, k_rows, kdim, gs, bits, dtype, kernels, reps):
+    x = mx.random.normal((k_rows, kdim)).astype(dtype)
+    mx.eval(x)
+    fn = lambda: [quantized_matmul(x, w, s, b, gs, bits, kernels=kernels) for w, s, b in sets]  # noqa: E731
+    return _median_time(fn, reps) / len(sets)
+
+
+def bench_matrices(args, bits=4, gs=64):
+    dtype = getattr(mx, args.dtype)
+    shapes = ((256, 512), (384, 256)) if args.smoke else ((4096, 4096), (14336, 4096))
+    rows = []
+    for n, k in shapes:
+        sets = _weight_sets(n, k, bits, gs, dtype, 32)
+        wbytes = _nbytes(*sets[0])
+        for path, kernels in (("mlx", "off"), ("kernel", "auto")):
+            t = {kk: _time_matrix(sets, kk, k, gs, bits, dtype, kernels, args.reps) for kk in KS}
+            rows.append({"shape": f"{n}x{k}", "bits": bits, "group_size": gs, "path": path,
+                         "weight_bytes": wbytes, "t_us": {kk: v * 1e6 for kk, v in t.items()},
+                         "ratio": {kk: t[kk] / t[1] for kk in KS},
+                         "bw_tbs": {kk: wbytes / t[kk] / 1e12 for kk in KS}})
+        del sets
+        mx.clear_cache()
+    return rows
+
+
+# (tiles per warp, chunks in flight) tried per row bucket.
+_SWEEP = {8: ((1, 1), (1, 2), (2, 1), (1, 4)), 16: ((1, 1), (1, 2), (2, 1))}
+
+
+def tune(args, shapes, bits=4, gs=64):
+    """Sweep (WK, NT, U) of the mma kernel per shape; install and return the best."""
+    dtype = getattr(mx, args.dtype)
+    out = {}
+    for n, k in shapes:
+        p1 = plan(1, n, k, bits, gs, dtype)
+        if p1 is None or p1.kind != "mma":
+            continue
+        count = max(2, min(32, math.ceil(256e6 / (n * k * bits / 8))))
+        sets = _weight_sets(n, k, bits, gs, dtype, count)
+        nchunks = k // (4 * p1.const("VW") * 32 // bits)
+        results = []
+        for wk in (w for w in (4, 8, 16) if w <= nchunks):
+            per_mb = {}
+            for mb, kk in ((8, 8), (16, 16)):
+                best = None
+                for nt, u in _SWEEP[mb]:
+                    if n % (16 * nt):
+                        continue
+                    qmv.set_mma_config(n, k, bits, wk=wk, nt_u={mb: (nt, u)})
+                    t = _time_matrix(sets, kk, k, gs, bits, dtype, "auto", args.tune_reps)
+                    if mb == 8:  # decode (k = 1) runs the MB = 8 configuration too
+                        t = t + _time_matrix(sets, 1, k, gs, bits, dtype, "auto", args.tune_reps)
+                    if best is None or t < best[0]:
+                        best = (t, nt, u)
+                per_mb[mb] = best
+            results.append((per_mb[8][0] + per_mb[16][0], wk, per_mb))
+        qmv.clear_mma_config()
+        _, wk, per_mb = min(results, key=lambda r: r[0])
+        out[f"{n}x{k}"] = {"wk": wk, "nt_u": {mb: v[1:] for mb, v in per_mb.items()},
+                           "default_wk": p1.const("WK"),
+                           "sweep_us": [(r[1], {mb: round(v[0] * 1e6, 2) for mb, v in r[2].items()})
+                                        for r in results]}
+        del sets
+        mx.clear_cache()
+    for key, cfg in out.items():
+        n, k = map(int, key.split("x"))
+        qmv.set_mma_config(n, k, bits, wk=cfg["wk"], nt_u=cfg["nt_u"])
+    return out
+
+
+# ------------------------------------------------------------------ models
+
+
+def llama8b_args():
+    from mlx_lm.models import llama
+    return llama.ModelArgs(
+        model_type="llama", hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-5,
+        vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False)
+
+
+def smollm_args():
+    from mlx_lm.models import llama
+    return llama.ModelArgs(
+        model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5,
+        vocab_size=49152, rope_theta=100000.0, tie_word_embeddings=True)
+
+
+def build_model(margs, dtype, bits, gs, embed_bits, smoke=False):
+    """Random-weight mlx-lm Llama, quantized (evaluated layer by layer to bound memory)."""
+    from mlx_lm.models import llama
+    if smoke:  # CPU check of the harness: same widths, 2 layers, small vocabulary
+        margs.num_hidden_layers, margs.vocab_size = 2, 1024
+    mx.random.seed(0)
+    model = llama.Model(margs)
+    model.set_dtype(dtype)
+    nn.quantize(model, class_predicate=lambda _, m: (
+        {"group_size": gs, "bits": embed_bits} if isinstance(m, nn.Embedding)
+        else {"group_size": gs, "bits": bits} if isinstance(m, nn.Linear) else False))
+    for layer in model.layers:
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    return model
+
+
+def matmul_weight_bytes(model) -> int:
+    """Bytes a forward reads through quantized matmuls (projections + LM head)."""
+    total = 0
+    for _, m in model.named_modules():
+        if isinstance(m, nn.QuantizedLinear) or (
+                isinstance(m, nn.QuantizedEmbedding) and model.args.tie_word_embeddings):
+            total += _nbytes(*(m[k] for k in ("weight", "scales", "biases") if k in m))
+    return total
+
+
+def time_forward(model, context, reps):
+    from mlx_lm.models.cache import make_prompt_cache
+    cache = make_prompt_cache(model)
+    mx.random.seed(1)
+    prompt = mx.random.randint(0, model.args.vocab_size, (1, context))
+    mx.eval(model(prompt, cache=cache))
+    times = {}
+    for k in KS:
+        toks = mx.random.randint(0, model.args.vocab_size, (1, k))
+
+        def step(toks=toks, k=k):
+            out = model(toks, cache=cache)
+            mx.eval(out)
+            for c in cache:
+                c.trim(k)
+            return out
+        times[k] = _median_time(step, reps, warmup=2)
+    return times
+
+
+def bench_model(name, model, args, tuned):
+    wbytes = matmul_weight_bytes(model)
+    rows = []
+    mx.random.seed(2)
+    probe = mx.random.randint(0, model.args.vocab_size, (1, 6))
+    ref_logits = model(probe).astype(mx.float32)
+    paths = [("mlx", None), ("kernel", "default")] + ([("kernel", "tuned")] if tuned else [])
+    for path, cfg in paths:
+        report = None
+        saved = (dict(qmv._WK_OVERRIDE), dict(qmv._NTU_OVERRIDE))
+        if cfg == "default":
+            qmv.clear_mma_config()
+        if path == "kernel":
+            report = patch_model(model, "auto")
+        t = time_forward(model, args.context, args.reps)
+        row = {"model": name, "path": path if cfg is None else f"{path}-{cfg}",
+               "weight_bytes": wbytes, "t_ms": {k: v * 1e3 for k, v in t.items()},
+               "ratio": {k: t[k] / t[1] for k in KS},
+               "bw_tbs": {k: wbytes / t[k] / 1e12 for k in KS}}
+        if report is not None:
+            logits = model(probe).astype(mx.float32)
+            row["patched_layers"] = len(report.patched)
+            row["logits_max_rel_diff"] = (mx.abs(logits - ref_logits).max()
+                                          / mx.abs(ref_logits).max()).item()
+            unpatch_model(model)
+        if cfg == "default":
+            for (n, k, b), wk in saved[0].items():
+                qmv.set_mma_config(n, k, b, wk=wk)
+            for (n, k, b, mb), ntu in saved[1].items():
+                qmv.set_mma_config(n, k, b, nt_u={mb: ntu})
+        rows.append(row)
+    return rows
+
+
+# ------------------------------------------------------------------ output
+
+
+def _table(rows, unit_key, unit, title):
+    lines = [title, f"{'case':<34}" + "".join(f"{k:>8}" for k in KS)]
+    for r in rows:
+        label = f"{r.get('shape', r.get('model'))} {r['path']}"
+        lines.append(f"{label + ' ' + unit:<34}" + "".join(f"{r[unit_key][k]:8.2f}" for k in KS))
+        lines.append(f"{'  T(k)/T(1)':<34}" + "".join(f"{r['ratio'][k]:8.2f}" for k in KS))
+        lines.append(f"{'  TB/s':<34}" + "".join(f"{r['bw_tbs'][k]:8.3f}" for k in KS))
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--parts", default="matrices,llama8b,smollm")
+    ap.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--smollm-dtypes", default="bfloat16,float32")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--tune-reps", type=int, default=7)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the harness)")
+    args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
+    result = {"backend": backend(), "mlx": mx.__version__, "platform": platform.platform(),
+              "dtype": args.dtype, "peak_bw_tbs": H200_BW / 1e12, "ks": KS}
+
+    def dump():
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    def guarded(name, fn):
+        try:
+            return fn()
+        except Exception:  # one broken part must not lose the others' numbers
+            result.setdefault("errors", {})[name] = traceback.format_exc()
+            print(f"== {name} FAILED\n{traceback.format_exc()}", flush=True)
+            return None
+
+    if "matrices" in parts:
+        result["matrices"] = guarded("matrices", lambda: bench_matrices(args)) or []
+        dump()
+        print(_table(result["matrices"], "t_us", "us", "== single 4-bit matrices (per matmul)"),
+              flush=True)
+    tuned = False
+    if args.tune and "llama8b" in parts:
+        shapes = [(4096, 4096), (14336, 4096), (4096, 14336)]
+        result["tuning"] = guarded("tuning", lambda: tune(args, shapes)) or {}
+        tuned = bool(result["tuning"])
+        dump()
+        print("== tuned mma split:", json.dumps(
+            {k: {"wk": v["wk"], "nt_u": v["nt_u"]} for k, v in result["tuning"].items()}),
+            flush=True)
+    models = result["models"] = []
+
+    def run_model(name, margs, dt, bits, gs, embed_bits, with_tuned):
+        model = build_model(margs, dt, bits, gs, embed_bits, args.smoke)
+        models.extend(bench_model(name, model, args, with_tuned))
+        del model
+        mx.clear_cache()
+
+    if "llama8b" in parts:
+        guarded("llama8b", lambda: run_model("llama8b-4bit", llama8b_args(),
+                                             getattr(mx, args.dtype), 4, 64, 4, tuned))
+        dump()
+    if "smollm" in parts:
+        for dt in args.smollm_dtypes.split(","):
+            guarded(f"smollm-{dt}", lambda dt=dt: run_model(
+                f"smollm135m-{dt}", smollm_args(), getattr(mx, dt), 4, 32, 8, False))
+            dump()
+    if models:
+        print(_table(models, "t_ms", "ms", "== model forward of k tokens"), flush=True)
+        for r in models:
+            if "logits_max_rel_diff" in r:
+                print(f"{r['model']} {r['path']}: {r['patched_layers']} layers patched, "
+                      f"logits max rel diff vs mlx {r['logits_max_rel_diff']:.2e}")
+    dump()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""Load and save DSpark drafters in the DeepSpec / Hugging Face layout.
+
+A checkpoint directory holds ``config.json`` (see :mod:`drafters.dspark.config`) and one or more
+``*.safetensors`` files with these tensor names (optionally prefixed ``model.``):
+
+* ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.self_attn.{q,k}_norm.weight``
+* ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``
+* ``norm.weight``, ``fc.weight`` ``[d, m*d]``, ``hidden_norm.weight``
+* ``markov_head.markov_w1.weight`` ``[V, r]``, ``markov_head.markov_w2.weight`` ``[V, r]``
+* ``confidence_head.proj.weight`` ``[1, d+r]``, ``confidence_head.proj.bias`` ``[1]``
+* optional ``embed_tokens.weight`` / ``lm_head.weight`` ``[V, d]``: DeepSpec ships frozen copies
+  of the target's; the drafter always uses the target's own, so these are shape-checked and
+  dropped (z-lab and our checkpoints omit them).
+
+Quantized checkpoints (written by :func:`save_dspark` with ``bits``) use MLX's affine
+quantization, stored the way mlx-lm stores quantized models: a quantized matrix ``<name>`` is
+``<name>.weight`` (uint32, ``32 / bits`` values per word, shape ``[out, in * bits / 32]``),
+``<name>.scales`` and ``<name>.biases`` (``[out, in / group_size]``, float), with
+``config.json["quantization"] = {"group_size": g, "bits": b, "mode": "affine"}``; value =
+``scale * q + bias`` per group of ``g`` inputs. The loader quantizes exactly the modules whose
+``.scales`` are present, so plain and quantized files load through the same call.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from .config import DSparkConfig
+from .model import DSparkModel
+
+log = logging.getLogger("specserve.dspark")
+
+_SHARED = ("embed_tokens.", "lm_head.")
+_IGNORED = ("rotary_emb.inv_freq", "mask_embedding")
+_REDUCED_VOCAB = ("d2t", "t2d", "draft_id_to_target_id")
+
+
+def _read_weights(path: Path) -> dict[str, mx.array]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    weights: dict[str, mx.array] = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    return weights
+
+
+def _normalise(weights: dict[str, mx.array], cfg: DSparkConfig) -> dict[str, mx.array]:
+    """Strip a ``model.`` prefix, check and drop the shared embedding/LM head copies."""
+    out = {}
+    for name, value in weights.items():
+        key = name[len("model."):] if name.startswith("model.") else name
+        if any(key == r or key.startswith(r + ".") for r in _REDUCED_VOCAB):
+            raise NotImplementedError("reduced-vocabulary drafters (d2t/t2d) are not supported")
+        if key.startswith(_SHARED):
+            if key.endswith(".weight") and value.dtype != mx.uint32:
+                want = (cfg.vocab_size, cfg.hidden_size)
+                if tuple(value.shape) != want:
+                    raise ValueError(f"{name} has shape {tuple(value.shape)}, expected {want}: "
+                                     "the drafter's vocabulary/width must match the target's")
+            continue
+        if key in _IGNORED:
+            continue
+        out[key] = value
+    return out
+
+
+def load_dspark(path: str | Path, dtype: str | None = "float32", dequantize: bool = False
+                ) -> DSparkModel:
+    """Load a drafter checkpoint directory (DeepSpec layout, plain or MLX-quantized).
+
+    Args:
+        path: directory with ``config.json`` and ``*.safetensors``.
+        dtype: cast floating parameters (and quantization scales/biases) to this MLX dtype
+            name; None keeps the stored dtypes. float32 suits the CPU backend.
+        dequantize: turn quantized layers back into float ones (faster on the CPU backend).
+
+    Returns:
+        The network (``.config`` holds the :class:`DSparkConfig`), evaluated.
+
+    Raises:
+        FileNotFoundError: missing config.json or weights.
+        ValueError: missing, unexpected or mis-shaped tensors (names are listed).
+        NotImplementedError: unsupported variants (gated/rnn Markov, reduced vocabulary).
+    """
+    path = Path(path)
+    raw = json.loads((path / "config.json").read_text())
+    cfg = DSparkConfig.from_dict(raw)
+    weights = _normalise(_read_weights(path), cfg)
+    if cfg.enable_confidence_head and "confidence_head.proj.weight" not in weights:
+        log.warning("%s: config enables the confidence head but it has no weights; disabled", path)
+        cfg.enable_confidence_head = False
+    model = DSparkModel(cfg)
+    if cfg.quantization:
+        q = cfg.quantization
+        nn.quantize(model, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
+                    class_predicate=lambda p, m: f"{p}.scales" in weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise ValueError(f"{path}: tensors do not match the DeepSpec layout for this config: {exc}") from exc
+    if dtype is not None:  # before dequantizing: scales in the target dtype, no extra rounding
+        target = getattr(mx, dtype)
+        model.update(tree_map(
+            lambda x: x.astype(target) if mx.issubdtype(x.dtype, mx.floating) else x,
+            model.parameters()))
+    if dequantize and cfg.quantization:
+        from mlx_lm.utils import dequantize_model
+
+        dequantize_model(model)
+        cfg.quantization = None
+    mx.eval(model.parameters())
+    model.eval()
+    return model
+
+
+def _quantizable(group_size: int):
+    def predicate(path: str, module: nn.Module) -> bool:
+        if path.startswith("confidence_head") or not isinstance(module, (nn.Linear, nn.Embedding)):
+            return False
+        return module.weight.shape[-1] % group_size == 0
+    return predicate
+
+
+def _clone(model: DSparkModel, cfg: DSparkConfig) -> DSparkModel:
+    """A separate network with ``model``'s weights (quantized layers stay quantized)."""
+    flat = dict(tree_flatten(model.parameters()))
+    copy = DSparkModel(cfg)
+    if cfg.quantization:
+        q = cfg.quantization
+        nn.quantize(copy, group_size=q["group_size"], bits=q["bits"], mode=q.get("mode", "affine"),
+                    class_predicate=lambda p, m: f"{p}.scales" in flat)
+    copy.load_weights(list(flat.items()), strict=True)
+    return copy
+
+
+def save_dspark(model: DSparkModel, out: str | Path, *, bits: int | None = None,
+                group_size: int = 64, dtype: str | None = None) -> Path:
+    """Write ``config.json`` + ``model.safetensors`` in the DeepSpec layout (no embed/LM head).
+
+    Args:
+        bits: quantize the big matrices (every Linear/Embedding except the confidence head whose
+            input width is a multiple of ``group_size``) to this many bits (2, 3, 4, 5, 6, 8);
+            None writes plain tensors.
+        dtype: cast floating tensors (and scales/biases) to this dtype first; None keeps them.
+    Returns:
+        The directory written.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = DSparkConfig.from_dict(model.config.to_dict())
+    copy = _clone(model, cfg)
+    if dtype is not None:
+        target = getattr(mx, dtype)
+        copy.update(tree_map(
+            lambda x: x.astype(target) if mx.issubdtype(x.dtype, mx.floating) else x, copy.parameters()))
+    if bits is not None:
+        if cfg.quantization:
+            raise ValueError("the model is already quantized")
+        nn.quantize(copy, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
+        cfg.quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
+    weights = dict(tree_flatten(copy.parameters()))
+    mx.eval(weights)
+    fmt = "mlx" if cfg.quantization else "pt"
+    mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": fmt})
+    (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True) + "\n")
+    return out

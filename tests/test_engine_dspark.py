@@ -1,0 +1,131 @@
+"""DSpark inside the engine, on the tiny target with a tiny random drafter.
+
+A random drafter proposes mostly wrong tokens; to exercise accepted drafts too, tests give the
+drafter a Markov bias that favours chosen tokens and push the target toward the same tokens
+with a request logit_bias.
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import run
+from scipy import stats
+from test_engine import prompts
+
+from drafters.dspark import DSparkModel, init_weights, save_dspark
+from drafters.dspark.config import draft_config_from_target
+from engine import (
+    Engine,
+    EngineConfig,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    SpeculativeParams,
+)
+
+DS = SpeculativeParams("dspark")
+FORCE = SpeculativeParams("dspark", min_draft_tokens=3)
+
+
+def favour(net: DSparkModel, boosts: dict[int, float]) -> None:
+    """Markov bias ``W2(W1[prev])`` = ``boosts[t]`` for every previous token."""
+    r = net.config.markov_rank
+    w1 = mx.ones_like(net.markov_head.markov_w1.weight)
+    w2 = mx.zeros_like(net.markov_head.markov_w2.weight)
+    for token, value in boosts.items():
+        w2[token] = value / r
+    net.markov_head.markov_w1.weight = w1
+    net.markov_head.markov_w2.weight = w2
+
+
+def make_drafter(tiny, path, boosts=None):
+    cfg = draft_config_from_target(tiny.config, num_hidden_layers=1, target_layer_ids=[0], block_size=5,
+                                   mask_token_id=0, markov_rank=16)
+    net = DSparkModel(cfg)
+    init_weights(net, std=0.05, seed=1)
+    if boosts:
+        favour(net, boosts)
+    save_dspark(net, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dspark_engine(tiny, tmp_path_factory):
+    path = make_drafter(tiny, tmp_path_factory.mktemp("dspark") / "drafter", {77: 12.0})
+    eng = Engine(EngineConfig(speculation="auto", dspark=True, dspark_drafter=str(path),
+                              calibration_contexts=(40, 300)), loaded=tiny).start(wait=True, timeout=300)
+    yield eng
+    eng.stop()
+
+
+def test_greedy_identity_with_dspark_and_auto(dspark_engine):
+    accepted = {"dspark": 0, "prompt_lookup": 0}
+    bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}  # the target's argmax is 77: drafts pass
+    for i, p in enumerate(prompts(24, seed=7)):
+        kw = bias if i % 3 == 0 else {}
+        plain, text, last_plain = run(dspark_engine, p, "off", max_tokens=40, **kw)
+        for spec in (FORCE, SpeculativeParams("auto")):
+            ids, spec_text, last = run(dspark_engine, p, "x", max_tokens=40, speculative=spec, **kw)
+            assert ids == plain and spec_text == text
+            assert last.finish_reason == last_plain.finish_reason
+            for name, counts in last.stats.by_drafter.items():
+                accepted[name] += counts.num_accepted_tokens
+    assert accepted["dspark"] > 20
+
+
+def test_dspark_cut_by_max_tokens_stop_and_eos_inside_accepted_block(dspark_engine):
+    p = [9, 10, 11] * 4
+    kw = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}
+    for max_tokens in (1, 2, 4, 6, 9):
+        ids, _, last = run(dspark_engine, p, "x", max_tokens=max_tokens, speculative=FORCE, **kw)
+        assert ids == [77] * max_tokens and last.finish_reason is FinishReason.LENGTH
+    ids, _, last = run(dspark_engine, p, "x", max_tokens=20, speculative=FORCE, stop_token_ids=(77,), **kw)
+    assert ids == [77] and last.finish_reason is FinishReason.STOP
+    assert last.stats.by_drafter["dspark"].num_accepted_tokens == 0 or last.completion_tokens == 1
+
+
+def test_sampled_dspark_fixed_seed_is_fixed(dspark_engine):
+    p = prompts(3, seed=2)[1]
+    outs = [run(dspark_engine, p, "x", max_tokens=24, temperature=0.9, seed=5, speculative=FORCE)[0]
+            for _ in range(3)]
+    assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.slow
+def test_sampled_distribution_with_dspark(tiny, tmp_path):
+    """The first generated token is DSpark's first draft judged by the rejection rule (q: the
+    drafter's Markov-corrected, temperature-scaled distribution): its distribution over 20k
+    seeds must equal the target's processed distribution p (chi-square)."""
+    a, c = 60, 61
+    path = make_drafter(tiny, tmp_path / "d", {a: 6.0, c: 5.0})
+    eng = Engine(EngineConfig(speculation="dspark", dspark=True, dspark_drafter=str(path),
+                              calibration_contexts=(32,), warmup=False), loaded=tiny).start(wait=True)
+    try:
+        prompt = [20, 21, 22, 23, 24]
+        bias = ((a, 4.0), (c, 4.0))
+        vocab = tiny.config["vocab_size"]
+        shift = mx.zeros((vocab,))
+        for t, v in bias:
+            shift[t] = v
+        exact = np.array(mx.softmax(tiny.model(mx.array(prompt)[None])[0, -1].astype(mx.float32) + shift).tolist())
+        n = 20_000
+        counts = np.zeros(vocab)
+        drafted = accepted = 0
+        for seed in range(n):
+            req = GenerationRequest(prompt_tokens=prompt, max_tokens=2, ignore_eos=True,
+                                    sampling=SamplingParams(temperature=1.0, seed=seed, logit_bias=bias),
+                                    speculative=SpeculativeParams("dspark", min_draft_tokens=1))
+            events = list(eng.generate(req))
+            counts[events[0].token_ids[0]] += 1
+            drafted += events[-1].stats.total.num_draft_tokens
+            accepted += events[-1].stats.total.num_accepted_tokens
+        assert drafted >= n and n / 20 < accepted < drafted * 0.9  # both paths exercised
+        big = exact * n >= 5
+        observed, expected = counts[big], exact[big] * n
+        if (~big).any():
+            observed = np.append(observed, counts[~big].sum())
+            expected = np.append(expected, exact[~big].sum() * n)
+        _, p_value = stats.chisquare(observed, expected * observed.sum() / expected.sum())
+        assert p_value > 1e-3, p_value
+    finally:
+        eng.stop()
