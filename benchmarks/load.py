@@ -148,6 +148,8 @@ def workload_items(names: list[str] | None, max_tokens: int) -> list[tuple[str, 
         if names and w["name"] not in names:
             continue
         for p in w["prompts"]:
+            if p["kind"] not in ("chat", "completion"):  # multi-turn sessions: bench_speculative
+                continue
             body = {"max_tokens": min(max_tokens, w.get("max_tokens", max_tokens)), "temperature": 0,
                     "speculative": {"method": "auto"}}
             if p["kind"] == "chat":
