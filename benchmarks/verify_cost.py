@@ -114,12 +114,12 @@ def tune(args, shapes, bits=4, gs=64):
         sets = _weight_sets(n, k, bits, gs, dtype, count)
         nchunks = k // (4 * p1.const("VW") * 32 // bits)
         results = []
-        for wk in (w for w in (4, 8, 16) if w <= nchunks):
+        for wk in [w for w in (4, 8, 16) if w <= nchunks] or [p1.const("WK")]:
             per_mb = {}
             for mb, kk in ((8, 8), (16, 16)):
                 best = None
                 for nt, u in _SWEEP[mb]:
-                    if n % (16 * nt):
+                    if n % (16 * nt) or not qmv.mma_config_fits(nt, u, mb, wk):
                         continue
                     qmv.set_mma_config(n, k, bits, wk=wk, nt_u={mb: (nt, u)})
                     t = _time_matrix(sets, kk, k, gs, bits, dtype, "auto", args.tune_reps)

@@ -1,0 +1,277 @@
+"""Small-batch quantized matmul for MLX affine-quantized weights (verify and decode).
+
+``quantized_matmul(x, w, scales, biases, group_size, bits)`` computes
+``y[m, n] = sum_k x[m, k] * W[n, k]`` where ``W[n, k] = scales[n, k // gs] * q[n, k] +
+biases[n, k // gs]`` and ``q`` is packed by ``mx.quantize`` (``bits`` 4 or 8, element
+``k`` of a row in bits ``[bits * (k % (32 // bits)), ...)`` of word ``k // (32 // bits)``,
+least significant first). It is a drop-in for ``mx.quantized_matmul(..., transpose=True)``
+that, for 1..16 activation rows on a GPU, reads each weight once for all rows and gives
+each row a fixed reduction order, so row ``i`` of an M-row call is bit-identical to the
+1-row call on the same input. That is what keeps greedy speculative decoding (verify over
+k+1 rows) byte-identical to one-token decoding.
+
+Kernels (sources in ``metal_kernels/sources/``):
+
+- ``mma`` (CUDA, fp16/bf16 activations): weights dequantized to fp16/bf16 in registers and
+  multiplied on the tensor cores (``mma.sync.m16n8k16``, fp32 accumulation). K is split
+  into fixed chunks across the warps of a block and the partial sums are added in warp
+  order; the split depends only on (N, K, bits), never on M.
+- ``simd`` (Metal for every dtype; CUDA for fp32 activations and N % 16 != 0): fp32
+  dequantize and fp32 FMAs per lane in increasing k, then a fixed xor butterfly. One body
+  (``simd_body.inc``) for both backends; the Metal build has not been run (no Mac here).
+- ``reference``: ``mx.quantized_matmul`` (CPU, more than 16 rows, unsupported layouts).
+
+Row exactness holds within one backend and kernel family; it does not make the kernel
+agree bit for bit with ``mx.quantized_matmul`` (only to rounding, see tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+
+MAX_ROWS = 16
+SUPPORTED_BITS = (4, 8)
+SUPPORTED_GROUP_SIZES = (32, 64, 128)
+SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+_SOURCES = Path(__file__).parent / "sources"
+# Warps in flight the mma split aims for (8 per multiprocessor on a 132-SM H100/H200).
+_TARGET_WARPS = 1024
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """One launch: which kernel, its compile-time constants and its launch shape.
+
+    ``kind`` is ``"mma"`` or ``"simd"``; ``consts`` are the integer template constants
+    (names as in the kernel sources); ``grid``/``threadgroup`` are in threads, as
+    ``mx.fast.cuda_kernel``/``metal_kernel`` take them (grid = total threads).
+    ``k_split`` names the parts of the configuration that fix the per-row reduction order;
+    it is independent of the row count M by construction.
+    """
+
+    kind: str
+    backend: str
+    consts: tuple[tuple[str, int], ...]
+    grid: tuple[int, int, int]
+    threadgroup: tuple[int, int, int]
+    k_split: tuple[tuple[str, int], ...]
+
+    def const(self, name: str) -> int:
+        return dict(self.consts)[name]
+
+
+@functools.cache
+def _gpu_backend() -> str:
+    if mx.metal.is_available():
+        return "metal"
+    if mx.cuda.is_available():
+        return "cuda"
+    return "cpu"
+
+
+def backend() -> str:
+    """``"metal"``, ``"cuda"`` or ``"cpu"``: the backend MLX's default device runs on."""
+    return _gpu_backend() if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+
+
+def _pow2_at_most(n: int, cap: int) -> int:
+    p = 1
+    while p * 2 <= min(n, cap):
+        p *= 2
+    return p
+
+
+# Benchmark-tuned overrides: (n, k, bits) -> wk and (n, k, bits, mb) -> (nt, u).
+_WK_OVERRIDE: dict[tuple[int, int, int], int] = {}
+_NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
+
+
+def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
+                   nt_u: dict[int, tuple[int, int]] | None = None) -> None:
+    """Override the mma split for one weight shape (used by benchmarks/verify_cost.py --tune).
+
+    ``wk`` (warps splitting K, a power of two <= 16) applies to every row bucket, so rows
+    stay bit-identical across M; ``nt_u`` maps a row bucket (8 or 16) to (tiles per warp,
+    chunks in flight), which do not change any row's arithmetic.
+    """
+    if wk is not None:
+        _WK_OVERRIDE[(n, k, bits)] = wk
+    for mb, ntu in (nt_u or {}).items():
+        _NTU_OVERRIDE[(n, k, bits, mb)] = ntu
+    _plan_cached.cache_clear()
+    _launcher.cache_clear()
+
+
+def clear_mma_config() -> None:
+    """Forget every :func:`set_mma_config` override."""
+    _WK_OVERRIDE.clear()
+    _NTU_OVERRIDE.clear()
+    _plan_cached.cache_clear()
+    _launcher.cache_clear()
+
+
+def mma_config_fits(nt: int, u: int, mb: int, wk: int) -> bool:
+    """Whether an mma configuration launches: registers per thread grow with the data a
+    warp keeps in flight (NT * U * MB / 8 units; ptxas: 42-64 registers for 1 unit, 78-114
+    for 2, 139-156 for 4, 199-255 with spills for 8), and a block of 32 * WK threads must
+    fit the multiprocessor's 64K registers (at most 128 each for WK = 16)."""
+    units = nt * u * mb // 8
+    return units <= (2 if wk >= 16 else 4)
+
+
+def _mma_plan(m: int, n: int, k: int, bits: int) -> KernelPlan:
+    vw = next(v for v in (4, 2, 1) if k % (4 * v * 32 // bits) == 0)
+    nchunks = k // (4 * vw * 32 // bits)
+    wk = 1
+    while wk < 16 and (n / 32) * wk < _TARGET_WARPS:
+        wk *= 2
+    wk = _WK_OVERRIDE.get((n, k, bits), _pow2_at_most(nchunks, wk))
+    mb = 8 if m <= 8 else 16
+    nt, u = (2 if n % 32 == 0 and n >= 8192 else 1), (2 if mb == 8 else 1)
+    nt, u = _NTU_OVERRIDE.get((n, k, bits, mb), (nt, u))
+    if n % (16 * nt):
+        nt = 1
+    while u > 1 and not mma_config_fits(nt, u, mb, wk):
+        u //= 2
+    if not mma_config_fits(nt, u, mb, wk):
+        nt = 1
+    threads = 32 * wk
+    consts = (("BITS", bits), ("NT", nt), ("WK", wk), ("MB", mb), ("VW", vw), ("U", u))
+    return KernelPlan("mma", "cuda", consts, (n // (16 * nt) * threads, 1, 1), (threads, 1, 1),
+                      (("VW", vw), ("WK", wk)))
+
+
+def _simd_plan(m: int, n: int, bits: int, be: str) -> KernelPlan:
+    mb = 1
+    while mb < m:
+        mb *= 2
+    r, nsg = 4, (2 if be == "metal" else 4)
+    blocks = -(-n // (r * nsg))
+    consts = (("BITS", bits), ("MB", mb), ("R", r), ("NSG", nsg))
+    return KernelPlan("simd", be, consts, (blocks * 32 * nsg, 1, 1), (32 * nsg, 1, 1), ())
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_cached(m, n, k, bits, gs, dtype, be) -> KernelPlan | None:
+    if be not in ("metal", "cuda") or not 1 <= m <= MAX_ROWS:
+        return None
+    if bits not in SUPPORTED_BITS or gs not in SUPPORTED_GROUP_SIZES or k % gs or n < 1:
+        return None
+    if dtype not in SUPPORTED_DTYPES:
+        return None
+    if be == "cuda" and dtype != mx.float32 and n % 16 == 0:
+        return _mma_plan(m, n, k, bits)
+    return _simd_plan(m, n, bits, be)
+
+
+def plan(m: int, n: int, k: int, bits: int, group_size: int, dtype: mx.Dtype,
+         backend_name: str | None = None) -> KernelPlan | None:
+    """The kernel launch for ``m`` activation rows against an ``n x k`` quantized weight.
+
+    Returns ``None`` when the reference path (``mx.quantized_matmul``) must be used: CPU
+    backend, ``m`` outside 1..16, bits not 4/8, group size not 32/64/128, ``k`` not a
+    multiple of the group size, or an activation dtype other than fp16/bf16/fp32.
+    ``backend_name`` defaults to :func:`backend`.
+    """
+    be = backend() if backend_name is None else backend_name
+    return _plan_cached(int(m), int(n), int(k), int(bits), int(group_size), dtype, be)
+
+
+def _read(name: str) -> str:
+    return (_SOURCES / name).read_text()
+
+
+@functools.cache
+def _kernel(kind: str, be: str):
+    """The mx.fast kernel object for one kernel family (compiled per template on first use)."""
+    if kind == "mma":
+        header, body = _read("mma_cuda.cuh"), _read("mma_body.cu")
+    elif be == "cuda":
+        header, body = _read("simd_cuda.cuh"), _read("simd_cuda_prologue.inc") + _read(
+            "simd_body.inc")
+    else:
+        header, body = _read("simd_metal.h"), _read("simd_metal_prologue.inc") + _read(
+            "simd_body.inc")
+    # The source hash is in the name so an edited source never reuses a kernel compiled
+    # under the same name (MLX caches compiled kernels by name).
+    digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
+    name = f"specserve_qmv_{kind}_{digest}"
+    args = dict(name=name, input_names=["x", "w", "scales", "biases"], output_names=["y"],
+                source=body, header=header, ensure_row_contiguous=True)
+    if be == "cuda":
+        return mx.fast.cuda_kernel(**args)
+    return mx.fast.metal_kernel(**args)
+
+
+def run_plan(p: KernelPlan, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+             init_value: float | None = None) -> mx.array:
+    """Launch plan ``p`` on ``x`` of shape (M, K); returns (M, N) in ``x.dtype``.
+
+    Launches exactly what :func:`quantized_matmul` launches for that plan, without its
+    shape checks (tests and benchmarks use it). ``init_value`` pre-fills the output (tests
+    poison it with NaN to catch unwritten elements).
+    """
+    template = [("T", x.dtype), ("S", scales.dtype), *p.consts]
+    out = _kernel(p.kind, p.backend)(
+        inputs=[x, w, scales, biases], template=template, grid=p.grid,
+        threadgroup=p.threadgroup, output_shapes=[(x.shape[0], w.shape[0])],
+        output_dtypes=[x.dtype], init_value=init_value)
+    return out[0]
+
+
+def reference_matmul(x, w, scales, biases=None, group_size=64, bits=4, mode="affine"):
+    """``mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)``: the reference."""
+    return mx.quantized_matmul(x, w, scales=scales, biases=biases, transpose=True,
+                               group_size=group_size, bits=bits, mode=mode)
+
+
+@functools.lru_cache(maxsize=4096)
+def _launcher(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be):
+    """(kernel, template, grid, threadgroup) for one call signature, or None (reference)."""
+    if (gs not in SUPPORTED_GROUP_SIZES or wdt != mx.uint32 or wcols * 32 != k * bits or not k
+            or k % gs or sshape != (n, k // gs)
+            or bshape != sshape or sdt not in SUPPORTED_DTYPES or bdt != sdt):
+        return None
+    p = _plan_cached(rows, n, k, bits, gs, xdt, be)
+    if p is None:
+        return None
+    return (_kernel(p.kind, p.backend), [("T", xdt), ("S", sdt), *p.consts], p.grid,
+            p.threadgroup)
+
+
+def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None = None,
+                     group_size: int = 64, bits: int = 4, mode: str = "affine", *,
+                     kernels: str = "auto") -> mx.array:
+    """``x @ dequantize(w).T`` for MLX affine-quantized ``w``, through the small-batch kernel.
+
+    Args:
+        x: activations, shape (..., K), float16/bfloat16/float32.
+        w: packed weights, uint32 (N, K * bits / 32), from ``mx.quantize``.
+        scales, biases: (N, K / group_size), float.
+        group_size, bits, mode: as for ``mx.quantized_matmul``.
+        kernels: ``"auto"`` uses a kernel when :func:`plan` finds one for the flattened
+            row count; ``"off"`` always uses ``mx.quantized_matmul``.
+
+    Returns (..., N) in ``x.dtype``. Inputs the kernels do not take (non-affine modes, no
+    biases, mismatched shapes) go to ``mx.quantized_matmul``, which raises its own errors.
+    """
+    if kernels != "auto":
+        if kernels != "off":
+            raise ValueError(f"kernels must be 'auto' or 'off', not {kernels!r}")
+    elif mode == "affine" and biases is not None and x.ndim >= 1 and w.ndim == 2:
+        k, n = x.shape[-1], w.shape[0]
+        rows = x.size // k if k else 0
+        launch = _launcher(rows, n, k, w.shape[1], scales.shape, biases.shape, x.dtype, w.dtype,
+                           scales.dtype, biases.dtype, bits, group_size, backend())
+        if launch is not None:
+            kernel, template, grid, tg = launch
+            y = kernel(inputs=[x.reshape(rows, k), w, scales, biases], template=template,
+                       grid=grid, threadgroup=tg, output_shapes=[(rows, n)],
+                       output_dtypes=[x.dtype])[0]
+            return y.reshape(*x.shape[:-1], n)
+    return reference_matmul(x, w, scales, biases, group_size, bits, mode)

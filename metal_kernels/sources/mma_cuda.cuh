@@ -1,0 +1,239 @@
+// specserve small-batch quantized matmul, CUDA tensor-core variant: helpers.
+//
+// Included as the `header` of mx.fast.cuda_kernel (before MLX's generated
+// kernel function). Everything lives in namespace ssk so nothing collides with
+// MLX's device headers.
+//
+// Weight fragments are dequantized to T (fp16 or bf16) in registers and fed as
+// the A operand of mma.sync.m16n8k16 (A = 16 weight rows x 16 k, B = 16 k x 8
+// activation rows, fp32 accumulators). The order of the k values inside one
+// mma is permuted to match the packed words (a dot product does not care which
+// k sits in which slot as long as A and B agree); see mma_body.cu.
+
+#ifndef SSK_MMA_CUDA_CUH
+#define SSK_MMA_CUDA_CUH
+
+namespace ssk {
+
+template <typename T>
+struct Half2;
+
+template <>
+struct Half2<__half> {
+  using V = __half2;
+  // 0x6400 is fp16 1024.0: OR-ing a value q < 1024 into the mantissa gives 1024 + q.
+  static constexpr uint32_t kMagic = 0x64006400u;
+  static __device__ __forceinline__ V splat(float f) {
+    return __float2half2_rn(f);
+  }
+  static __device__ __forceinline__ V magic() {
+    return __float2half2_rn(1024.0f);
+  }
+  static __device__ __forceinline__ V pack(float lo, float hi) {
+    return __floats2half2_rn(lo, hi);
+  }
+};
+
+template <>
+struct Half2<__nv_bfloat16> {
+  using V = __nv_bfloat162;
+  // 0x4300 is bf16 128.0: OR-ing q < 128 into the mantissa gives 128 + q.
+  static constexpr uint32_t kMagic = 0x43004300u;
+  static __device__ __forceinline__ V splat(float f) {
+    return __float2bfloat162_rn(f);
+  }
+  static __device__ __forceinline__ V magic() {
+    return __float2bfloat162_rn(128.0f);
+  }
+  static __device__ __forceinline__ V pack(float lo, float hi) {
+    return __floats2bfloat162_rn(lo, hi);
+  }
+};
+
+template <typename V>
+__device__ __forceinline__ V bits_to(uint32_t u) {
+  return *reinterpret_cast<const V*>(&u);
+}
+
+template <typename V>
+__device__ __forceinline__ uint32_t to_bits(V v) {
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Dequantization of one packed 32-bit word into pairs of T (one 32-bit
+// register each), the pair layout the mma A fragment takes.
+//   4 bits: pair j (0..3) = (q[j], q[j + 4]), q[i] = bits [4i, 4i + 4).
+//   8 bits: pair j (0..1) = (q[2j], q[2j + 1]), q[i] = byte i.
+// Each dequantized value is s * q + b rounded once to T (fp16: one fused
+// half2 FMA on exact q; bf16 8-bit: fp32 FMA then round, since bf16 cannot
+// hold 128 + q exactly for q >= 128).
+template <typename T, int BITS>
+struct Deq;
+
+template <typename T>
+struct Deq<T, 4> {
+  using V = typename Half2<T>::V;
+  static constexpr int kPairsPerWord = 4;
+  struct Params {
+    V s, b;
+  };
+  static __device__ __forceinline__ Params params(float s, float b) {
+    return {Half2<T>::splat(s), Half2<T>::splat(b)};
+  }
+  static __device__ __forceinline__ uint32_t pair(
+      uint32_t w, int j, const Params& p) {
+    uint32_t u = ((w >> (4 * j)) & 0x000F000Fu) | Half2<T>::kMagic;
+    V q = __hsub2(bits_to<V>(u), Half2<T>::magic());
+    return to_bits(__hfma2(q, p.s, p.b));
+  }
+};
+
+template <>
+struct Deq<__half, 8> {
+  using V = __half2;
+  static constexpr int kPairsPerWord = 2;
+  struct Params {
+    V s, b;
+  };
+  static __device__ __forceinline__ Params params(float s, float b) {
+    return {Half2<__half>::splat(s), Half2<__half>::splat(b)};
+  }
+  static __device__ __forceinline__ uint32_t pair(
+      uint32_t w, int j, const Params& p) {
+    // bytes (2j, 2j+1) into the low bytes of two fp16 1024.0 values.
+    uint32_t u = __byte_perm(w, 0x64646464u, j == 0 ? 0x4140u : 0x4342u);
+    V q = __hsub2(bits_to<V>(u), Half2<__half>::magic());
+    return to_bits(__hfma2(q, p.s, p.b));
+  }
+};
+
+template <>
+struct Deq<__nv_bfloat16, 8> {
+  static constexpr int kPairsPerWord = 2;
+  struct Params {
+    float s, b;
+  };
+  static __device__ __forceinline__ Params params(float s, float b) {
+    return {s, b};
+  }
+  static __device__ __forceinline__ uint32_t pair(
+      uint32_t w, int j, const Params& p) {
+    // byte i into the mantissa of fp32 2^23: exact 2^23 + q, minus 2^23.
+    float q0 = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7440u + 2u * j)) -
+        8388608.0f;
+    float q1 = __uint_as_float(__byte_perm(w, 0x4B000000u, 0x7441u + 2u * j)) -
+        8388608.0f;
+    return to_bits(Half2<__nv_bfloat16>::pack(
+        fmaf(q0, p.s, p.b), fmaf(q1, p.s, p.b)));
+  }
+};
+
+// The B fragment (two 32-bit registers) for mma `s` of word `v`, taken from
+// the thread's activation words xr (pairs of consecutive T values in k order).
+template <int BITS>
+struct XPair;
+
+template <>
+struct XPair<4> {
+  // word v covers x[8v .. 8v+8); pairs must be (x[j], x[j+4]) like the weights.
+  template <int XW>
+  static __device__ __forceinline__ void get(
+      const uint32_t (&xr)[XW], int v, int s, uint32_t& b0, uint32_t& b1) {
+    const uint32_t lo = xr[4 * v + s];
+    const uint32_t hi = xr[4 * v + s + 2];
+    b0 = __byte_perm(lo, hi, 0x5410u);
+    b1 = __byte_perm(lo, hi, 0x7632u);
+  }
+};
+
+template <>
+struct XPair<8> {
+  // word v covers x[4v .. 4v+4); pairs are consecutive.
+  template <int XW>
+  static __device__ __forceinline__ void get(
+      const uint32_t (&xr)[XW], int v, int s, uint32_t& b0, uint32_t& b1) {
+    b0 = xr[2 * v];
+    b1 = xr[2 * v + 1];
+  }
+};
+
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__half> {
+  static __device__ __forceinline__ void run(
+      float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <>
+struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void run(
+      float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// VW consecutive 32-bit weight words, streamed (read once: evict first).
+template <int VW>
+__device__ __forceinline__ void load_words(
+    const uint32_t* p, uint32_t (&out)[VW]) {
+  if constexpr (VW == 4) {
+    uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
+    out[0] = v.x;
+    out[1] = v.y;
+    out[2] = v.z;
+    out[3] = v.w;
+  } else if constexpr (VW == 2) {
+    uint2 v = __ldcs(reinterpret_cast<const uint2*>(p));
+    out[0] = v.x;
+    out[1] = v.y;
+  } else {
+    out[0] = __ldcs(p);
+  }
+}
+
+// XW 32-bit words of activations (kept in cache: every block reads them), or
+// zeros for a padding row.
+template <int XW, typename T>
+__device__ __forceinline__ void load_x(
+    const T* p, bool valid, uint32_t (&out)[XW]) {
+  if (!valid) {
+#pragma unroll
+    for (int i = 0; i < XW; ++i) {
+      out[i] = 0u;
+    }
+    return;
+  }
+  if constexpr (XW % 4 == 0) {
+    const uint4* q = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+    for (int i = 0; i < XW / 4; ++i) {
+      uint4 v = __ldg(q + i);
+      out[4 * i + 0] = v.x;
+      out[4 * i + 1] = v.y;
+      out[4 * i + 2] = v.z;
+      out[4 * i + 3] = v.w;
+    }
+  } else {
+    const uint2* q = reinterpret_cast<const uint2*>(p);
+#pragma unroll
+    for (int i = 0; i < XW / 2; ++i) {
+      uint2 v = __ldg(q + i);
+      out[2 * i + 0] = v.x;
+      out[2 * i + 1] = v.y;
+    }
+  }
+}
+
+} // namespace ssk
+
+#endif // SSK_MMA_CUDA_CUH

@@ -1,0 +1,358 @@
+"""Small-batch quantized matmul kernels (metal_kernels/): dispatch, patching, correctness.
+
+CPU tier (CI): dispatch decisions, the reference path, patching a tiny quantized Llama,
+and (where nvcc exists) that every CUDA kernel family compiles for sm_90 without spills.
+GPU tier (``-m gpu``; benchmarks/kernel_check.py runs it on the H200): agreement with
+``mx.quantized_matmul`` over M = 1..16, shapes, bits, group sizes and dtypes; row
+exactness (row i of an M-row call == the 1-row call, bit for bit); a patched model.
+This file must not rely on tests/conftest.py (kernel_check runs it with --noconftest).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+
+from metal_kernels import (
+    KernelQuantizedEmbedding,
+    KernelQuantizedLinear,
+    backend,
+    patch_model,
+    plan,
+    qmv,
+    quantized_matmul,
+    swap_layers,
+    unpatch_model,
+)
+
+ON_GPU = backend() != "cpu"
+needs_gpu = pytest.mark.skipif(
+    not ON_GPU, reason="needs an MLX GPU backend (Metal or CUDA); this MLX runs on the CPU only")
+cpu_only = pytest.mark.skipif(ON_GPU, reason="checks the CPU backend's behaviour")
+DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
+# Relative to max|reference|; the reference is float64 numpy on the same quantized weights. fp16/bf16 outputs
+# carry one output rounding plus the weights dequantized to fp16/bf16 (mma kernel).
+TOL = {mx.float32: 1e-5, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+# (N, K): K-chunk counts that split unevenly over warps, a single chunk (one warp, no
+# shared-memory reduction) and N not a multiple of 32.
+SHAPES = [(256, 1024), (208, 640), (64, 128)]
+
+
+def _quantized(n, k, gs, bits, wdtype, seed):
+    mx.random.seed(seed)
+    w = mx.random.normal((n, k)).astype(wdtype)
+    return mx.quantize(w, group_size=gs, bits=bits)
+
+
+def _reference(x, wq, s, b, gs, bits):
+    """float64 numpy: unpack the words (LSB first), dequantize, x @ W.T. Independent of
+    MLX's own quantized matmul (whose CUDA path returned zeros for K == group size == 128)."""
+    q = np.array(wq).astype(np.uint64)
+    per = 32 // bits
+    vals = np.stack([(q >> (bits * i)) & ((1 << bits) - 1) for i in range(per)], -1)
+    vals = vals.reshape(q.shape[0], -1).astype(np.float64)
+    f64 = lambda a: np.array(a.astype(mx.float32), dtype=np.float64)  # noqa: E731
+    w = np.repeat(f64(s), gs, 1) * vals + np.repeat(f64(b), gs, 1)
+    return f64(x) @ w.T
+
+
+def _tiny_llama(bits=4, gs=32, embed_bits=8, dtype=mx.float32, seed=0):
+    """A 2-layer GQA Llama (tied embeddings), quantized like the default model."""
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5,
+        vocab_size=384, rope_theta=10000.0, tie_word_embeddings=True)
+    model = llama.Model(args)
+    model.set_dtype(dtype)
+    nn.quantize(model, class_predicate=lambda _, m: (
+        {"group_size": gs, "bits": embed_bits} if isinstance(m, nn.Embedding)
+        else {"group_size": gs, "bits": bits} if isinstance(m, nn.Linear) else False))
+    mx.eval(model.parameters())
+    return model
+
+
+# ---------------------------------------------------------------- CPU: dispatch decisions
+
+
+def test_plan_cpu_backend_uses_reference():
+    for m in range(0, 18):
+        assert plan(m, 256, 1024, 4, 64, mx.float16, "cpu") is None
+
+
+@pytest.mark.parametrize("be,dtype,n,kind", [
+    ("cuda", mx.float16, 256, "mma"), ("cuda", mx.bfloat16, 4096, "mma"),
+    ("cuda", mx.float32, 256, "simd"), ("cuda", mx.float16, 200, "simd"),
+    ("metal", mx.float16, 256, "simd"), ("metal", mx.bfloat16, 200, "simd"),
+    ("metal", mx.float32, 256, "simd")])
+def test_plan_kernel_choice(be, dtype, n, kind):
+    for m in range(1, 17):
+        p = plan(m, n, 1024, 4, 64, dtype, be)
+        assert p is not None and p.kind == kind and p.backend == be
+
+
+@pytest.mark.parametrize("m,bits,gs,k,dtype", [
+    (0, 4, 64, 1024, mx.float16), (17, 4, 64, 1024, mx.float16), (64, 8, 32, 1024, mx.float32),
+    (1, 3, 64, 1024, mx.float16), (1, 6, 64, 1024, mx.float16), (1, 4, 16, 1024, mx.float16),
+    (1, 4, 128, 1000, mx.float16), (1, 4, 64, 1024, mx.int32)])
+def test_plan_unsupported_goes_to_reference(m, bits, gs, k, dtype):
+    for be in ("cuda", "metal"):
+        assert plan(m, 256, k, bits, gs, dtype, be) is None
+
+
+@pytest.mark.parametrize("n,k,bits", [(4096, 4096, 4), (1024, 4096, 4), (14336, 4096, 4),
+                                      (4096, 14336, 4), (128256, 4096, 4), (576, 576, 4),
+                                      (192, 576, 4), (49152, 576, 8), (208, 640, 8)])
+def test_reduction_order_does_not_depend_on_rows(n, k, bits):
+    """Row exactness needs the K split (chunk width, warps per block) fixed by the shape."""
+    plans = [plan(m, n, k, bits, 32, mx.float16, "cuda") for m in range(1, 17)]
+    assert len({p.k_split for p in plans}) == 1
+    assert [p.const("MB") for p in plans] == [8] * 8 + [16] * 8
+    for p in plans:
+        chunk = 4 * p.const("VW") * 32 // bits
+        assert k % chunk == 0 and p.const("WK") <= k // chunk
+        assert p.grid[0] % p.threadgroup[0] == 0
+        assert (p.grid[0] // p.threadgroup[0]) * 16 * p.const("NT") == n
+    simd = [plan(m, n, k, bits, 32, mx.float32, "cuda") for m in range(1, 17)]
+    assert len({(p.const("R"), p.const("NSG"), p.grid) for p in simd}) == 1
+    assert all(p.const("MB") >= m for m, p in enumerate(simd, 1))
+
+
+def test_set_mma_config_keeps_split_shared_across_rows():
+    try:
+        qmv.set_mma_config(256, 1024, 4, wk=2, nt_u={8: (2, 1), 16: (1, 2)})
+        p8, p16 = (plan(m, 256, 1024, 4, 64, mx.float16, "cuda") for m in (3, 12))
+        assert p8.k_split == p16.k_split == (("VW", 4), ("WK", 2))
+        assert (p8.const("NT"), p8.const("U"), p16.const("NT"), p16.const("U")) == (2, 1, 1, 2)
+    finally:
+        qmv.clear_mma_config()
+    assert plan(3, 256, 1024, 4, 64, mx.float16, "cuda").const("WK") != 2
+
+
+# ---------------------------------------------------------------- CPU: reference path
+
+
+@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 128), (8, 64)])
+@pytest.mark.parametrize("shape", [(1, 256), (5, 256), (2, 3, 256), (40, 256)])
+def test_dispatcher_on_cpu_is_the_reference(bits, gs, shape):
+    wq, s, b = _quantized(96, 256, gs, bits, mx.float32, seed=1)
+    x = mx.random.normal(shape)
+    ref = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=gs, bits=bits)
+    for kernels in ("auto", "off"):
+        y = quantized_matmul(x, wq, s, b, group_size=gs, bits=bits, kernels=kernels)
+        assert y.shape == (*shape[:-1], 96) and mx.array_equal(y, ref)
+
+
+def test_dispatcher_falls_back_for_other_layouts():
+    x = mx.random.normal((2, 128))
+    wq, s, b = _quantized(32, 128, 64, 3, mx.float32, seed=2)  # 3-bit: no kernel
+    ref = mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=64, bits=3)
+    assert mx.array_equal(quantized_matmul(x, wq, s, b, group_size=64, bits=3), ref)
+    wq, s = mx.quantize(mx.random.normal((32, 128)), mode="mxfp4")  # no biases
+    ref = mx.quantized_matmul(x, wq, s, transpose=True, mode="mxfp4")
+    y = quantized_matmul(x, wq, s, None, group_size=32, bits=4, mode="mxfp4")
+    assert mx.array_equal(y, ref)
+    with pytest.raises(ValueError, match="kernels"):
+        quantized_matmul(x, wq, s, None, kernels="on")
+
+
+# ---------------------------------------------------------------- CPU: patching
+
+
+@cpu_only
+def test_patch_model_modes_on_cpu():
+    model = _tiny_llama()
+    for mode in ("auto", "off"):
+        report = patch_model(model, mode)
+        assert not report.patched and not report.enabled and report.backend == "cpu"
+        assert "not patched" in report.summary() and report.reason in report.summary()
+    assert type(model.layers[0].self_attn.q_proj) is nn.QuantizedLinear
+    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
+    with pytest.raises(ValueError, match="kernel mode"):
+        patch_model(model, "fast")
+
+
+def test_swap_layers_keeps_cpu_forward_identical():
+    model = _tiny_llama()
+    tokens = mx.array([[3, 17, 250, 9, 44, 101, 7]])
+    before = model(tokens)
+    report = swap_layers(model)
+    # 2 layers x 7 projections + the tied 8-bit embedding (used via as_linear).
+    assert len(report.patched) == 15 and not report.skipped
+    assert isinstance(model.layers[1].mlp.down_proj, KernelQuantizedLinear)
+    assert isinstance(model.model.embed_tokens, KernelQuantizedEmbedding)
+    after = model(tokens)
+    assert mx.array_equal(before, after)
+    assert len(swap_layers(model).patched) == 15  # idempotent
+    assert unpatch_model(model) == 15
+    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
+    assert mx.array_equal(model(tokens), before)
+
+
+def test_swap_layers_skips_unsupported():
+    model = _tiny_llama(bits=3, gs=64, embed_bits=6)
+    report = swap_layers(model)
+    assert not report.patched and len(report.skipped) == 15
+    assert {why for _, why in report.skipped} == {"3-bit", "6-bit"}
+    assert type(model.layers[0].mlp.up_proj) is nn.QuantizedLinear
+
+
+# ---------------------------------------------------------------- CPU: CUDA sources compile
+
+_CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
+# What MLX's default header provides to a custom kernel that these kernels use.
+_MLX_PRELUDE = """#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda/std/array>
+#include <cooperative_groups.h>
+namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
+"""
+
+
+def _render_cuda(p, xdt, sdt, fname):
+    """One kernel as mx.fast.cuda_kernel generates it (mlx/backend/cuda/custom_kernel.cpp)."""
+    header, body = (qmv._read("mma_cuda.cuh"), qmv._read("mma_body.cu")) if p.kind == "mma" \
+        else (qmv._read("simd_cuda.cuh"), qmv._read("simd_cuda_prologue.inc") + qmv._read(
+            "simd_body.inc"))
+    sig = []
+    for name, ctype in (("x", _CUDA_TYPES[xdt]), ("w", "uint32_t"), ("scales", _CUDA_TYPES[sdt]),
+                        ("biases", _CUDA_TYPES[sdt])):
+        sig.append(f"const {ctype}* {name},")
+        if f"{name}_shape" in body:
+            sig.append(f"const __grid_constant__ Shape {name}_shape,")
+    consts = "".join(f"constexpr int {k} = {v};\n" for k, v in p.consts)
+    return (f"{header}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
+            f"__global__ void {fname}(\n{''.join(sig)} {_CUDA_TYPES[xdt]}* y) {{\n"
+            f"using T = {_CUDA_TYPES[xdt]};\nusing S = {_CUDA_TYPES[sdt]};\n{consts}\n{body}\n}}\n}}\n")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (CUDA toolkit absent)")
+def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
+    cases = []
+    for xdt, sdt in ((mx.float16, mx.float16), (mx.bfloat16, mx.bfloat16), (mx.float16, mx.float32),
+                     (mx.float32, mx.float32), (mx.float32, mx.bfloat16)):
+        for bits in (4, 8):
+            for m, n, k in ((1, 4096, 4096), (16, 14336, 4096), (9, 576, 576), (4, 208, 640)):
+                cases.append((plan(m, n, k, bits, 32, xdt, "cuda"), xdt, sdt))
+    src = _MLX_PRELUDE + "".join(_render_cuda(p, x, s, f"k{i}") for i, (p, x, s) in enumerate(cases))
+    (tmp_path / "k.cu").write_text(src)
+    res = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v",
+                          "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert {p.kind for p, _, _ in cases} == {"mma", "simd"}
+    assert res.stderr.count("0 bytes spill stores") == len(cases), res.stderr[-4000:]
+    assert "bytes stack frame" in res.stderr and " 0 bytes stack frame" in res.stderr
+
+
+# ---------------------------------------------------------------- GPU: correctness
+
+
+def _check_grid(bits, gs, xdt, sdt, shapes=SHAPES):
+    for n, k in shapes:
+        if k % gs:
+            continue
+        wq, s, b = _quantized(n, k, gs, bits, sdt, seed=n + k + bits)
+        x = mx.random.normal((16, k)).astype(xdt)
+        ref = _reference(x, wq, s, b, gs, bits)
+        scale = np.abs(ref).max()
+        assert scale > 0
+        for m in range(1, 17):
+            p = plan(m, n, k, bits, gs, xdt)
+            assert p is not None
+            y = qmv.run_plan(p, x[:m], wq, s, b, init_value=float("nan"))
+            assert y.dtype == xdt and y.shape == (m, n)
+            yf = np.array(y.astype(mx.float32), dtype=np.float64)
+            assert not np.isnan(yf).any(), f"unwritten outputs: {p}"
+            err = np.abs(yf - ref[:m]).max() / scale
+            assert err < TOL[xdt], f"M={m} N={n} K={k} err={err:.2e} {p}"
+            assert np.allclose(yf, ref[:m], rtol=TOL[xdt], atol=TOL[xdt] * scale)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.gpu
+@needs_gpu
+def test_kernel_matches_reference(bits, gs, dtype):
+    dt = DTYPES[dtype]
+    _check_grid(bits, gs, dt, dt)
+
+
+@pytest.mark.parametrize("xdt,sdt", [("float16", "float32"), ("bfloat16", "float32"),
+                                     ("float32", "float16")])
+@pytest.mark.gpu
+@needs_gpu
+def test_kernel_matches_reference_mixed_scale_dtype(xdt, sdt):
+    _check_grid(4, 32, DTYPES[xdt], DTYPES[sdt], SHAPES[:1])
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("gs", [32, 64, 128])
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.gpu
+@needs_gpu
+def test_rows_bit_identical_for_every_m(bits, gs, dtype):
+    dt = DTYPES[dtype]
+    for n, k in SHAPES:
+        if k % gs:
+            continue
+        wq, s, b = _quantized(n, k, gs, bits, dt, seed=7 * n + k)
+        x = mx.random.normal((16, k)).astype(dt)
+        full = quantized_matmul(x, wq, s, b, group_size=gs, bits=bits)
+        mx.eval(full)
+        for m in range(1, 16):
+            part = quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=bits)
+            assert mx.array_equal(part, full[:m]).item(), f"M={m} N={n} K={k}"
+        for i in range(16):
+            one = quantized_matmul(x[i:i + 1], wq, s, b, group_size=gs, bits=bits)
+            assert mx.array_equal(one[0], full[i]).item(), f"row {i} N={n} K={k}"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_tiles_and_prefetch_do_not_change_bits():
+    """NT (tiles per warp) and U (chunks in flight) must not touch any row's arithmetic."""
+    n, k, gs = 256, 1024, 64
+    wq, s, b = _quantized(n, k, gs, 4, mx.float16, seed=3)
+    x = mx.random.normal((16, k)).astype(mx.float16)
+    outs = []
+    try:
+        for nt, u in ((1, 1), (2, 2), (1, 4)):
+            qmv.set_mma_config(n, k, 4, wk=4, nt_u={8: (nt, u), 16: (nt, u)})
+            outs.append([quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=4)
+                         for m in (1, 8, 16)])
+    finally:
+        qmv.clear_mma_config()
+    for o in outs[1:]:
+        assert all(mx.array_equal(a, c).item() for a, c in zip(outs[0], o))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.gpu
+@needs_gpu
+def test_patched_model_logits_close(dtype):
+    dt = DTYPES[dtype]
+    model = _tiny_llama(dtype=dt)
+    tokens = mx.array([[3, 17, 250, 9, 44, 101, 7, 300, 12]])
+    before = model(tokens).astype(mx.float32)
+    report = patch_model(model, "auto")
+    assert len(report.patched) == 15 and report.enabled, report.summary()
+    after = model(tokens).astype(mx.float32)
+    scale = mx.abs(before).max().item()
+    err = mx.abs(after - before).max().item() / scale
+    assert err < 4 * TOL[dt], err
+    # Every projection's rows are exact: one verify pass of 9 rows == 9 one-row passes.
+    h = mx.random.normal((1, 9, 256)).astype(dt)
+    lin = model.layers[0].mlp.gate_proj
+    rows = mx.concatenate([lin(h[:, i:i + 1]) for i in range(9)], axis=1)
+    assert mx.array_equal(lin(h), rows).item()
+    head = model.model.embed_tokens.as_linear
+    assert mx.array_equal(head(h)[:, 4], head(h[:, 4:5])[:, 0]).item()
+    assert unpatch_model(model) == 15
