@@ -187,6 +187,9 @@ def main(argv=None) -> dict:
                             if s["acceptance_rate"] is not None else "")
                          for m, s in summary.items())
         print(f"{w['name']:12s} identical={identical}  {line}", flush=True)
+        if args.out:  # after every workload, so a run cut short keeps what it measured
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
     eng.stop()
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)

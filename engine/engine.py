@@ -62,6 +62,7 @@ class EngineConfig:
     served_model_name: str | None = None
     weights: str = "auto"
     speculation: str = "auto"  # off | prompt_lookup | dspark | auto
+    kernels: str = "off"  # metal_kernels small-batch quantized matmuls: auto | off
     dspark: bool = False  # load the DSpark drafter
     dspark_drafter: str | None = None  # its directory (default: the one shipped for the default model)
     prompt_lookup_min_ngram: int = 2
@@ -331,6 +332,10 @@ class Engine:
         cfg = self.config
         if self.loaded is None:
             self.loaded = load_target(cfg.model, cfg.weights, cfg.served_model_name)
+        from metal_kernels import patch_model
+
+        self.kernels = patch_model(self.loaded.model, mode=cfg.kernels)
+        log.info("%s", self.kernels.summary())
         self.runner = TargetRunner(self.loaded.model, prefill_step=cfg.prefill_step)
         rows = cfg.max_verify_rows if cfg.speculation != "off" else 1
         vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)

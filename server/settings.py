@@ -50,6 +50,14 @@ class Settings(BaseSettings):
         "keeps MLX's bundled reference BLAS, or a path to a BLAS shared library.",
     )
 
+    kernels: Literal["auto", "off"] = Field(
+        "off",
+        description="Small-batch quantized matmul kernels (metal_kernels/) for quantized targets on "
+        "Metal/CUDA: `auto` patches them in (rows stay bit-identical for 1..16 rows), `off` keeps "
+        "MLX's own. Off by default: on the H200 they let 16 rows verify exactly but made the "
+        "default model's one-token step 2x slower (docs/benchmarks.md).",
+    )
+
     # --- speculative decoding
     speculation: Literal["off", "prompt_lookup", "dspark", "auto"] = Field(
         "auto",
@@ -152,6 +160,7 @@ class Settings(BaseSettings):
             served_model_name=self.served_model_name,
             weights=self.weights,
             speculation=self.speculation,
+            kernels=self.kernels,
             dspark=self.dspark,
             dspark_drafter=self.dspark_drafter,
             prompt_lookup_min_ngram=self.prompt_lookup_min_ngram,
