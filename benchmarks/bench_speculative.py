@@ -213,7 +213,8 @@ def plot(results: dict, path: str) -> None:
         values = [results["workloads"][n]["methods"][m]["speedup"] for n in names]
         ax.bar([x + i * width for x in range(len(names))], values, width, label=m)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(names))], names)
+    ax.set_xticks([x + width * (len(methods) - 1) / 2 for x in range(len(names))], names,
+                  rotation=20, ha="right")
     ax.set_ylabel("decode tokens/s vs plain")
     ax.set_title(f"{results['model'].get('model')} on {results['machine']['device']}")
     ax.legend()

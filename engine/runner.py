@@ -26,14 +26,16 @@ log = logging.getLogger("specserve.runner")
 @dataclass
 class Calibration:
     max_rows: int  # widest exact verify pass (anchor + drafts); 1 = no speculation possible
-    row_exact_attention: bool
+    row_exact_attention: bool  # passes wider than batched_rows attend row by row
     verify_cost: list[float]  # seconds for k = 1..max_rows rows
     probed_rows: int  # the width asked for
+    batched_rows: int = 0  # widest pass exact with MLX's batched attention
 
     def summary(self) -> dict:
         base = self.verify_cost[0]
         return {
             "max_verify_rows": self.max_rows,
+            "batched_attention_rows": self.batched_rows,
             "row_exact_attention": self.row_exact_attention,
             "verify_cost_ms": [round(t * 1e3, 3) for t in self.verify_cost],
             "verify_cost_relative": [round(t / base, 3) for t in self.verify_cost],
@@ -52,6 +54,7 @@ class TargetRunner:
         self.model = model
         self.prefill_step = prefill_step
         self.row_exact_attention = False
+        self.batched_rows = 1 << 30  # passes up to this many rows use batched attention
         self.patched_modules = exact_attention.install(model)
 
     def make_cache(self) -> list:
@@ -94,7 +97,7 @@ class TargetRunner:
         Returns:
             ``(logits [len(tokens), V] float32, hidden [len(tokens), m*d] float32 or None)``, lazy.
         """
-        exact_attention.set_row_exact(cache, self.row_exact_attention)
+        exact_attention.set_row_exact(cache, self.row_exact_attention and len(tokens) > self.batched_rows)
         try:
             logits, hidden = self._forward(tokens, cache, taps)
         finally:
@@ -164,25 +167,24 @@ class TargetRunner:
             contexts = tuple(min(c, max_context - max_rows - 1) for c in contexts)
             need = min(need, max_context)
         ids = mx.random.randint(3, vocab_size, (need,), key=rng).tolist()
-        candidates = {"auto": (False, True), "batched": (False,), "row": (True,)}[mode]
-        best = (1, candidates[-1])
-        if max_rows > 1:
-            for row_exact in candidates:
-                self.row_exact_attention = row_exact
-                width = min(
-                    self._exact_width(ids[:c], ids[c : c + max_rows], max_rows) for c in contexts
-                )
-                log.info("verify exactness: row_exact=%s -> %d rows", row_exact, width)
-                if width > best[0] or (width == best[0] and best[1] and not row_exact):
-                    best = (width, row_exact)
-                if width == max_rows:
-                    break
-        width, row_exact = best
-        self.row_exact_attention = row_exact
+
+        def exact_width(row_exact: bool) -> int:
+            self.row_exact_attention = row_exact
+            self.batched_rows = 0 if row_exact else max_rows
+            width = min(self._exact_width(ids[:c], ids[c : c + max_rows], max_rows) for c in contexts)
+            log.info("verify exactness: row_exact=%s -> %d rows", row_exact, width)
+            return width
+
+        batched = exact_width(False) if mode in ("auto", "batched") and max_rows > 1 else 1
+        row = exact_width(True) if mode in ("auto", "row") and batched < max_rows and max_rows > 1 else 0
+        # Passes up to `batched` rows use MLX's batched attention; wider ones (up to `row`) attend
+        # row by row. Both are exact in their range, so each width uses the cheaper exact one.
+        self.batched_rows = batched if mode != "row" else 0
+        self.row_exact_attention = row > batched
+        width = max(batched, row)
         ctx = min(256, need - max_rows)
         costs = self._measure_cost(ids[:ctx], ids[ctx : ctx + width], width, repeats)
-        return Calibration(width, row_exact, costs, max_rows)
-
+        return Calibration(width, row > batched, costs, max_rows, batched_rows=self.batched_rows)
 
 def cost_model(cal: Calibration) -> CostModel:
     return CostModel(list(cal.verify_cost))
