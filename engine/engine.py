@@ -63,6 +63,7 @@ class EngineConfig:
     weights: str = "auto"
     speculation: str = "auto"  # off | prompt_lookup | dspark | auto
     kernels: str = "off"  # metal_kernels small-batch quantized matmuls: auto | off
+    compile: str = "auto"  # compiled decode/verify over a static KV cache: auto (GPU only) | on | off
     dspark: bool = False  # load the DSpark drafter
     dspark_drafter: str | None = None  # its directory (default: the one shipped for the default model)
     prompt_lookup_min_ngram: int = 2
@@ -336,7 +337,10 @@ class Engine:
 
         self.kernels = patch_model(self.loaded.model, mode=cfg.kernels)
         log.info("%s", self.kernels.summary())
-        self.runner = TargetRunner(self.loaded.model, prefill_step=cfg.prefill_step)
+        self.runner = TargetRunner(self.loaded.model, prefill_step=cfg.prefill_step,
+                                   compile=resolve_compile(cfg.compile),
+                                   max_context=self.loaded.context_length)
+        log.info("target passes: %s", "compiled (static KV cache)" if self.runner.compiled else "eager")
         rows = cfg.max_verify_rows if cfg.speculation != "off" else 1
         vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
         self.calibration = self.runner.calibrate(
@@ -545,6 +549,21 @@ class Engine:
                            stats=seq.stats, elapsed=time.perf_counter() - seq.submitted_at, error=error)
         handle.emit(event)
         self.sink.request_finished(event)
+
+
+def resolve_compile(mode: str) -> bool:
+    """``SPECSERVE_COMPILE``: ``on``/``off``, or ``auto`` = on for a GPU, off on the CPU backend,
+    where a step is bound by memory bandwidth and compiling does not help
+    (docs/benchmarks.md, "Step profile").
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"compile must be auto, on or off, got {mode!r}")
+    if mode == "auto":
+        return mx.default_device() == mx.gpu
+    return mode == "on"
 
 
 def _as_engine_error(exc: Exception) -> EngineError:

@@ -40,11 +40,23 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
 
     ``queries``: ``[B, H, L, D]``; ``keys``/``values``: ``[B, KV, S + L, D]`` (the cache's
     contents including the ``L`` new positions). With ``cache.row_exact`` and ``L > 1``, query
-    ``i`` attends to ``keys[:, :, :S + i + 1]`` on its own (causal by construction).
+    ``i`` attends to ``keys[:, :, :S + i + 1]`` on its own (causal by construction). With a
+    static cache (``mask`` a bool array ``[L, capacity]``, keys the whole buffer) query ``i``
+    attends over the whole buffer with mask row ``i``.
     """
     n = queries.shape[2]
     if n == 1 or not getattr(cache, "row_exact", False) or sinks is not None:
         return _original_sdpa(queries, keys, values, cache, scale, mask, sinks)
+    if isinstance(mask, mx.array):
+        # Static cache (engine.static_cache): every row attends over the whole buffer under its
+        # own mask row [1, capacity], the very call a one-row decode step makes.
+        rows = [
+            mx.fast.scaled_dot_product_attention(
+                queries[:, :, i : i + 1], keys, values, scale=scale, mask=mask[..., i : i + 1, :]
+            )
+            for i in range(n)
+        ]
+        return mx.concatenate(rows, axis=2)
     start = keys.shape[2] - n
     rows = [
         mx.fast.scaled_dot_product_attention(

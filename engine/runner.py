@@ -19,6 +19,7 @@ import mlx.nn as nn
 
 from . import exact_attention
 from .scheduler import CostModel
+from .static_cache import CompiledPasses, StaticCache, kv_layout
 
 log = logging.getLogger("specserve.runner")
 
@@ -48,31 +49,48 @@ class TargetRunner:
     Args:
         model: an mlx-lm model (``model(tokens[None], cache=...) -> logits``).
         prefill_step: prompt chunk size for prefill.
+        compile: run decode/verify passes as ``mx.compile``d graphs over a static KV cache
+            (:mod:`engine.static_cache`); caches are then :class:`StaticCache` objects.
+        max_context: the context window (largest static cache capacity needed).
     """
 
-    def __init__(self, model: nn.Module, prefill_step: int = 512):
+    def __init__(self, model: nn.Module, prefill_step: int = 512, compile: bool = False,
+                 max_context: int | None = None):
         self.model = model
         self.prefill_step = prefill_step
         self.row_exact_attention = False
         self.batched_rows = 1 << 30  # passes up to this many rows use batched attention
         self.patched_modules = exact_attention.install(model)
+        self.compiled = compile
+        self.max_context = max_context
+        self._kv_layout = None  # (layers, kv_heads, head_dim, dtype) of the static cache
+        self._passes: dict[int, CompiledPasses] = {}  # id(taps) (0: none) -> compiled passes
+        self._taps_alive: dict[int, object] = {}
 
-    def make_cache(self) -> list:
-        return exact_attention.make_cache(self.model)
+    def make_cache(self):
+        """A new empty KV cache (mlx-lm per-layer caches, or a :class:`StaticCache` when compiled)."""
+        if not self.compiled:
+            return exact_attention.make_cache(self.model)
+        if self._kv_layout is None:
+            self._kv_layout = kv_layout(self.model)
+        return StaticCache(*self._kv_layout, limit=self.max_context)
 
     @staticmethod
-    def trim(cache: list, n: int) -> None:
+    def trim(cache, n: int) -> None:
         """Roll back the last ``n`` positions of every layer's cache."""
-        if n > 0:
-            for c in cache:
-                c.trim(n)
+        if n <= 0:
+            return
+        if isinstance(cache, StaticCache):
+            cache.trim(n)
+            return
+        for c in cache:
+            c.trim(n)
 
     @staticmethod
-    def cache_length(cache: list) -> int:
-        return cache[0].offset
+    def cache_length(cache) -> int:
+        return cache.length if isinstance(cache, StaticCache) else cache[0].offset
 
-    def _forward(self, tokens: list[int], cache: list, taps):
-        ids = mx.array(tokens, dtype=mx.uint32)[None]
+    def _run_modules(self, ids: mx.array, cache, taps):
         if taps is None:
             return self.model(ids, cache=cache)[0], None
         # drafters.dspark.TargetTaps runs the same modules as the model's own forward (same
@@ -80,16 +98,38 @@ class TargetRunner:
         final, hidden = taps.forward(ids, cache)
         return taps.lm_head(final)[0], hidden[0].astype(mx.float32)
 
-    def prefill(self, tokens: list[int], cache: list, taps=None):
-        """Run ``tokens`` (a prompt chunk) through the target.
+    def _forward(self, tokens: list[int], cache, taps):
+        ids = mx.array(tokens, dtype=mx.uint32)[None]
+        if not isinstance(cache, StaticCache):
+            return self._run_modules(ids, cache, taps)
+        cache.reserve(len(tokens))
+        layers = cache.layers(cache.length)
+        out = self._run_modules(ids, layers, taps)
+        cache.store(layers, len(tokens))
+        return out
+
+    def passes(self, taps=None) -> CompiledPasses:
+        """The compiled decode/verify passes (with ``taps``' hidden states when given)."""
+        key = 0 if taps is None else id(taps)
+        if key not in self._passes:
+            def forward(ids, layers):
+                logits, hidden = self._run_modules(ids, layers, taps)
+                return logits.astype(mx.float32), hidden
+
+            self._passes[key] = CompiledPasses(forward)
+            self._taps_alive[key] = taps  # keeps id(taps) unique while its passes live
+        return self._passes[key]
+
+    def prefill(self, tokens: list[int], cache, taps=None):
+        """Run ``tokens`` (a prompt chunk) through the target (never compiled: chunk sizes vary).
 
         Returns:
-            ``(logits [n, V], hidden [n, m*d] float32 or None)``, lazy; ``hidden`` holds the tapped
-            layers' outputs when ``taps`` (a ``drafters.dspark.TargetTaps``) is given.
+            ``(logits [n, V] float32, hidden [n, m*d] float32 or None)``, lazy; ``hidden`` holds
+            the tapped layers' outputs when ``taps`` (a ``drafters.dspark.TargetTaps``) is given.
         """
         return self._forward(tokens, cache, taps)
 
-    def verify(self, tokens: list[int], cache: list, taps=None):
+    def verify(self, tokens: list[int], cache, taps=None):
         """Decode (one token) or verify (anchor + drafts).
 
         Every row computes what a one-token decode step at its position computes.
@@ -97,12 +137,15 @@ class TargetRunner:
         Returns:
             ``(logits [len(tokens), V] float32, hidden [len(tokens), m*d] float32 or None)``, lazy.
         """
-        exact_attention.set_row_exact(cache, self.row_exact_attention and len(tokens) > self.batched_rows)
+        row_exact = self.row_exact_attention and len(tokens) > self.batched_rows
+        if isinstance(cache, StaticCache):
+            return self.passes(taps).run(tokens, cache, row_exact)
+        exact_attention.set_row_exact(cache, row_exact)
         try:
             logits, hidden = self._forward(tokens, cache, taps)
+            return logits.astype(mx.float32), hidden
         finally:
             exact_attention.set_row_exact(cache, False)
-        return logits.astype(mx.float32), hidden
 
     # ---- calibration -------------------------------------------------------------------------
 

@@ -57,6 +57,13 @@ class Settings(BaseSettings):
         "MLX's own. Off by default: on the H200 they let 16 rows verify exactly but made the "
         "default model's one-token step 2x slower (docs/benchmarks.md).",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Compiled target passes: decode and verify run as `mx.compile`d graphs over a "
+        "static (preallocated, bucketed) KV cache, one trace per (rows, capacity). `auto` is on for "
+        "a GPU, where a step of a small model is bound by host-side graph building, and off on the "
+        "CPU backend, where it is bound by memory bandwidth (docs/benchmarks.md, step profile).",
+    )
 
     # --- speculative decoding
     speculation: Literal["off", "prompt_lookup", "dspark", "auto"] = Field(
@@ -161,6 +168,7 @@ class Settings(BaseSettings):
             weights=self.weights,
             speculation=self.speculation,
             kernels=self.kernels,
+            compile=self.compile,
             dspark=self.dspark,
             dspark_drafter=self.dspark_drafter,
             prompt_lookup_min_ngram=self.prompt_lookup_min_ngram,

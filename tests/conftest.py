@@ -13,6 +13,22 @@ import engine  # noqa: E402,F401,I001  (loads OpenBLAS before anything imports m
 from engine import Engine, EngineConfig  # noqa: E402
 from tiny import tiny_loaded  # noqa: E402
 
+# SPECSERVE_COMPILE=on|off runs every engine of the suite with compiled target passes forced on
+# or off (tests that pin the mode themselves pass their own EngineConfig.compile and are kept).
+_FORCED_COMPILE = os.environ.get("SPECSERVE_COMPILE")
+if _FORCED_COMPILE:
+    import dataclasses
+
+    _engine_init = Engine.__init__
+
+    def _forced_init(self, config=None, *args, **kwargs):
+        config = config or EngineConfig()
+        if config.compile == "auto":
+            config = dataclasses.replace(config, compile=_FORCED_COMPILE)
+        _engine_init(self, config, *args, **kwargs)
+
+    Engine.__init__ = _forced_init
+
 
 @pytest.fixture(scope="session")
 def tiny():
