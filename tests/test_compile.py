@@ -1,0 +1,171 @@
+"""Compiled target passes over the static KV cache (engine/static_cache.py): exactness.
+
+The engine's other exactness tests run on this path too with ``SPECSERVE_COMPILE=on``.
+"""
+
+import random
+
+import mlx.core as mx
+import pytest
+from helpers import run
+from test_engine import prompts
+
+from drafters.dspark import TargetTaps
+from engine import Engine, EngineConfig
+from engine.runner import TargetRunner
+from engine.static_cache import MIN_CAPACITY, CompiledPasses, StaticCache, bucket
+
+
+def _ids(n, seed):
+    rng = random.Random(seed)
+    return [rng.randrange(3, 259) for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def runners(tiny):
+    """(compiled runner, the same passes uncompiled) on the tiny model, batched attention."""
+    runner = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)
+    eager = CompiledPasses(runner.passes().forward, compile=False)
+    return runner, eager
+
+
+def _prefilled(runner, ids):
+    cache = runner.make_cache()
+    mx.eval(runner.prefill(ids, cache)[0])
+    return cache
+
+
+def _clone(cache: StaticCache) -> StaticCache:
+    twin = StaticCache(len(cache.keys), cache.shape[1], cache.shape[3], cache.dtype, cache.capacity,
+                       cache.limit)
+    twin.keys, twin.values, twin.length = list(cache.keys), list(cache.values), cache.length
+    return twin
+
+
+def _equal(a, b) -> bool:
+    return mx.array_equal(a, b).item()
+
+
+def test_bucket_doubles_and_respects_the_context():
+    assert [bucket(n) for n in (1, 256, 257, 600)] == [256, 256, 512, 1024]
+    assert bucket(300, limit=400) == 400 and bucket(200, limit=400) == MIN_CAPACITY
+
+
+def test_compiled_decode_equals_uncompiled_static_pass_bit_for_bit(runners):
+    runner, eager = runners
+    for seed in range(4):
+        ids = _ids(30 + 17 * seed, seed)
+        a = _prefilled(runner, ids[:-6])
+        b = _clone(a)
+        for t in ids[-6:]:  # decode steps, then a 5-row verify
+            la, lb = runner.passes().run([t], a, False)[0], eager.run([t], b, False)[0]
+            assert _equal(la, lb)
+        rows = _ids(5, 100 + seed)
+        assert _equal(runner.passes().run(rows, a, False)[0], eager.run(rows, b, False)[0])
+        assert all(_equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+
+
+@pytest.fixture(scope="module")
+def calibrated(tiny):
+    """A compiled runner after the engine's start-up calibration, and its result."""
+    runner = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)
+    return runner, runner.calibrate(tiny.config["vocab_size"], max_rows=16, contexts=(40, 300))
+
+
+def test_verify_rows_equal_one_row_decode_in_the_compiled_path(calibrated):
+    """After calibration (batched attention up to its exact width, per-row attention inside the
+    compiled graph beyond it), every row of every width equals a one-row decode bit for bit."""
+    runner, cal = calibrated
+    # same widths as the eager path on this machine (OpenBLAS bounds both); both modes in use
+    assert cal.max_rows > cal.batched_rows >= 1 and cal.max_rows >= 4, cal.summary()
+    for seed, width in enumerate((2, cal.batched_rows, cal.batched_rows + 1, cal.max_rows)):
+        cache = _prefilled(runner, _ids(40 + 31 * seed, 10 + seed))
+        block = _ids(width, 20 + seed)
+        rows = runner.verify(block, cache)[0]
+        runner.trim(cache, width)
+        for i, t in enumerate(block):
+            assert _equal(runner.verify([t], cache)[0][0], rows[i]), (width, i)
+
+
+def test_rollback_leaves_no_trace(runners):
+    """Decode after a rejected 6-row verify equals decode on a cache that never saw it."""
+    runner = runners[0]
+    ids = _ids(50, 3)
+    clean = _prefilled(runner, ids)
+    dirty = _clone(clean)
+    runner.verify(_ids(6, 4), dirty)
+    runner.trim(dirty, 6)
+    assert dirty.length == clean.length
+    for t in _ids(4, 5):
+        assert _equal(runner.verify([t], dirty)[0], runner.verify([t], clean)[0])
+
+
+def test_capacity_grows_across_a_bucket_mid_generation(runners):
+    runner, eager = runners
+    ids = _ids(MIN_CAPACITY - 3, 6)
+    cache = _prefilled(runner, ids[:-1])
+    twin = _clone(cache)
+    tok, seen = ids[-1], []
+    for _ in range(8):  # crosses 256 -> 512 on the 3rd step
+        logits = runner.verify([tok], cache)[0]
+        assert _equal(logits, eager.run([tok], twin, False)[0])
+        tok = mx.argmax(logits[0]).item()
+        seen.append(cache.capacity)
+    assert seen[0] == MIN_CAPACITY and seen[-1] == 2 * MIN_CAPACITY
+    # the grown cache holds what an eager (mlx-lm cache) decode of the same tokens gives
+    plain = TargetRunner(runner.model)
+    ref = plain.make_cache()
+    mx.eval(plain.prefill(ids[:-1], ref)[0])
+    tok, want = ids[-1], []
+    for _ in range(8):
+        tok = mx.argmax(plain.verify([tok], ref)[0][0]).item()
+        want.append(tok)
+    got, tok = [], ids[-1]
+    fresh = _prefilled(runner, ids[:-1])
+    for _ in range(8):
+        tok = mx.argmax(runner.verify([tok], fresh)[0][0]).item()
+        got.append(tok)
+    assert got == want
+
+
+def test_dspark_taps_through_the_compiled_path(tiny, calibrated):
+    runner, cal = calibrated
+    taps = TargetTaps(tiny.model, [0, 1])
+    ids = _ids(60, 7)
+    plain = TargetRunner(tiny.model)
+    ref = plain.make_cache()
+    mx.eval(plain.prefill(ids, ref, taps))
+    cache = _prefilled(runner, ids)
+    block = _ids(cal.max_rows, 8)
+    logits, hidden = runner.verify(block, cache, taps)
+    ref_logits, ref_hidden = plain.verify(block, ref, taps)
+    assert hidden.shape == (len(block), 2 * tiny.config["hidden_size"]) and hidden.dtype == mx.float32
+    assert mx.allclose(hidden, ref_hidden, atol=1e-4).item()
+    assert mx.argmax(logits, -1).tolist() == mx.argmax(ref_logits, -1).tolist()
+    runner.trim(cache, len(block))
+    for i, t in enumerate(block):  # rows with taps equal one-row decodes with taps, bit for bit
+        lg, hd = runner.verify([t], cache, taps)
+        assert _equal(lg[0], logits[i]) and _equal(hd[0], hidden[i])
+
+
+@pytest.fixture(scope="module")
+def engines(tiny):
+    made = {mode: Engine(EngineConfig(speculation="prompt_lookup", compile=mode, calibration_contexts=(40, 300)),
+                         loaded=tiny).start(wait=True, timeout=600) for mode in ("on", "off")}
+    yield made
+    for eng in made.values():
+        eng.stop()
+
+
+def test_engine_compiled_matches_eager_and_plain_greedy(engines):
+    """Many prompts: compiled speculative == compiled plain == eager plain, token for token."""
+    on, off = engines["on"], engines["off"]
+    assert on.runner.compiled and not off.runner.compiled
+    accepted = 0
+    for p in prompts(30, seed=5):
+        plain_on, _, _ = run(on, p, "off", max_tokens=40)
+        spec_on, _, last = run(on, p, "prompt_lookup", max_tokens=40)
+        plain_off, _, _ = run(off, p, "off", max_tokens=40)
+        assert spec_on == plain_on == plain_off
+        accepted += last.stats.total.num_accepted_tokens
+    assert accepted > 30
