@@ -219,6 +219,8 @@ class Engine:
         if self.loaded is not None:
             out.update(model=self.loaded.name, context_length=self.loaded.context_length,
                        weights=self.loaded.weights, source=self.loaded.source)
+        if self.runner is not None:
+            out["compiled_passes"] = self.runner.compiled
         if self.calibration is not None:
             out.update(self.calibration.summary())
         return out
@@ -337,16 +339,16 @@ class Engine:
 
         self.kernels = patch_model(self.loaded.model, mode=cfg.kernels)
         log.info("%s", self.kernels.summary())
-        self.runner = TargetRunner(self.loaded.model, prefill_step=cfg.prefill_step,
-                                   compile=resolve_compile(cfg.compile),
-                                   max_context=self.loaded.context_length)
-        log.info("target passes: %s", "compiled (static KV cache)" if self.runner.compiled else "eager")
-        rows = cfg.max_verify_rows if cfg.speculation != "off" else 1
-        vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
-        self.calibration = self.runner.calibrate(
-            vocab, max_rows=max(1, rows), mode=cfg.exact_verify,
-            contexts=cfg.calibration_contexts, max_context=self.loaded.context_length,
-        )
+        compiled = resolve_compile(cfg.compile)
+        try:
+            self._calibrate(compiled)
+        except Exception:
+            if not compiled or cfg.compile == "on":
+                raise
+            # auto: a model or backend the static cache cannot serve (sliding-window or mixed
+            # K/V shapes, an op missing on this backend) keeps the eager path
+            log.warning("compiled passes failed at start-up; using eager passes", exc_info=True)
+            self._calibrate(False)
         self.cost = cost_model(self.calibration)
         log.info("calibration: %s", self.calibration.summary())
         if cfg.dspark or cfg.speculation == "dspark":
@@ -358,6 +360,19 @@ class Engine:
             seq = self._make_sequence(warm)
             while not seq.finished:
                 (prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost))
+
+    def _calibrate(self, compiled: bool) -> None:
+        """Make the target runner (eager or compiled passes) and run the start-up calibration."""
+        cfg = self.config
+        self.runner = TargetRunner(self.loaded.model, prefill_step=cfg.prefill_step, compile=compiled,
+                                   max_context=self.loaded.context_length)
+        log.info("target passes: %s", "compiled (static KV cache)" if compiled else "eager")
+        rows = cfg.max_verify_rows if cfg.speculation != "off" else 1
+        vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
+        self.calibration = self.runner.calibrate(
+            vocab, max_rows=max(1, rows), mode=cfg.exact_verify,
+            contexts=cfg.calibration_contexts, max_context=self.loaded.context_length,
+        )
 
     def _load_dspark(self) -> None:
         from drafters.dspark import DSparkDrafter, TargetTaps, load_dspark

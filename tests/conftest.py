@@ -27,6 +27,7 @@ if _FORCED_COMPILE:
             config = dataclasses.replace(config, compile=_FORCED_COMPILE)
         _engine_init(self, config, *args, **kwargs)
 
+    Engine._unforced_init = _engine_init  # for tests of the `auto` mode itself
     Engine.__init__ = _forced_init
 
 

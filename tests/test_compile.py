@@ -169,3 +169,27 @@ def test_engine_compiled_matches_eager_and_plain_greedy(engines):
         assert spec_on == plain_on == plain_off
         accepted += last.stats.total.num_accepted_tokens
     assert accepted > 30
+
+
+def test_auto_falls_back_to_eager_when_the_static_cache_cannot_serve(tiny, monkeypatch):
+    import engine.engine as engine_module
+    import engine.runner as runner_module
+
+    def unsupported(model):
+        raise ValueError("mixed K/V shapes")
+
+    monkeypatch.setattr(Engine, "__init__", getattr(Engine, "_unforced_init", Engine.__init__))
+    monkeypatch.setattr(engine_module, "resolve_compile", lambda mode: mode != "off")
+    monkeypatch.setattr(runner_module, "kv_layout", unsupported)
+    cfg = dict(speculation="off", calibration_contexts=(40,), warmup=False)
+    auto = Engine(EngineConfig(compile="auto", **cfg), loaded=tiny).start(wait=True, timeout=300)
+    try:
+        assert auto.ready and not auto.runner.compiled and auto.info()["compiled_passes"] is False
+    finally:
+        auto.stop()
+    forced = Engine(EngineConfig(compile="on", **cfg), loaded=tiny).start()
+    try:
+        with pytest.raises(RuntimeError, match="mixed K/V shapes"):
+            forced.wait_ready(300)
+    finally:
+        forced.stop()
