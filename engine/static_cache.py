@@ -93,6 +93,7 @@ class StaticCache:
                  limit: int | None = None):
         self.shape = (1, kv_heads, 0, head_dim)
         self.dtype, self.limit, self.length = dtype, limit, 0
+        capacity = min(capacity, limit) if limit else capacity
         self.keys = [self._zeros(capacity) for _ in range(num_layers)]
         self.values = [self._zeros(capacity) for _ in range(num_layers)]
 

@@ -49,6 +49,11 @@ def _equal(a, b) -> bool:
 def test_bucket_doubles_and_respects_the_context():
     assert [bucket(n) for n in (1, 256, 257, 600)] == [256, 256, 512, 1024]
     assert bucket(300, limit=400) == 400 and bucket(200, limit=400) == MIN_CAPACITY
+    small = StaticCache(2, 1, 4, mx.float32, limit=100)
+    assert small.capacity == 100
+    small.length = 90
+    small.reserve(10)
+    assert small.capacity == 100
 
 
 def test_compiled_decode_equals_uncompiled_static_pass_bit_for_bit(runners):
