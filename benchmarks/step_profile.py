@@ -167,6 +167,17 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def calibrations(model, vocab: int, context_limit, max_rows: int, result: dict):
+    """The engine's start-up calibration (exact verify width, T(k)) on each path."""
+    entry = result["calibration"] = {}
+    for mode, compiled in (("eager", False), ("compiled", True)):
+        runner = TargetRunner(model, compile=compiled, max_context=context_limit)
+        started = time.perf_counter()
+        cal = runner.calibrate(vocab, max_rows=max_rows, contexts=(48, 1100), max_context=context_limit)
+        entry[mode] = {**cal.summary(), "seconds": round(time.perf_counter() - started, 2)}
+        yield
+
+
 def _default_model(args):
     from engine.loader import load_target
 
@@ -199,6 +210,8 @@ def main(argv=None):
     ap.add_argument("--max-k", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=128)
     ap.add_argument("--engine-tokens", type=int, default=128, help="0 skips the engine-level decode")
+    ap.add_argument("--calibrate", type=int, default=0, metavar="ROWS",
+                    help="last: the start-up calibration of the default model up to ROWS, both paths")
     args = ap.parse_args(argv)
     result = {"device": str(mx.default_device()), "mlx": mx.__version__, "platform": platform.platform(),
               "args": vars(args), "models": {}}
@@ -219,13 +232,16 @@ def main(argv=None):
     loaded, vocab = _default_model(args)
     guarded("default", profile_model("default", loaded.model, vocab, args, result, loaded,
                                      loaded.context_length))
-    del loaded
     if args.llama8b:
         def parts():
             model, vocab8 = _llama8b(args)
             yield from profile_model("llama8b-4bit", model, vocab8, args, result)
         guarded("llama8b-4bit", parts())
+    if args.calibrate:
+        guarded("calibration", calibrations(loaded.model, vocab, loaded.context_length, args.calibrate, result))
     print(_table(result), flush=True)
+    for mode, cal in result.get("calibration", {}).items():
+        print(f"== calibration {mode}: {json.dumps(cal)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,10 @@ gguf=$stage/files/SmolLM2-135M-Instruct.Q4_1.gguf
 model=default; [ -f "$gguf" ] && model=$gguf
 py=python3; command -v python3 >/dev/null || py=python
 if [ -n "${SMOKE:-}" ]; then  # small sizes: checks the harness end to end in well under a minute
-  args=(--llama8b --smoke --dtype float32 --max-k 3 --reps 2 --decode-tokens 8 --engine-tokens 16 --context 64)
+  args=(--llama8b --smoke --dtype float32 --max-k 3 --reps 2 --decode-tokens 8 --engine-tokens 16 --context 64 --calibrate 3)
   limit=600
 else
-  args=(--llama8b --reps 10 --decode-tokens 128 --engine-tokens 128 --context 512)
+  args=(--llama8b --reps 10 --decode-tokens 128 --engine-tokens 128 --context 512 --calibrate 16)
   limit=225
 fi
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv > "$out/gpu.txt" 2>&1 || true
