@@ -24,7 +24,9 @@ recipe=(--target default --layers 3 --block-size 7 --markov-rank 128
         --gen-batch-size "${GEN_BATCH:-256}"
         --batch-size "${BATCH:-8}" --num-anchors "${ANCHORS:-256}" --max-seq-len 1024 --lr 6e-4 --save-every 200
         --eval-per-source "${EVAL_N:-20}" --eval-max-new-tokens 128 --no-progress)
-train_dspark() { python3 -m server train-dspark "${recipe[@]}" "$@"; }
+train_dspark() {
+  python3 -c "import sys; from server.cli import train_dspark; sys.exit(train_dspark(sys.argv[1:]))" "${recipe[@]}" "$@"
+}
 case "$1" in
   gen)
     start=$(date +%s)
