@@ -1,10 +1,18 @@
 """Peer comparison: specserve against mlx_lm.server and llama.cpp's server on the same model,
 the same prompts and the same OpenAI client, in one run.
 
-Each round starts every configured server in turn, alone on the machine (start, warm up with
-an unrelated prompt, stream every workload prompt once, stop), and the order of servers is
-reversed every other round, so slow drifts of a shared machine hit all servers alike. Requests
-are greedy (``temperature=0``), streamed through the ``openai`` SDK with usage included.
+Only one request is ever in flight, so each server computes alone while it is measured. Two
+ways to interleave (``--interleave``):
+
+- ``request`` (default): every server is started and warmed up (with an unrelated prompt) once;
+  each workload prompt then goes to every server back to back, in an order that alternates per
+  prompt and per round. On a shared machine this cancels load drifts best (seconds apart).
+- ``server``: one server process at a time (start, warm up, stream every prompt once, stop),
+  the order of servers reversed every other round.
+
+Requests are greedy (``temperature=0``), streamed through the ``openai`` SDK with usage
+included (llama-cpp-python's stream has no usage: its tokens are counted by re-tokenizing the
+text with the same tokenizer).
 
 Reported per workload and server: decode tokens/s (completion tokens after the first over the
 time after the first text chunk), time to first token (request sent to the first non-empty
@@ -12,6 +20,7 @@ text chunk, so it includes prefill), the ratio of decode tokens/s to specserve w
 off and to mlx_lm.server, and output identity with specserve (speculation off) in the same round.
 
     python -m benchmarks.peers.run --repeats 3 --max-tokens 128 \\
+        --peers specserve_off,specserve_auto,mlx_lm,llama_cpp,llama_cpp_1t \\
         --out benchmarks/results/peers_cpu.json --plot benchmarks/results/peers_cpu.png
 
 Peers and how they are started: benchmarks/peers/servers.py. Rerun notes: docs/benchmarks.md.
@@ -85,20 +94,56 @@ def stream_one(client, model: str, item: dict, count_tokens) -> dict:
             "ttft_s": (first or end) - start, "decode_s": end - (first or end), "total_s": end - start}
 
 
-def run_peer(peer, items: list[dict], workdir: Path, count_tokens) -> dict:
-    """Start ``peer``, warm it up, stream every item once, stop it."""
+def _client(server):
     import openai
 
-    load_before = os.getloadavg()[0]
-    with Running(peer, workdir) as server:
-        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=1800)
-        for w in WARMUP:
-            stream_one(client, peer.model, {"workload": "warmup", "index": 0, "max_tokens": 16, **w},
-                       count_tokens)
-        rows = [stream_one(client, peer.model, item, count_tokens) for item in items]
-        ready_s = server.ready_s
-    return {"rows": rows, "ready_s": ready_s, "loadavg_before": load_before,
-            "loadavg_after": os.getloadavg()[0]}
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=1800)
+
+
+def _warm_up(client, peer, count_tokens) -> None:
+    for w in WARMUP:
+        stream_one(client, peer.model, {"workload": "warmup", "index": 0, "max_tokens": 16, **w}, count_tokens)
+
+
+def rounds_by_server(peers, items: list[dict], repeats: int, workdir: Path, count_tokens):
+    """Yield one round at a time: each peer in turn is started alone, warmed up, streams every
+    item once and is stopped; the order of peers is reversed every other round."""
+    for rep in range(repeats):
+        rnd = {}
+        for peer in (peers if rep % 2 == 0 else peers[::-1]):
+            load_before = os.getloadavg()[0]
+            with Running(peer, workdir) as server:
+                client = _client(server)
+                _warm_up(client, peer, count_tokens)
+                rows = [stream_one(client, peer.model, item, count_tokens) for item in items]
+            rnd[peer.name] = {"rows": rows, "ready_s": server.ready_s, "loadavg_before": load_before,
+                              "loadavg_after": os.getloadavg()[0]}
+        yield rnd
+
+
+def rounds_by_request(peers, items: list[dict], repeats: int, workdir: Path, count_tokens):
+    """Yield one round at a time: all peers are started (one after another) and stay up, but
+    only one request is in flight at any time; each item goes to every peer back to back, in
+    an order that alternates per item and per round, so load drifts of a shared machine hit
+    every peer alike. Idle peers only wait on their sockets."""
+    servers = {}
+    try:
+        for peer in peers:
+            servers[peer.name] = Running(peer, workdir)
+            _warm_up(_client(servers[peer.name]), peer, count_tokens)
+        clients = {name: _client(s) for name, s in servers.items()}
+        for rep in range(repeats):
+            load_before = os.getloadavg()[0]
+            rows = {p.name: [] for p in peers}
+            for k, item in enumerate(items):
+                for peer in (peers if (rep + k) % 2 == 0 else peers[::-1]):
+                    rows[peer.name].append(stream_one(clients[peer.name], peer.model, item, count_tokens))
+            yield {p.name: {"rows": rows[p.name], "ready_s": servers[p.name].ready_s,
+                            "loadavg_before": load_before, "loadavg_after": os.getloadavg()[0]}
+                   for p in peers}
+    finally:
+        for server in servers.values():
+            server.stop()
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -192,6 +237,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--peers", default=DEFAULT_PEERS, help="comma-separated; first = baseline for identity")
     ap.add_argument("--workloads", default=DEFAULT_WORKLOADS)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--interleave", choices=("request", "server"), default="request",
+                    help="request: all servers up, one request in flight, peer order alternating per "
+                         "request; server: one server process alive at a time, order alternating per round")
     ap.add_argument("--max-tokens", type=int, default=128, help="cap on each workload's max_tokens (0: none)")
     ap.add_argument("--weights", default="auto", help="weight policy for specserve and the converted MLX dir")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp decode/prefill threads")
@@ -214,17 +262,15 @@ def main(argv=None) -> dict:
     count_tokens = lambda text: len(hf_tok.encode(text, add_special_tokens=False))
     results = {"versions": versions(), "weights": policy, "gguf": gguf, "mlx_dir": mlx_dir,
                "peers": {p.name: {"label": p.label, "argv": p.argv, "env": p.env} for p in peers},
-               "workloads": workloads, "repeats": args.repeats, "max_tokens_cap": args.max_tokens,
+               "workloads": workloads, "repeats": args.repeats, "interleave": args.interleave, "max_tokens_cap": args.max_tokens,
                "requests_per_round": len(items), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rounds": []}
-    for rep in range(args.repeats):
-        order = peers if rep % 2 == 0 else peers[::-1]
-        rnd = {}
-        for peer in order:
-            rnd[peer.name] = run_peer(peer, items, workdir, count_tokens)
-            s = summarize(rnd[peer.name]["rows"])
-            print(f"round {rep} {peer.name:15s} ready {rnd[peer.name]['ready_s']:5.1f} s  "
+    rounds = rounds_by_request if args.interleave == "request" else rounds_by_server
+    for rep, rnd in enumerate(rounds(peers, items, args.repeats, workdir, count_tokens)):
+        for name, measured in rnd.items():
+            s = summarize(measured["rows"])
+            print(f"round {rep} {name:15s} ready {measured['ready_s']:5.1f} s  "
                   f"decode {s['decode_tokens_per_s']:6.1f} tok/s  ttft {s['mean_ttft_s']:.3f} s  "
-                  f"load {rnd[peer.name]['loadavg_before']:.1f}", flush=True)
+                  f"load {measured['loadavg_before']:.1f}-{measured['loadavg_after']:.1f}", flush=True)
         results["rounds"].append(rnd)
         results["results"] = report(results["rounds"], names, workloads, names[0])
         results["overall"] = overall(results["rounds"], names)

@@ -13,7 +13,9 @@ directory. All of them serve the same default model:
   3-10x slower, and the comparison would measure the BLAS rather than the server;
 - ``mlx_lm_refblas``: the same without the preload (what ``pip install mlx-lm`` gives);
 - ``llama_cpp``: ``python -m llama_cpp.server`` (llama-cpp-python) on the GGUF itself (Q4_1
-  kept quantized: llama.cpp runs Q4_1 natively), all cores for decode and prefill.
+  kept quantized: llama.cpp runs Q4_1 natively), all cores for decode and prefill;
+- ``llama_cpp_1t``: the same with one thread (llama.cpp's threads spin at barriers, so on a
+  machine whose cores are shared with other jobs all-core runs can collapse).
 """
 
 from __future__ import annotations
@@ -76,9 +78,12 @@ def make_peers(names: list[str], gguf: str, mlx_dir: str, weights: str, threads:
             "--log-level", "warning"]
     mlx = [py, "-m", "mlx_lm", "server", "--model", mlx_dir, "--host", "127.0.0.1", "--port", "{port}",
            "--log-level", "WARNING"]
-    llama = [py, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", "{port}",
-             "--n_ctx", str(n_ctx), "--n_threads", str(threads), "--n_threads_batch", str(threads),
-             "--model_alias", "smollm2-135m-instruct", "--verbose", "False"]
+
+    def llama(n: int) -> list[str]:
+        return [py, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", "{port}",
+                "--n_ctx", str(n_ctx), "--n_threads", str(n), "--n_threads_batch", str(n),
+                "--model_alias", "smollm2-135m-instruct", "--verbose", "False"]
+
     table = {
         "specserve_off": Peer("specserve_off", "specserve (speculation off)",
                               spec + ["--speculation", "off"], "smollm2-135m-instruct", "/ready"),
@@ -88,8 +93,11 @@ def make_peers(names: list[str], gguf: str, mlx_dir: str, weights: str, threads:
                        env=blas_env()),
         "mlx_lm_refblas": Peer("mlx_lm_refblas", "mlx_lm.server (wheel's reference BLAS)", mlx,
                                "default_model", "/health", env={"LD_PRELOAD": ""}),
-        "llama_cpp": Peer("llama_cpp", "llama.cpp (llama-cpp-python server, Q4_1)", llama,
+        "llama_cpp": Peer("llama_cpp", f"llama.cpp (llama-cpp-python, Q4_1, {threads} threads)", llama(threads),
                           "smollm2-135m-instruct", "/v1/models"),
+        "llama_cpp_1t": Peer("llama_cpp_1t", "llama.cpp (llama-cpp-python, Q4_1, 1 thread)",
+                             llama(1), "smollm2-135m-instruct",
+                             "/v1/models"),
     }
     unknown = [n for n in names if n not in table]
     if unknown:
