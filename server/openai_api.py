@@ -405,23 +405,22 @@ def _sse(payload: dict | str) -> str:
 # ---- endpoints ------------------------------------------------------------------------------
 
 
-@router.post("/v1/completions")
-async def completions(request: Request, body: CompletionRequest):
-    request.state.started = time.perf_counter()
-    model = check_model(request, body.model)
-    rid = f"cmpl-{uuid.uuid4().hex}"
-    jobs = completion_jobs(request, body, rid)
+async def _run(request: Request, body, jobs: list[Job], rid: str, model: str, stream_fn):
+    """Submit ``jobs``; stream them (returns the response) or run them to the end (returns None).
+
+    Returns ``(streaming response or None, created, token table)``.
+    """
     streams = submit_all(request, jobs)
     created = int(time.time())
     table = _state(request).engine.loaded.token_table
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        chunks = stream_fn(request, jobs, streams, rid, model, created, table, include_usage)
         return StreamingResponse(
-            _logged(request, rid, jobs,
-                    stream_completions(request, jobs, streams, rid, model, created, table, include_usage)),
+            _logged(request, rid, jobs, chunks),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
+        ), created, table
     try:
         await collect(request, jobs, streams)
     finally:
@@ -429,6 +428,18 @@ async def completions(request: Request, body: CompletionRequest):
     err = first_error(jobs)
     if err is not None:
         raise err
+    return None, created, table
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, body: CompletionRequest):
+    request.state.started = time.perf_counter()
+    model = check_model(request, body.model)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    jobs = completion_jobs(request, body, rid)
+    response, created, table = await _run(request, body, jobs, rid, model, stream_completions)
+    if response is not None:
+        return response
     choices = []
     for job in jobs:
         text = "".join(e.text for e in job.events)
@@ -482,24 +493,9 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
     model = check_model(request, body.model)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = chat_jobs(request, body, rid)
-    streams = submit_all(request, jobs)
-    created = int(time.time())
-    table = _state(request).engine.loaded.token_table
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(
-            _logged(request, rid, jobs,
-                    stream_chat(request, jobs, streams, rid, model, created, table, include_usage)),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    try:
-        await collect(request, jobs, streams)
-    finally:
-        log_request(request, rid, jobs)
-    err = first_error(jobs)
-    if err is not None:
-        raise err
+    response, created, table = await _run(request, body, jobs, rid, model, stream_chat)
+    if response is not None:
+        return response
     choices = []
     for job in jobs:
         lp = None

@@ -20,6 +20,8 @@ PROSE = [
     "Describe a walk through a forest in autumn.", "What are the benefits of regular exercise?",
     "Tell me a story about a robot who learns to paint.", "Summarize the history of the printing press.",
     "Give three tips for writing clear emails.", "Why do cats purr?",
+    "Describe how a bill becomes a law.", "What makes a good friend?",
+    "Write a haiku about rain, then explain it.", "List the planets of the solar system in order.",
 ]
 MULTI = [
     "Répète cette phrase: « Le café est très bon à Paris, n'est-ce pas ? »",
