@@ -32,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import time
@@ -248,6 +249,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
+    # a SIGTERM unwinds like Ctrl-C, so the servers this run started are stopped too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)

@@ -1,8 +1,9 @@
 """The servers compared in benchmarks/peers: how each is started, checked for readiness and stopped.
 
-Every server runs as its own process on 127.0.0.1 with a free port, one at a time (the
-benchmark starts one, measures it, stops it, then starts the next), with its log in the work
-directory. All of them serve the same default model:
+Every server runs as its own process (own session, so stopping it stops its children) on
+127.0.0.1 with a free port and its log in the work directory; benchmarks/peers/run.py decides
+whether they are up together or one at a time, and only ever has one request in flight. All of
+them serve the same default model:
 
 - ``specserve_off`` / ``specserve_auto``: the real CLI (``python -m server``) on the default
   GGUF with ``--weights POLICY`` and ``--speculation off|auto``;
