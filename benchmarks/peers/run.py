@@ -201,7 +201,13 @@ def versions() -> dict:
         except metadata.PackageNotFoundError:
             return None
 
-    git = subprocess.run(["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True)
+    def output(cmd: list[str]) -> str | None:
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() or None
+
     llama_info = None
     if v("llama-cpp-python"):
         probe = subprocess.run([sys.executable, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
@@ -212,7 +218,9 @@ def versions() -> dict:
             llama_info = f"ggml {max(str(f).rsplit('.so.', 1)[1] for f in libs)}; {llama_info}"
     import mlx.core as mx
 
-    return {"specserve_git": git.stdout.strip(), "python": sys.version.split()[0], "mlx": v("mlx"),
+    return {"specserve_git": output(["git", "-C", str(ROOT), "describe", "--always", "--dirty"]),
+            "python": sys.version.split()[0], "mlx": v("mlx"), "mlx_cuda": v("mlx-cuda-13") or v("mlx-cuda"),
+            "gpu": output(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]),
             "mlx_lm": v("mlx-lm"), "llama_cpp_python": v("llama-cpp-python"), "llama_cpp_system_info": llama_info,
             "openai": v("openai"), "device": str(mx.default_device()), "blas": engine.BLAS.status,
             "blas_path": engine.BLAS.path, "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
@@ -245,6 +253,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--weights", default="auto", help="weight policy for specserve and the converted MLX dir")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp decode/prefill threads")
     ap.add_argument("--n-ctx", type=int, default=4096, help="llama.cpp context window")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="seconds: start no round that would end past it (judged by the last round)")
     ap.add_argument("--workdir", default="/tmp/specserve-peers", help="converted model and server logs")
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
@@ -267,19 +277,12 @@ def main(argv=None) -> dict:
                "peers": {p.name: {"label": p.label, "argv": p.argv, "env": p.env} for p in peers},
                "workloads": workloads, "repeats": args.repeats, "interleave": args.interleave, "max_tokens_cap": args.max_tokens,
                "requests_per_round": len(items), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "rounds": []}
-    rounds = rounds_by_request if args.interleave == "request" else rounds_by_server
-    for rep, rnd in enumerate(rounds(peers, items, args.repeats, workdir, count_tokens)):
-        for name, measured in rnd.items():
-            s = summarize(measured["rows"])
-            print(f"round {rep} {name:15s} ready {measured['ready_s']:5.1f} s  "
-                  f"decode {s['decode_tokens_per_s']:6.1f} tok/s  ttft {s['mean_ttft_s']:.3f} s  "
-                  f"load {measured['loadavg_before']:.1f}-{measured['loadavg_after']:.1f}", flush=True)
-        results["rounds"].append(rnd)
-        results["results"] = report(results["rounds"], names, workloads, names[0])
-        results["overall"] = overall(results["rounds"], names)
-        if args.out:  # after every round, so a run cut short keeps what it measured
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(results, indent=1))
+    rounds = (rounds_by_request if args.interleave == "request" else rounds_by_server)(
+        peers, items, args.repeats, workdir, count_tokens)
+    try:
+        measure(rounds, results, names, args)
+    finally:
+        rounds.close()  # stops the servers now, also on Ctrl-C / SIGTERM between rounds
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
@@ -287,6 +290,30 @@ def main(argv=None) -> dict:
     if args.plot:
         plot(results, args.plot)
     return results
+
+
+def measure(rounds, results: dict, names: list[str], args) -> None:
+    """Consume ``rounds`` into ``results`` (rewriting ``args.out`` after every round, so a run cut
+    short keeps what it measured); stop early where the next round would end past
+    ``args.time_budget`` (judged by the duration of the last one, the first including start-up)."""
+    started = last = time.perf_counter()
+    for rep, rnd in enumerate(rounds):
+        for name, measured in rnd.items():
+            s = summarize(measured["rows"])
+            print(f"round {rep} {name:15s} ready {measured['ready_s']:5.1f} s  "
+                  f"decode {s['decode_tokens_per_s']:6.1f} tok/s  ttft {s['mean_ttft_s']:.3f} s  "
+                  f"load {measured['loadavg_before']:.1f}-{measured['loadavg_after']:.1f}", flush=True)
+        results["rounds"].append(rnd)
+        results["results"] = report(results["rounds"], names, results["workloads"], names[0])
+        results["overall"] = overall(results["rounds"], names)
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+        now = time.perf_counter()
+        if args.time_budget and rep + 1 < args.repeats and 2 * now - last > started + args.time_budget:
+            print(f"time budget: stopping after {rep + 1} of {args.repeats} rounds", flush=True)
+            return
+        last = now
 
 
 def overall(rounds: list[dict], peers: list[str]) -> dict:
@@ -328,8 +355,10 @@ def plot(results: dict, path: str) -> None:
         ax.set_xticks([x + width * (len(peers) - 1) / 2 for x in range(len(names))], names, rotation=20, ha="right")
         ax.set_ylabel(ylabel)
     v = results["versions"]
-    fig.suptitle(f"SmolLM2-135M-Instruct, greedy, {results['weights']} MLX weights / Q4_1 llama.cpp; "
-                 f"{v['device']}, {v['cpus']} CPUs; {results['repeats']} interleaved rounds")
+    llama = " / Q4_1 llama.cpp" if any(p.startswith("llama_cpp") for p in peers) else ""
+    where = v.get("gpu") or f"{v['cpus']} CPUs"
+    fig.suptitle(f"SmolLM2-135M-Instruct, greedy, {results['weights']} MLX weights{llama}; "
+                 f"{v['device']}, {where}; {len(results['rounds'])} interleaved rounds")
     fig.legend(loc="lower center", ncol=len(peers), fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
