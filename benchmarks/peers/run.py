@@ -357,8 +357,9 @@ def plot(results: dict, path: str) -> None:
     v = results["versions"]
     llama = " / Q4_1 llama.cpp" if any(p.startswith("llama_cpp") for p in peers) else ""
     where = v.get("gpu") or f"{v['cpus']} CPUs"
+    n = len(results["rounds"])
     fig.suptitle(f"SmolLM2-135M-Instruct, greedy, {results['weights']} MLX weights{llama}; "
-                 f"{v['device']}, {where}; {len(results['rounds'])} interleaved rounds")
+                 f"{v['device']}, {where}; {n} interleaved round{'s' * (n != 1)}")
     fig.legend(loc="lower center", ncol=len(peers), fontsize=8)
     fig.tight_layout(rect=(0, 0.08, 1, 0.95))
     Path(path).parent.mkdir(parents=True, exist_ok=True)
