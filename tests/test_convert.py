@@ -61,3 +61,13 @@ def test_convert_default_model_float32_matches_served_model(tmp_path):
     config = json.loads((tmp_path / "smollm2" / "config.json").read_text())
     assert "quantization" not in config
     assert_same_model(load_target("default", weights="float32"), tmp_path / "smollm2")
+
+
+@pytest.mark.model
+def test_convert_default_model_quantized_keeps_the_files_quantization(tmp_path):
+    """The GPU path of the peer comparison: mlx_lm.server gets the same 4-bit layers."""
+    info = convert("--weights", "quantized", "--out", str(tmp_path / "smollm2-q"))
+    assert info["weights"] == "quantized"
+    quant = json.loads((tmp_path / "smollm2-q" / "config.json").read_text())["quantization"]
+    assert quant["model.layers.0.mlp.up_proj"] == {"group_size": 32, "bits": 4}
+    assert_same_model(load_target("default", weights="quantized"), tmp_path / "smollm2-q")
