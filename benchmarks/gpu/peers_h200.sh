@@ -31,7 +31,7 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECSERVE_CACHE_DIR=${SPECSERVE_CACHE_DIR:-/root/cache}
 mkdir -p "$SPECSERVE_CACHE_DIR/models" && cp -n "$stage"/files/*.gguf "$SPECSERVE_CACHE_DIR/models/" 2>/dev/null || true
 out=${OUT:-/tmp/out}; work=/tmp/specserve-peers-gpu
-mkdir -p "$out" "$work"
+mkdir -p "$out" "$work" && rm -f "$work"/*.log
 
 # fail in seconds, not minutes, when a wheel was not staged
 "$py" - <<'EOF'
