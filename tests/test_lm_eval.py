@@ -48,12 +48,31 @@ def server():
         yield running
 
 
+# The steps of lm-eval's own `lm_eval run` (lm_eval/_cli/run.py: simple_evaluate with an
+# EvaluationTracker, then the aggregated results and the samples written to --output_path), but
+# with a TaskManager that does not index lm-eval's thousands of built-in task files: that index
+# alone took 10-20 s of the CLI's 46 s here. The by-hand CLI command is in docs/benchmarks.md.
+LM_EVAL_RUN = """
+import sys
+from lm_eval import simple_evaluate
+from lm_eval.loggers import EvaluationTracker
+from lm_eval.tasks import TaskManager
+
+model_args, task_dir, out = sys.argv[1:]
+tracker = EvaluationTracker(output_path=out)
+results = simple_evaluate(model="local-completions", model_args=model_args, tasks=["specserve_easy_mc"],
+                          task_manager=TaskManager(include_path=task_dir, include_defaults=False),
+                          log_samples=True, evaluation_tracker=tracker)
+samples = results.pop("samples")
+tracker.save_results_aggregated(results=results, samples=samples)
+tracker.save_results_samples(task_name="specserve_easy_mc", samples=samples["specserve_easy_mc"])
+"""
+
+
 def run_lm_eval(url: str, tokenizer_dir: Path, out: Path) -> subprocess.CompletedProcess:
     args = f"model={MODEL},base_url={url}/v1/completions,tokenizer_backend=huggingface," \
            f"tokenizer={tokenizer_dir},num_concurrent=1,max_retries=1"
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", args,
-           "--include_path", str(TASK_DIR), "--tasks", "specserve_easy_mc", "--output_path", str(out),
-           "--log_samples"]
+    cmd = [sys.executable, "-c", LM_EVAL_RUN, args, str(TASK_DIR), str(out)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TQDM_DISABLE": "1"}
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
 
