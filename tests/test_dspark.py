@@ -30,7 +30,7 @@ from drafters.dspark import (
     reference_draft,
     save_dspark,
 )
-from drafters.dspark.data import code_prompts, humaneval_prompts, instruction_prompts
+from drafters.dspark.data import PromptRecord, code_prompts, humaneval_prompts, instruction_prompts
 from drafters.dspark.model import block_inputs
 from drafters.dspark.train import (
     Batch,
@@ -41,6 +41,7 @@ from drafters.dspark.train import (
     draft_pass,
     dspark_loss,
     evaluate_acceptance,
+    generate_examples,
     latest_checkpoint,
     make_batch,
     restore,
@@ -460,3 +461,24 @@ def test_default_mask_token():
     tok = TokenizerWrapper(byte_tokenizer(), eos_token_ids=[2])
     with pytest.raises(ValueError, match="mask_token_id"):
         default_mask_token_id(tok)
+
+
+def test_batched_generation_equals_one_prompt_greedy(tiny_target):
+    """Left-padded batches of mixed lengths produce each prompt's own greedy continuation,
+    cut after the first EOS (mlx-lm's generate_step, one prompt at a time, is the reference)."""
+    from mlx_lm.generate import generate_step
+
+    model, tok = tiny_target
+    records = [PromptRecord(f"r{i}", "instruct", "train", text=t) for i, t in enumerate(
+        ["ab", "hello there", "The quick brown fox jumps", "x" * 40, "def f(x):\n    return", "zz"])]
+    data = DataConfig(max_new_tokens=20, gen_batch_size=4)
+    rows = generate_examples(model, tok, records, data, progress=False)
+    assert [r["id"] for r in rows] == [r.id for r in records]
+    for row in rows:
+        ref = []
+        for token, _ in generate_step(mx.array(row["prompt"]), model, max_tokens=20):
+            ref.append(int(token))
+            if token == 2:
+                break
+        assert row["response"] == ref
+    assert generate_examples(model, tok, records, data, progress=False, deadline=0.0) is None

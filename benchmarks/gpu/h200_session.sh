@@ -1,35 +1,65 @@
 #!/usr/bin/env bash
 # Runs on the lent H200 (MLX-CUDA), from the repository root, after the staged parts were
-# copied into /root/s (see docs/benchmarks.md, "Reproducing the GPU numbers").
-#   h200_session.sh train  BUDGET_S   # self-distil the DSpark drafter (resumable; stops at budget)
-#   h200_session.sh finish BUDGET_S   # finish training, export + evaluate, then benchmark
+# copied into /root/s (see docs/benchmarks.md, "Reproducing the GPU numbers"). Each phase fits
+# in one bounded device call; state lives in /root (kept while the machine stays warm).
+#   h200_session.sh gen   BUDGET_S   # self-distillation data for the DSpark drafter (resumable)
+#   h200_session.sh probe            # 12 training steps on a copy of the data: seconds per step
+#   h200_session.sh train STEPS BUDGET_S  # train, export (4-bit) and evaluate on held-out prompts
+#   h200_session.sh bench            # plain / prompt lookup / DSpark / auto on every workload
+# Results go to $OUT (JSON, the exported drafter, logs).
 set -euo pipefail
 stage=/root/s
-if [ ! -d /tmp/site/mlx ]; then
+if [ -d "$stage" ] && [ ! -d /tmp/site/mlx ]; then
   (cd "$stage" && cat part_* | tar x && rm -f part_* &&
    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl)
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECSERVE_CACHE_DIR=/root/cache
-mkdir -p /root/cache/models && cp -n "$stage"/files/*.gguf /root/cache/models/ 2>/dev/null || true
-run=/root/dspark-run
-train() {
-  python3 -c "import sys; from server.cli import train_dspark; sys.exit(train_dspark(sys.argv[1:]))" \
-    --target default --out "$run" --layers 3 --block-size 7 --markov-rank 128 \
-    --n-code 3000 --n-instruct 5000 --max-new-tokens 256 --gen-batch-size 256 \
-    --steps "${STEPS:-900}" --batch-size 8 --num-anchors 256 --max-seq-len 1024 --lr 6e-4 \
-    --eval-per-source 8 --eval-max-new-tokens 96 --time-budget "$1" --no-progress || true
+root=${ROOT:-/root}
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECSERVE_CACHE_DIR=${SPECSERVE_CACHE_DIR:-$root/cache}
+mkdir -p "$SPECSERVE_CACHE_DIR/models" && cp -n "$stage"/files/*.gguf "$SPECSERVE_CACHE_DIR/models/" 2>/dev/null || true
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+run=$root/dspark-run
+# One drafter recipe (dspark.md section 4): 3 layers, 5 taps, block 7, Markov rank 128.
+recipe=(--target default --layers 3 --block-size 7 --markov-rank 128
+        --n-code "${N_CODE:-4000}" --n-instruct "${N_INSTRUCT:-3000}" --max-new-tokens "${MAX_NEW:-320}"
+        --gen-batch-size "${GEN_BATCH:-256}"
+        --batch-size "${BATCH:-8}" --num-anchors "${ANCHORS:-256}" --max-seq-len 1024 --lr 6e-4 --save-every 200
+        --eval-per-source "${EVAL_N:-20}" --eval-max-new-tokens 128 --no-progress)
+train_dspark() {
+  python3 -c "import sys; from server.cli import train_dspark; sys.exit(train_dspark(sys.argv[1:]))" "${recipe[@]}" "$@"
 }
 case "$1" in
-  train) train "$2" ;;
-  finish)
-    # anneal: end the cosine schedule 20 steps after the newest checkpoint, then export
-    latest=$(ls -d "$run"/checkpoints/step-* 2>/dev/null | sed 's/.*step-//' | sort -n | tail -1)
-    STEPS=$(( ${latest:-0} + 20 )) train "$2"
-    out=${OUT:-/tmp/out}; mkdir -p "$out/drafter"
+  gen)
+    start=$(date +%s)
+    train_dspark --out "$run" --generate-only --time-budget "$2" --steps 1 || true
+    echo "gen wall: $(( $(date +%s) - start )) s"
+    python3 - "$run" "$out/gen_summary.json" <<'EOF'
+import json, sys, pathlib
+rows = [json.loads(l) for l in open(pathlib.Path(sys.argv[1]) / "data" / "examples.jsonl")]
+train = [r for r in rows if r["split"] == "train"]
+summary = {"train_rows": len(train), "eval_rows": len(rows) - len(train),
+           "response_tokens": sum(len(r["response"]) for r in train),
+           "prompt_tokens": sum(len(r["prompt"]) for r in train)}
+print(summary); json.dump(summary, open(sys.argv[2], "w"))
+EOF
+    ;;
+  probe)
+    rm -rf $root/dspark-probe && mkdir -p $root/dspark-probe/data
+    cp "$run"/data/examples.jsonl "$run"/data/prompts.jsonl $root/dspark-probe/data/
+    train_dspark --out $root/dspark-probe --steps 12 --eval-per-source 0 --export-bits 0 || true
+    python3 -c "
+import json; rows=[json.loads(l) for l in open('$root/dspark-probe/train_log.jsonl')]
+a, b = rows[1], rows[-1]
+print('seconds per step (after the first):', (b['elapsed_s']-a['elapsed_s'])/(b['step']-a['step']))" | tee "$out/probe.txt"
+    ;;
+  train)
+    train_dspark --out "$run" --steps "$2" --time-budget "$3" || true
+    mkdir -p "$out/drafter"
     cp "$run"/drafter-q4/* "$out/drafter/" 2>/dev/null || true
-    cp "$run"/eval.json "$run"/train_log.jsonl "$out/" 2>/dev/null || true
+    cp "$run"/eval.json "$run"/train_log.jsonl "$run"/run_config.json "$out/" 2>/dev/null || true
+    ;;
+  bench)
     python3 -m benchmarks.bench_speculative --methods off,prompt_lookup,dspark,auto \
-      --dspark-drafter "$run/drafter-q4" --repeats 1 --max-tokens 128 \
-      --workloads copy,code_edit,agent_turn,prose,adversarial,novel_code,novel_chat \
-      --out "$out/spec_h200.json" ;;
+      --dspark-drafter "${DRAFTER:-$run/drafter-q4}" --repeats 1 --max-tokens "${BENCH_TOKENS:-192}" ${BENCH_ARGS:-} \
+      --out "$out/spec_h200.json" --plot "$out/spec_h200.png"
+    ;;
 esac
