@@ -22,6 +22,8 @@ from .sampling import LogitsPipeline, raw_logprobs
 from .scheduler import CostModel, DsparkStats, RequestAcceptance, choose_length, expected_tokens
 from .stops import StopMatcher
 
+DSPARK_PROBE_EVERY = 32  # cycles between DSpark probes while its recent yield loses
+
 
 @dataclass
 class CommitResult:
@@ -72,7 +74,7 @@ class Sequence:
         # to the drafter wait here (every row is handed over exactly once).
         self.taps = taps if "dspark" in self.drafters else None
         self.pending_hidden: list[mx.array] = []
-        self.cycles_since_dspark = 0
+        self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
         self.max_draft = max_draft
         self.stats = SpecStats()
         self.finish_reason: FinishReason | None = None
@@ -152,8 +154,10 @@ class Sequence:
         """Choose this cycle's drafter and draft length (issue #6's rule, engine/scheduler.py).
 
         Prompt lookup proposes for free; DSpark costs a draft forward, so it runs only when its
-        recent yield (tokens per second, draft cost included) beats the best option so far, or
-        as a periodic probe. Each proposal is cut to the length maximising ``E(L) / T(L + 1)``
+        recent yield (tokens per second, draft cost included) beats the best option so far
+        (plain decoding included, also when DSpark is the only drafter), or as a probe on a
+        request's first cycle and every ``DSPARK_PROBE_EVERY`` cycles after. A DSpark forward
+        whose draft is cut to nothing counts as a cycle that yielded nothing. Each proposal is cut to the length maximising ``E(L) / T(L + 1)``
         under its acceptance estimate; the best rate wins, plain decoding when none beats it.
         """
         budget = self.draft_budget(cost.max_rows)
@@ -173,9 +177,13 @@ class Sequence:
         dspark = self.drafters.get("dspark")
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1)] + [o[0] for o in options])
-            probe = self.cycles_since_dspark >= 32
-            if len(self.drafters) == 1 or probe or self.dspark_stats.expected_rate(cost) > best_so_far:
-                options.append(self._propose_dspark(ctx, budget, cost))
+            probe = self.cycles_since_dspark >= DSPARK_PROBE_EVERY
+            if probe or self.dspark_stats.expected_rate(cost) > best_so_far:
+                option = self._propose_dspark(ctx, budget, cost)
+                if option[1] == 0 and not self.request.speculative.min_draft_tokens:  # paid, no draft
+                    self.dspark_stats.observe([], 0, 0)
+                else:
+                    options.append(option)
         if not options:
             return Draft()
         rate, length, proposal, conditional = max(options, key=lambda o: o[0])

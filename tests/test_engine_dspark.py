@@ -129,3 +129,29 @@ def test_sampled_distribution_with_dspark(tiny, tmp_path):
         assert p_value > 1e-3, p_value
     finally:
         eng.stop()
+
+
+def test_losing_dspark_is_probed_not_run_every_cycle(tiny, tmp_path, monkeypatch):
+    """A drafter whose drafts never pass (its Markov bias pushes a token the target never picks)
+    costs a draft forward on the first cycle and then only on periodic probes: its measured yield
+    loses to plain decoding, also under ``method = dspark``. Output stays plain greedy."""
+    from drafters.dspark import DSparkDrafter
+    from engine.generation import DSPARK_PROBE_EVERY
+
+    path = make_drafter(tiny, tmp_path / "drafter", {5: 40.0})
+    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40, 300)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    calls = []
+    original = DSparkDrafter.propose
+    monkeypatch.setattr(DSparkDrafter, "propose", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    try:
+        prompt = prompts(1, seed=3)[0]
+        plain, _, _ = run(eng, prompt, "off", max_tokens=120, ignore_eos=True)
+        ids, _, last = run(eng, prompt, "dspark", max_tokens=120, ignore_eos=True)
+        assert ids == plain
+        assert last.stats.total.num_accepted_tokens == 0
+        cycles = last.stats.num_verify_steps
+        assert cycles >= 100  # nothing accepted: about one cycle per token
+        assert 1 <= len(calls) <= 1 + cycles // DSPARK_PROBE_EVERY + 2, (len(calls), cycles)
+    finally:
+        eng.stop()
