@@ -339,16 +339,7 @@ class Engine:
 
         self.kernels = patch_model(self.loaded.model, mode=cfg.kernels)
         log.info("%s", self.kernels.summary())
-        compiled = resolve_compile(cfg.compile)
-        try:
-            self._calibrate(compiled)
-        except Exception:
-            if not compiled or cfg.compile == "on":
-                raise
-            # auto: a model or backend the static cache cannot serve (sliding-window or mixed
-            # K/V shapes, an op missing on this backend) keeps the eager path
-            log.warning("compiled passes failed at start-up; using eager passes", exc_info=True)
-            self._calibrate(False)
+        self._calibrate(resolve_compile(cfg.compile))
         self.cost = cost_model(self.calibration)
         log.info("calibration: %s", self.calibration.summary())
         if cfg.dspark or cfg.speculation == "dspark":

@@ -14,8 +14,9 @@ start-up by :func:`engine.runner.probe_exact_width`.
 
 mlx-lm's attention modules call the module-level ``scaled_dot_product_attention`` they imported
 from ``mlx_lm.models.base``; :func:`install` rebinds that name in the model's modules to a
-wrapper that changes nothing unless the cache passed in is an :class:`ExactKVCache` with
-``row_exact`` set (the engine sets it for decode/verify passes only, never for prefill).
+wrapper that changes nothing unless the cache passed in has ``row_exact`` set: an
+:class:`ExactKVCache` (eager passes) or an ``engine.static_cache.StaticLayerCache`` (compiled
+passes; ``static`` set). The engine sets it for decode/verify passes only, never for prefill.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     ``queries``: ``[B, H, L, D]``; ``keys``/``values``: ``[B, KV, S + L, D]`` (the cache's
     contents including the ``L`` new positions). With ``cache.row_exact`` and ``L > 1``, query
     ``i`` attends to ``keys[:, :, :S + i + 1]`` on its own (causal by construction). With a
-    static cache (``mask`` a bool array ``[L, capacity]``, keys the whole buffer) query ``i``
+    static cache (``cache.static``; ``mask`` a bool array ``[L, capacity]``, keys the whole buffer) query ``i``
     attends over the whole buffer with mask row ``i``.
     """
     n = queries.shape[2]
     if n == 1 or not getattr(cache, "row_exact", False) or sinks is not None:
         return _original_sdpa(queries, keys, values, cache, scale, mask, sinks)
-    if isinstance(mask, mx.array):
+    if getattr(cache, "static", False):
         # Static cache (engine.static_cache): every row attends over the whole buffer under its
         # own mask row [1, capacity], the very call a one-row decode step makes.
         rows = [

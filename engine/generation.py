@@ -23,6 +23,7 @@ from .scheduler import CostModel, DsparkStats, RequestAcceptance, choose_length,
 from .stops import StopMatcher
 
 DSPARK_PROBE_EVERY = 32  # cycles between DSpark probes while its recent yield loses
+MAX_VERIFY_ROWS = 64  # the widest verify pass any setting allows (sizes static caches)
 
 
 @dataclass
@@ -55,7 +56,7 @@ class Sequence:
         self.runner = runner
         self.tokens: list[int] = list(request.prompt_tokens)
         self.prompt_len = len(self.tokens)
-        self.cache = runner.make_cache()
+        self.cache = runner.make_cache(min(context_length, self.prompt_len + request.max_tokens + MAX_VERIFY_ROWS))
         self.num_prefilled = 0
         self.num_generated = 0
         self.pipeline = LogitsPipeline(request.sampling, seed, self.prompt_len)
@@ -156,8 +157,9 @@ class Sequence:
         Prompt lookup proposes for free; DSpark costs a draft forward, so it runs only when its
         recent yield (tokens per second, draft cost included) beats the best option so far
         (plain decoding included, also when DSpark is the only drafter), or as a probe on a
-        request's first cycle and every ``DSPARK_PROBE_EVERY`` cycles after. A DSpark forward
-        whose draft is cut to nothing counts as a cycle that yielded nothing. Each proposal is cut to the length maximising ``E(L) / T(L + 1)``
+        request's first cycle and every ``DSPARK_PROBE_EVERY`` cycles after (always when the
+        request sets ``min_draft_tokens``). A DSpark forward whose draft is cut to nothing counts
+        as a cycle that yielded nothing. Each proposal is cut to the length maximising ``E(L) / T(L + 1)``
         under its acceptance estimate; the best rate wins, plain decoding when none beats it.
         """
         budget = self.draft_budget(cost.max_rows)
@@ -178,9 +180,10 @@ class Sequence:
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1)] + [o[0] for o in options])
             probe = self.cycles_since_dspark >= DSPARK_PROBE_EVERY
-            if probe or self.dspark_stats.expected_rate(cost) > best_so_far:
+            forced = self.request.speculative.min_draft_tokens > 0
+            if probe or forced or self.dspark_stats.expected_rate(cost) > best_so_far:
                 option = self._propose_dspark(ctx, budget, cost)
-                if option[1] == 0 and not self.request.speculative.min_draft_tokens:  # paid, no draft
+                if option[1] == 0 and not forced:  # paid for, drafted nothing
                     self.dspark_stats.observe([], 0, 0)
                 else:
                     options.append(option)

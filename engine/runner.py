@@ -19,7 +19,7 @@ import mlx.nn as nn
 
 from . import exact_attention
 from .scheduler import CostModel
-from .static_cache import CompiledPasses, StaticCache, kv_layout
+from .static_cache import MIN_CAPACITY, CompiledPasses, StaticCache, bucket, kv_layout
 
 log = logging.getLogger("specserve.runner")
 
@@ -67,13 +67,19 @@ class TargetRunner:
         self._passes: dict[int, CompiledPasses] = {}  # id(taps) (0: none) -> compiled passes
         self._taps_alive: dict[int, object] = {}
 
-    def make_cache(self):
-        """A new empty KV cache (mlx-lm per-layer caches, or a :class:`StaticCache` when compiled)."""
+    def make_cache(self, positions: int | None = None):
+        """A new empty KV cache (mlx-lm per-layer caches, or a :class:`StaticCache` when compiled).
+
+        ``positions``: the most positions this cache will hold (prompt + max_tokens + the widest
+        verify). A static cache is sized for it up front, so it never grows mid-request: a
+        compiled pass attends over the whole capacity, and the same position computed at two
+        capacities may differ in the last bits, which would break speculative == plain."""
         if not self.compiled:
             return exact_attention.make_cache(self.model)
         if self._kv_layout is None:
             self._kv_layout = kv_layout(self.model)
-        return StaticCache(*self._kv_layout, limit=self.max_context)
+        capacity = bucket(positions, self.max_context) if positions else MIN_CAPACITY
+        return StaticCache(*self._kv_layout, capacity=capacity, limit=self.max_context)
 
     @staticmethod
     def trim(cache, n: int) -> None:

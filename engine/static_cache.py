@@ -6,7 +6,7 @@ once per input shape and replays it, but mlx-lm's ``KVCache`` changes shape ever
 each layer's keys and values live in preallocated ``[1, KV, capacity, D]`` buffers; the write
 position is an ``mx.array`` (``mx.slice_update`` at that offset) and the attention mask is built
 from it, so a pass of ``k`` rows at a given capacity has fixed shapes whatever the position: one
-trace per ``(k, capacity)``, replayed every cycle. Capacity grows in doubling buckets (the
+trace per ``(k, capacity, row_exact)``, replayed every cycle. Capacity grows in doubling buckets (the
 buffers are copied into larger ones), rollback (trim) only moves the host-side length back.
 
 Exactness: in a compiled pass every query row attends over the whole buffer with its own mask
@@ -49,6 +49,8 @@ class StaticLayerCache:
             over the whole buffer under a position mask).
         row_exact: ask :mod:`engine.exact_attention` to attend one query row per call.
     """
+
+    static = True  # engine.exact_attention: attend over the whole buffer under mask rows
 
     def __init__(self, keys: mx.array, values: mx.array, offset, row_exact: bool = False):
         self.keys, self.values, self.offset, self.row_exact = keys, values, offset, row_exact
