@@ -157,8 +157,9 @@ class DsparkStats:
         self.realised = [1.0] * positions
         self.predicted = [1.0] * positions
         self.draft_cost = 0.0  # seconds per propose (EMA)
-        self.accepted_ema = 1.0  # accepted drafts per DSpark cycle (EMA)
-        self.length_ema = 4.0  # verified draft length per DSpark cycle (EMA)
+        self.accepted_ema = 1.0  # accepted drafts per DSpark cycle (EMA; the first cycle sets it)
+        self.length_ema = 4.0  # verified draft length per DSpark cycle (EMA; the first sets it)
+        self.cycles = 0  # DSpark cycles observed
 
     def calibrated(self, conditional: list[float]) -> list[float]:
         survival, acc = [], 1.0
@@ -175,8 +176,13 @@ class DsparkStats:
             acc *= conditional[k]
             self.predicted[k] += self.alpha * (acc - self.predicted[k])
             self.realised[k] += self.alpha * (float(k < num_accepted) - self.realised[k])
-        self.accepted_ema += self.alpha * (num_accepted - self.accepted_ema)
-        self.length_ema += self.alpha * (num_draft - self.length_ema)
+        # The first observation replaces the optimistic priors, so one losing probe is enough
+        # to gate DSpark off; a cycle cut to no draft leaves the length estimate alone.
+        rate = 1.0 if self.cycles == 0 else self.alpha
+        self.cycles += 1
+        self.accepted_ema += rate * (num_accepted - self.accepted_ema)
+        if num_draft:
+            self.length_ema += rate * (num_draft - self.length_ema)
 
     def observe_cost(self, seconds: float) -> None:
         self.draft_cost = seconds if self.draft_cost == 0 else self.draft_cost + 0.1 * (seconds - self.draft_cost)
