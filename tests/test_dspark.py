@@ -482,3 +482,12 @@ def test_batched_generation_equals_one_prompt_greedy(tiny_target):
                 break
         assert row["response"] == ref
     assert generate_examples(model, tok, records, data, progress=False, deadline=0.0) is None
+    # EOS cuts: make a token some rows emit mid-stream the EOS; those rows end right after it,
+    # the others run to max_new_tokens.
+    free = {i: r["response"] for i, r in enumerate(rows)}
+    eos = free[1][5]
+    expect = {i: (r[: r.index(eos) + 1] if eos in r else r) for i, r in free.items()}
+    assert any(len(e) < 20 for e in expect.values()) and any(len(e) == 20 for e in expect.values())
+    tok_eos = TokenizerWrapper(tok._tokenizer, eos_token_ids=[eos])
+    cut = generate_examples(model, tok_eos, records, data, progress=False)
+    assert [r["response"] for r in cut] == [expect[i] for i in range(len(rows))]
