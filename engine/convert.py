@@ -18,20 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from pathlib import Path
 
 from . import BLAS  # noqa: F401  (OpenBLAS before mlx.core)
-from .loader import WEIGHT_POLICIES, load_target, save_mlx_dir
-
-
-def save_tokenizer(loaded, out: str | Path) -> Path:
-    """Write only the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, chat
-    template) of ``loaded`` to ``out``; ``transformers.AutoTokenizer.from_pretrained(out)`` reads
-    them back without network access."""
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    loaded.tokenizer._tokenizer.save_pretrained(str(out))
-    return out
+from .loader import WEIGHT_POLICIES, load_target, save_mlx_dir, save_tokenizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokenizer-only", action="store_true", help="write the tokenizer files only")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    loaded = load_target(args.model, weights="float32" if args.tokenizer_only else args.weights)
+    # the tokenizer alone needs no weight conversion: keep what the file stores
+    loaded = load_target(args.model, weights="quantized" if args.tokenizer_only else args.weights)
     if args.tokenizer_only:
         out = save_tokenizer(loaded, args.out)
     else:

@@ -178,5 +178,15 @@ def save_mlx_dir(loaded: LoadedModel, out: str | Path) -> Path:
         config["quantization"] = loaded.config["quantization"]
     config["eos_token_id"] = sorted(loaded.eos_token_ids)
     (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_tokenizer(loaded, out)
+    return out
+
+
+def save_tokenizer(loaded: LoadedModel, out: str | Path) -> Path:
+    """Write only the tokenizer files (``tokenizer.json``, ``tokenizer_config.json``, chat
+    template) of ``loaded`` to ``out``; ``transformers.AutoTokenizer.from_pretrained(out)`` reads
+    them back without network access."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     loaded.tokenizer._tokenizer.save_pretrained(str(out))
     return out

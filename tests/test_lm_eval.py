@@ -100,7 +100,7 @@ def direct_loglikelihood(loaded, context: str, continuation: str) -> tuple[float
 
 
 def test_lm_eval_local_completions_scores_and_matches_direct_loglikelihoods(server, loaded, tmp_path):
-    from engine.convert import save_tokenizer
+    from engine.loader import save_tokenizer
 
     tok_dir = save_tokenizer(loaded, tmp_path / "tokenizer")
     proc = run_lm_eval(server.url, tok_dir, tmp_path / "out")

@@ -210,9 +210,12 @@ def versions() -> dict:
 
     llama_info = None
     if v("llama-cpp-python"):
-        probe = subprocess.run([sys.executable, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
-                               capture_output=True, text=True, timeout=120)
-        llama_info = probe.stdout.strip() or probe.stderr.strip()[-500:]
+        try:
+            probe = subprocess.run([sys.executable, "-c", "import llama_cpp; print(llama_cpp.llama_print_system_info().decode())"],
+                                   capture_output=True, text=True, timeout=120)
+            llama_info = probe.stdout.strip() or probe.stderr.strip()[-500:]
+        except subprocess.TimeoutExpired:
+            llama_info = "system info probe timed out"
         libs = [f for f in (metadata.files("llama-cpp-python") or []) if "libggml.so." in str(f)]
         if libs:
             llama_info = f"ggml {max(str(f).rsplit('.so.', 1)[1] for f in libs)}; {llama_info}"
@@ -300,8 +303,9 @@ def measure(rounds, results: dict, names: list[str], args) -> None:
     for rep, rnd in enumerate(rounds):
         for name, measured in rnd.items():
             s = summarize(measured["rows"])
+            tps = s["decode_tokens_per_s"]
             print(f"round {rep} {name:15s} ready {measured['ready_s']:5.1f} s  "
-                  f"decode {s['decode_tokens_per_s']:6.1f} tok/s  ttft {s['mean_ttft_s']:.3f} s  "
+                  f"decode {tps if tps is not None else float('nan'):6.1f} tok/s  ttft {s['mean_ttft_s']:.3f} s  "
                   f"load {measured['loadavg_before']:.1f}-{measured['loadavg_after']:.1f}", flush=True)
         results["rounds"].append(rnd)
         results["results"] = report(results["rounds"], names, results["workloads"], names[0])
