@@ -47,8 +47,9 @@ def tiny_engine(tiny):
 
 @pytest.fixture(scope="session")
 def default_engine():
-    """The real default model (SmolLM2-135M-Instruct), fetched into the user cache on first use."""
-    eng = Engine(EngineConfig(speculation="prompt_lookup", calibration_contexts=(48, 1100))).start(
+    """The real default model (SmolLM2-135M-Instruct), fetched into the user cache on first use,
+    with the DSpark drafter shipped for it in models/."""
+    eng = Engine(EngineConfig(speculation="prompt_lookup", dspark=True, calibration_contexts=(48, 1100))).start(
         wait=True, timeout=900)
     yield eng
     eng.stop()
