@@ -76,7 +76,7 @@ class DataConfig:
     temperature: float = 0.0
     top_p: float = 1.0
     gen_batch_size: int = 128
-    shard_size: int = 2048  # prompts per resumable generation shard
+    shard_size: int = 512  # prompts per resumable generation shard (a deadline mid-shard drops it)
     seed: int = 0
 
 
