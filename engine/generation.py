@@ -56,7 +56,7 @@ class Sequence:
         self.runner = runner
         self.tokens: list[int] = list(request.prompt_tokens)
         self.prompt_len = len(self.tokens)
-        self.cache = runner.make_cache(min(context_length, self.prompt_len + request.max_tokens + MAX_VERIFY_ROWS))
+        self.cache = runner.make_cache(self.prompt_len + request.max_tokens + MAX_VERIFY_ROWS)  # clamped to the context
         self.num_prefilled = 0
         self.num_generated = 0
         self.pipeline = LogitsPipeline(request.sampling, seed, self.prompt_len)

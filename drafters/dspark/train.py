@@ -569,9 +569,6 @@ def _load_or_generate(target, tokenizer, out_dir: Path, data_cfg: DataConfig, re
     for i in range(0, len(train_records), size):
         shard = out_dir / "data" / "shards" / f"shard-{i // size:05d}.jsonl"
         if not shard.exists():
-            if deadline is not None and time.perf_counter() > deadline:
-                log.info("time budget reached during generation; rerun to continue")
-                return None
             started = time.perf_counter()
             part = generate_examples(target, tokenizer, train_records[i : i + size], data_cfg, progress, deadline)
             if part is None:
