@@ -159,8 +159,9 @@ class Sequence:
         (plain decoding included, also when DSpark is the only drafter), or as a probe on a
         request's first cycle and every ``DSPARK_PROBE_EVERY`` cycles after (always when the
         request sets ``min_draft_tokens``). A DSpark forward whose draft is cut to nothing counts
-        as a cycle that yielded nothing. Each proposal is cut to the length maximising ``E(L) / T(L + 1)``
-        under its acceptance estimate; the best rate wins, plain decoding when none beats it.
+        as a cycle that yielded nothing. Each proposal is cut to the length maximising
+        ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding
+        when none beats it.
         """
         budget = self.draft_budget(cost.max_rows)
         if budget == 0 or not self.drafters:
@@ -168,6 +169,7 @@ class Sequence:
         ctx = DraftContext(self.tokens, temperature=self.request.sampling.temperature,
                            seed=self.pipeline.seed)
         options = []  # (rate, length, proposal, conditional)
+        forced = self.request.speculative.min_draft_tokens > 0
         lookup = self.drafters.get("prompt_lookup")
         if lookup is not None:
             proposal = lookup.propose(ctx, budget)
@@ -180,7 +182,6 @@ class Sequence:
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1)] + [o[0] for o in options])
             probe = self.cycles_since_dspark >= DSPARK_PROBE_EVERY
-            forced = self.request.speculative.min_draft_tokens > 0
             if probe or forced or self.dspark_stats.expected_rate(cost) > best_so_far:
                 option = self._propose_dspark(ctx, budget, cost)
                 if option[1] == 0 and not forced:  # paid for, drafted nothing
@@ -190,7 +191,7 @@ class Sequence:
         if not options:
             return Draft()
         rate, length, proposal, conditional = max(options, key=lambda o: o[0])
-        if length == 0 and self.request.speculative.min_draft_tokens:
+        if length == 0 and forced:
             rate, length, proposal, conditional = options[0]
         length = max(length, min(self.request.speculative.min_draft_tokens, len(proposal.tokens)))
         if length == 0:
