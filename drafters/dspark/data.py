@@ -251,9 +251,12 @@ def humaneval_prompts(path: str | None = None) -> list[PromptRecord]:
 
 
 def build_prompt_set(n_code: int, n_instruct: int, seed: int = 0, humaneval: bool = True,
-                     humaneval_path: str | None = None, eval_fraction: float = 0.1) -> list[PromptRecord]:
-    """All sources together, train and eval records tagged."""
-    records = code_prompts(n_code, seed, eval_fraction) + instruction_prompts(n_instruct, seed, eval_fraction)
+                     humaneval_path: str | None = None, eval_fraction: float = 0.1,
+                     code_per_file: int = 3) -> list[PromptRecord]:
+    """All sources together, train and eval records tagged (``code_per_file``: snippets per
+    standard-library file, see :func:`code_prompts`)."""
+    records = (code_prompts(n_code, seed, eval_fraction, per_file=code_per_file)
+               + instruction_prompts(n_instruct, seed, eval_fraction))
     if humaneval:
         records += humaneval_prompts(humaneval_path)
     return records

@@ -68,6 +68,7 @@ class DraftArch:
 class DataConfig:
     n_code: int = 4000
     n_instruct: int = 8000
+    code_per_file: int = 3  # snippets taken from each standard-library file
     humaneval: bool = True
     humaneval_path: str | None = None
     eval_fraction: float = 0.1
@@ -332,8 +333,12 @@ def _generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
     cache = [BatchKVCache(pads) for _ in model.layers]
     eos_arr = mx.array(eos, dtype=mx.int32)
 
+    tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
+    head = model.model.embed_tokens.as_linear if tied else model.lm_head
+
     def step(inputs, done):
-        logits = model(inputs, cache=cache)[:, -1, :].astype(mx.float32)
+        # LM head on the last row only: the prefill would otherwise hold [N, S, V] logits.
+        logits = head(model.model(inputs, cache=cache)[:, -1, :]).astype(mx.float32)
         tokens = sampler(logits - mx.logsumexp(logits, axis=-1, keepdims=True)).astype(mx.int32)
         return tokens, done | (tokens[:, None] == eos_arr[None]).any(axis=-1)
 
@@ -561,7 +566,8 @@ def _load_or_generate(target, tokenizer, out_dir: Path, data_cfg: DataConfig, re
         records = [PromptRecord(**r) for r in read_jsonl(prompts_path)]
     elif records is None:
         records = build_prompt_set(data_cfg.n_code, data_cfg.n_instruct, data_cfg.seed,
-                                   data_cfg.humaneval, data_cfg.humaneval_path, data_cfg.eval_fraction)
+                                   data_cfg.humaneval, data_cfg.humaneval_path, data_cfg.eval_fraction,
+                                   data_cfg.code_per_file)
     if not prompts_path.exists():
         write_jsonl(prompts_path, records)
     train_records = [r for r in records if r.split == "train"]
@@ -700,12 +706,15 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--n-code", type=int, default=d.n_code)
     g.add_argument("--n-instruct", type=int, default=d.n_instruct)
+    g.add_argument("--code-per-file", type=int, default=d.code_per_file)
     g.add_argument("--no-humaneval", action="store_true")
     g.add_argument("--humaneval-path", default=None)
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     g.add_argument("--gen-temperature", type=float, default=d.temperature)
     g.add_argument("--gen-top-p", type=float, default=d.top_p)
     g.add_argument("--gen-batch-size", type=int, default=d.gen_batch_size)
+    g.add_argument("--gen-shard-size", type=int, default=d.shard_size,
+                   help="prompts per resumable generation shard (at least --gen-batch-size to use full batches)")
     g.add_argument("--generate-only", action="store_true", help="stop once the generated data is written")
     g = p.add_argument_group("training")
     for name in ("steps", "batch_size", "num_anchors", "max_seq_len", "save_every", "seed"):
@@ -730,10 +739,11 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
     model, tokenizer = (load_target or _mlx_lm_loader)(args.target)
     arch = DraftArch(args.layers, args.num_taps, args.target_layer_ids, args.block_size, args.markov_rank,
                      args.mask_token_id, not args.no_confidence_head)
-    data = DataConfig(n_code=args.n_code, n_instruct=args.n_instruct, humaneval=not args.no_humaneval,
+    data = DataConfig(n_code=args.n_code, n_instruct=args.n_instruct, code_per_file=args.code_per_file,
+                      humaneval=not args.no_humaneval,
                       humaneval_path=args.humaneval_path, max_new_tokens=args.max_new_tokens,
                       temperature=args.gen_temperature, top_p=args.gen_top_p,
-                      gen_batch_size=args.gen_batch_size, seed=args.seed)
+                      gen_batch_size=args.gen_batch_size, shard_size=args.gen_shard_size, seed=args.seed)
     train = TrainConfig(**{k: getattr(args, k) for k in (
         "steps", "batch_size", "num_anchors", "max_seq_len", "save_every", "seed", "lr",
         "warmup_ratio", "weight_decay", "grad_clip")})
