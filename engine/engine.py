@@ -35,6 +35,7 @@ from drafters import PromptLookupDrafter
 
 from .generation import Sequence, prefill_step, speculative_step
 from .loader import LoadedModel, load_target
+from .prefix_cache import PrefixCache
 from .request import (
     SPECULATION_METHODS,
     ContextLengthExceeded,
@@ -72,7 +73,8 @@ class EngineConfig:
     max_verify_rows: int = 16
     exact_verify: str = "auto"  # auto | row | batched
     calibration_contexts: tuple[int, ...] = (48, 1100)
-    prefill_step: int = 2048  # mlx-lm's default, so long prompts are cached identically
+    prefill_step: int = 256  # prompt tokens per chunk; also the prefix cache's block
+    prefix_cache_bytes: int = 1 << 30  # prefix cache budget (KV + DSpark taps); 0: off
     max_active: int = 8
     max_queue: int = 256
     request_timeout: float | None = None  # seconds from submit to the last event; None: no limit
@@ -110,6 +112,7 @@ class Engine:
         self.acceptance = AcceptanceModel()
         self.dspark_stats = DsparkStats()
         self.dspark = None  # the shared DSpark network, when loaded
+        self.prefix_cache: PrefixCache | None = None
         self.target_taps = None
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[_Handle] = deque()
@@ -342,6 +345,13 @@ class Engine:
         self._calibrate(resolve_compile(cfg.compile))
         self.cost = cost_model(self.calibration)
         log.info("calibration: %s", self.calibration.summary())
+        if cfg.prefix_cache_bytes > 0:
+            if PrefixCache.supports(self.runner.make_cache()):
+                self.prefix_cache = PrefixCache(cfg.prefill_step, cfg.prefix_cache_bytes)
+                log.info("prefix cache: %d MiB, blocks of %d tokens", cfg.prefix_cache_bytes >> 20, cfg.prefill_step)
+            else:
+                log.warning("prefix cache off: %s caches are not plain per-layer KV caches",
+                            "compiled (static)" if self.runner.compiled else "this model's")
         if cfg.dspark or cfg.speculation == "dspark":
             self._load_dspark()
         if cfg.warmup:
@@ -400,12 +410,31 @@ class Engine:
         seed = request.sampling.seed
         if seed is None:
             seed = random.SystemRandom().getrandbits(63)
-        return Sequence(
+        seq = Sequence(
             request, self.runner, self.loaded.token_table, self.loaded.eos_token_ids,
             self.loaded.context_length, seed, drafters=drafters,
             acceptance=RequestAcceptance(self.acceptance), dspark_stats=self.dspark_stats,
             taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
         )
+        # Prompt logprobs need every prompt row's logits: such requests prefill from scratch.
+        if self.prefix_cache is not None and not request.prompt_logprobs:
+            hit = self.prefix_cache.fetch(request.prompt_tokens, seq.taps is not None, request.cache_salt)
+            if hit is not None:
+                seq.reuse_prefix(hit.cache, hit.hidden, hit.num_tokens)
+        return seq
+
+    def _store_prefix(self, seq: Sequence) -> None:
+        """Offer a freshly prefilled prompt's whole chunks to the prefix cache (once)."""
+        seq.prefix_stored = True
+        if self.prefix_cache is None:
+            return
+        req = seq.request
+        self.prefix_cache.insert(req.prompt_tokens, seq.cache, seq.prompt_hidden(), seq.taps is not None,
+                                 req.cache_salt, already=seq.cached_tokens)
+
+    def prefix_cache_info(self) -> dict | None:
+        """The prefix cache's size and token counters (:meth:`PrefixCache.info`), None when off."""
+        return self.prefix_cache.info() if self.prefix_cache is not None else None
 
     def _run(self) -> None:
         try:
@@ -498,6 +527,8 @@ class Engine:
         result = None
         if not seq.prefilled:
             result = prefill_step(seq)
+            if seq.prefilled:
+                self._store_prefix(seq)
         if seq.prefilled and result is None:  # the first cycle may follow the last chunk at once
             result = speculative_step(seq, self.cost)
         if result is None:
@@ -552,7 +583,7 @@ class Engine:
         self._done(handle.request.request_id)
         event = TokenEvent(handle.request.request_id, [], "", finish_reason=reason,
                            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
-                           stats=seq.stats, elapsed=time.perf_counter() - seq.submitted_at, error=error)
+                           cached_tokens=seq.cached_tokens, stats=seq.stats, elapsed=time.perf_counter() - seq.submitted_at, error=error)
         handle.emit(event)
         self.sink.request_finished(event)
 

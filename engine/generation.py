@@ -59,6 +59,8 @@ class Sequence:
         self.cache = runner.make_cache(self.prompt_len + request.max_tokens + MAX_VERIFY_ROWS)  # clamped to the context
         self.num_prefilled = 0
         self.num_generated = 0
+        self.cached_tokens = 0  # prompt positions taken from the prefix cache
+        self.prefix_stored = False
         self.pipeline = LogitsPipeline(request.sampling, seed, self.prompt_len)
         self.table = table
         self.detok = StreamingDetokenizer(table)
@@ -82,6 +84,25 @@ class Sequence:
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs else None
+
+    def reuse_prefix(self, cache: list, hidden: mx.array | None, num_tokens: int) -> None:
+        """Start from a prefix cache hit: ``cache`` holds the first ``num_tokens`` prompt
+        positions (whole prefill chunks), ``hidden`` their tapped rows when DSpark is on."""
+        if not 0 < num_tokens < self.prompt_len or self.num_prefilled:
+            raise ValueError("a prefix hit must cover part of the prompt before prefill starts")
+        self.cache = cache
+        self.num_prefilled = self.cached_tokens = num_tokens
+        if self.taps is not None:
+            self.pending_hidden = [hidden]
+
+    def prompt_hidden(self) -> mx.array | None:
+        """The tapped rows of every prefilled prompt position (before the first cycle hands them
+        to the drafter), merged into one array; None without taps."""
+        if self.taps is None or not self.pending_hidden:
+            return None
+        if len(self.pending_hidden) > 1:
+            self.pending_hidden = [mx.concatenate(self.pending_hidden)]
+        return self.pending_hidden[0]
 
     @property
     def prefilled(self) -> bool:
@@ -130,6 +151,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len,
             completion_tokens=self.num_generated,
+            cached_tokens=self.cached_tokens,
             prompt_logprobs=self.prompt_logprobs if first_event else None,
             stats=self.stats if self.finished else None,
             time_to_first_token=(
@@ -242,13 +264,17 @@ def _logprob_rows(chosen_lp, top_ids, top_lp, tokens: list[int]) -> list[TokenLo
 def prefill_step(seq: Sequence) -> CommitResult | None:
     """Feed the next prompt chunk into the KV cache.
 
+    Chunks are ``[j*S, (j+1)*S)`` for ``S = runner.prefill_step`` (absolute positions), the last
+    one ending before the anchor: the prefix cache reuses whole chunks, so a warm start computes
+    exactly the chunks a cold one would.
+
     The last prompt token is not prefilled: it is the first anchor, and the first output token
     comes from the first verify pass, computed exactly as a one-token decode step would (as
     mlx-lm's ``generate_step`` does), so prompt-lookup drafts can start on the first cycle.
     Returns a finished result only for ``max_tokens == 0`` (prompt scoring), else None.
     """
     runner, start = seq.runner, seq.num_prefilled
-    end = min(start + runner.prefill_step, seq.prompt_len - 1)
+    end = min((start // runner.prefill_step + 1) * runner.prefill_step, seq.prompt_len - 1)
     if seq.prompt_logprobs is not None and start == 0:
         seq.prompt_logprobs.append(TokenLogprob(seq.tokens[0], None))
     if end > start:
@@ -260,8 +286,8 @@ def prefill_step(seq: Sequence) -> CommitResult | None:
             lp = raw_logprobs(logits.astype(mx.float32), mx.array(targets), seq.request.logprobs or 0)
             mx.eval(*lp)
             seq.prompt_logprobs += _logprob_rows(*lp, targets)
-        else:
-            mx.eval(logits)
+        else:  # only the KV (and taps) are needed: the LM head rows stay unevaluated
+            mx.eval(runner.cache_arrays(seq.cache), *(() if hidden is None else (hidden,)))
     seq.num_prefilled = end if end < seq.prompt_len - 1 else seq.prompt_len
     if seq.prefilled and seq.request.max_tokens == 0:  # echo + logprobs scoring: prompt only
         seq.finish_reason = FinishReason.LENGTH

@@ -149,6 +149,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # echo + logprobs: logprobs of the prompt tokens too
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
     request_id: str = field(default_factory=new_request_id)
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share
 
 
 @dataclass
@@ -236,6 +237,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prompt_logprobs: list[TokenLogprob] | None = None  # first event only, when asked
     stats: SpecStats | None = None
     error: EngineError | None = None

@@ -93,6 +93,13 @@ class TargetRunner:
             c.trim(n)
 
     @staticmethod
+    def cache_arrays(cache) -> list[mx.array]:
+        """The arrays holding ``cache``'s keys and values (what to evaluate after a prefill)."""
+        if isinstance(cache, StaticCache):
+            return cache.keys + cache.values
+        return [a for c in cache for a in (c.keys, c.values) if a is not None]
+
+    @staticmethod
     def cache_length(cache) -> int:
         return cache.length if isinstance(cache, StaticCache) else cache[0].offset
 

@@ -16,7 +16,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine import Engine, TokenEvent
 
@@ -28,7 +28,8 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
 
 
 class _EngineCollector:
-    """Values read from the engine at scrape time: queue depth, running, verify cost T(k)."""
+    """Values read from the engine at scrape time: queue depth, running, verify cost T(k), the
+    prefix cache's size and token counters (vLLM's ``prefix_cache_queries``/``_hits``)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -51,6 +52,18 @@ class _EngineCollector:
             for k, t in enumerate(cost.verify_cost, start=1):
                 g.add_metric([str(k)], t)
         yield g
+        info = self.engine.prefix_cache_info() or {"queries": 0, "hits": 0, "bytes": 0, "entries": 0, "max_bytes": 0}
+        for name, key, doc in (("prefix_cache_queries", "queries", "Prompt tokens looked up in the prefix cache."),
+                               ("prefix_cache_hits", "hits", "Prompt tokens whose KV came from the prefix cache.")):
+            c = CounterMetricFamily(PREFIX + name, doc)
+            c.add_metric([], info[key])
+            yield c
+        for name, key, doc in (("prefix_cache_bytes", "bytes", "Bytes held by the prefix cache."),
+                               ("prefix_cache_max_bytes", "max_bytes", "The prefix cache's byte budget."),
+                               ("prefix_cache_entries", "entries", "Cached prompt prefixes.")):
+            g = GaugeMetricFamily(PREFIX + name, doc)
+            g.add_metric([], info[key])
+            yield g
 
 
 class Metrics:

@@ -97,8 +97,16 @@ class Settings(BaseSettings):
 
     # --- scheduling and limits
     prefill_step: int = Field(
-        2048, ge=16, le=16384,
-        description="Prompt tokens per prefill chunk (mlx-lm's default; other sequences step between chunks).",
+        256, ge=16, le=16384,
+        description="Prompt tokens per prefill chunk (other sequences step between chunks). Chunks start "
+        "at multiples of it, and the prefix cache stores and reuses whole chunks, so warm and cold "
+        "prefills compute the same bits.",
+    )
+    prefix_cache_bytes: int = Field(
+        1 << 30, ge=0,
+        description="Byte budget of the prefix cache: prompt KV (and DSpark's tapped hidden states) kept "
+        "for reuse by later requests sharing a prefix, least recently stored evicted first (0: off). "
+        "Reused tokens are reported as `usage.prompt_tokens_details.cached_tokens`.",
     )
     max_active: int = Field(8, ge=1, le=1024, description="Sequences interleaved by the engine at once.")
     max_queue: int = Field(
@@ -178,6 +186,7 @@ class Settings(BaseSettings):
             max_verify_rows=self.max_verify_rows,
             exact_verify=self.exact_verify,
             prefill_step=self.prefill_step,
+            prefix_cache_bytes=self.prefix_cache_bytes,
             max_active=self.max_active,
             max_queue=self.max_queue,
             request_timeout=self.request_timeout or None,
