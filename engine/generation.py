@@ -173,7 +173,7 @@ class Sequence:
         )
         return max(0, min(left, room, max_rows - 1, cap))
 
-    def propose(self, cost: CostModel) -> Draft:
+    def propose(self, cost: CostModel, max_rows: int | None = None) -> Draft:
         """Choose this cycle's drafter and draft length (issue #6's rule, engine/scheduler.py).
 
         Prompt lookup proposes for free; DSpark costs a draft forward, so it runs only when its
@@ -183,9 +183,10 @@ class Sequence:
         request sets ``min_draft_tokens``). A DSpark forward whose draft is cut to nothing counts
         as a cycle that yielded nothing. Each proposal is cut to the length maximising
         ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding
-        when none beats it.
+        when none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched
+        pass).
         """
-        budget = self.draft_budget(cost.max_rows)
+        budget = self.draft_budget(min(cost.max_rows, max_rows or cost.max_rows))
         if budget == 0 or not self.drafters:
             return Draft()
         ctx = DraftContext(self.tokens, temperature=self.request.sampling.temperature,
@@ -304,13 +305,40 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
     # 2. Verify: one target pass; row r decides the token after anchor + draft[:r].
     started = time.perf_counter()
     logits, hidden = seq.runner.verify(rows, seq.cache, seq.taps)
-    processed = seq.pipeline.process(logits, seq.tokens, draft.tokens)
-    row_tokens, passed = seq.pipeline.verify(processed, draft.tokens, draft.draft_probs, len(seq.tokens))
-    want_lp = seq.request.logprobs is not None
-    lp = raw_logprobs(logits, row_tokens, seq.request.logprobs) if want_lp else ()
-    mx.eval(row_tokens, passed, *lp)  # the cycle's only host sync
+    verdict = _verdict(seq, draft, logits)
+    mx.eval(*verdict)  # the cycle's only host sync
     cost.observe(len(rows), time.perf_counter() - started)
 
+    # 3-5. Accept, roll back, commit.
+    return _accept(seq, draft, verdict, hidden)
+
+
+def speculative_batch_step(seqs: list[Sequence], cost: CostModel, max_rows: int) -> list[CommitResult]:
+    """One cycle for several sequences at once (continuous batching): each drafts within its
+    share of ``max_rows`` (the calibrated exact batch size, so drafts shrink as the batch grows),
+    one batched target pass verifies every ``[anchor | drafts]``, and each sequence accepts,
+    rolls back and commits on its own, exactly as :func:`speculative_step` would."""
+    width = max(1, max_rows // len(seqs))
+    drafts = [seq.propose(cost, max_rows=width) for seq in seqs]
+    rows = [[seq.tokens[-1], *draft.tokens] for seq, draft in zip(seqs, drafts)]
+    taps = next((seq.taps for seq in seqs if seq.taps is not None), None)
+    outs = seqs[0].runner.verify_batch(rows, [seq.cache for seq in seqs], taps)
+    verdicts = [_verdict(seq, draft, logits) for seq, draft, (logits, _) in zip(seqs, drafts, outs)]
+    mx.eval(*(a for v in verdicts for a in v))  # the cycle's only host sync
+    return [_accept(seq, draft, verdict, hidden if seq.taps is not None else None)
+            for seq, draft, verdict, (_, hidden) in zip(seqs, drafts, verdicts, outs)]
+
+
+def _verdict(seq: Sequence, draft: Draft, logits: mx.array) -> tuple:
+    """Lazy ``(row_tokens, passed, *logprob arrays)`` of a verify pass's rows."""
+    processed = seq.pipeline.process(logits, seq.tokens, draft.tokens)
+    row_tokens, passed = seq.pipeline.verify(processed, draft.tokens, draft.draft_probs, len(seq.tokens))
+    lp = raw_logprobs(logits, row_tokens, seq.request.logprobs) if seq.request.logprobs is not None else ()
+    return (row_tokens, passed, *lp)
+
+
+def _accept(seq: Sequence, draft: Draft, verdict: tuple, hidden: mx.array | None) -> CommitResult:
+    row_tokens, passed, *lp = verdict
     # 3. Accept the drafts up to the first rejection, plus the bonus/recovered token.
     num_accepted = next((i for i, ok in enumerate(passed.tolist()) if not ok), len(draft.tokens))
     row_tokens = row_tokens.tolist()
@@ -321,7 +349,7 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
 
     # 5. Statistics, then commit (cut at EOS / stop string / max_tokens).
     drafter = seq.observe(draft, num_accepted, hidden)
-    logprobs = _logprob_rows(*lp, row_tokens)[: num_accepted + 1] if want_lp else None
+    logprobs = _logprob_rows(*lp, row_tokens)[: num_accepted + 1] if lp else None
     result = seq.commit(committed, logprobs)
     result.verify_step = (drafter, len(draft.tokens), num_accepted, draft.expected_accepted)
     return result

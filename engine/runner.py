@@ -160,6 +160,66 @@ class TargetRunner:
         finally:
             exact_attention.set_row_exact(cache, False)
 
+    def verify_batch(self, rows: list[list[int]], caches: list[list], taps=None) -> list[tuple]:
+        """Several sequences' decode/verify rows in one target pass (continuous batching).
+
+        Sequence ``i``'s rows are padded to the longest; its real rows go into ``caches[i]``
+        (eager per-layer caches). Each real row computes what the sequence's own
+        :meth:`verify` computes, as long as the padded batch holds at most
+        :meth:`calibrate_batch`'s row count.
+
+        Returns:
+            per sequence ``(logits [n_i, V] float32, hidden [n_i, m*d] float32 or None)``, lazy.
+        """
+        lengths = [len(r) for r in rows]
+        width = max(lengths)
+        ids = mx.array([r + [r[-1]] * (width - len(r)) for r in rows], dtype=mx.uint32)
+        row_exact = [self.row_exact_attention and n > self.batched_rows for n in lengths]
+        layers = [exact_attention.BatchLayerCache([c[j] for c in caches], lengths, row_exact)
+                  for j in range(len(caches[0]))]
+        if taps is None:
+            logits, hidden = self.model(ids, cache=layers), None
+        else:
+            final, hidden = taps.forward(ids, layers)
+            logits, hidden = taps.lm_head(final), hidden.astype(mx.float32)
+        return [(logits[i, :n].astype(mx.float32), None if hidden is None else hidden[i, :n])
+                for i, n in enumerate(lengths)]
+
+    def calibrate_batch(self, vocab_size: int, max_rows: int, max_width: int, context: int = 40) -> int:
+        """Most rows (sequences x padded width) a batched pass may hold while every sequence's
+        rows stay bit-identical to its own pass (0: batching is not exact here, or ``max_rows``
+        < 2). Checks, for each size ``P``, ``P`` one-row sequences and two sequences of
+        ``min(P // 2, max_width)`` and 1 rows (``max_width``: the widest exact single verify),
+        at different context lengths."""
+        if self.compiled or max_rows < 2:
+            return 0
+        ids = mx.random.randint(3, vocab_size, (context + 4 * max_rows + max_rows,), key=mx.random.key(99)).tolist()
+
+        def exact(lengths: list[int]) -> bool:
+            seqs = []
+            for i, n in enumerate(lengths):
+                cache = self.make_cache()
+                mx.eval(self.prefill(ids[: context + 3 * i], cache)[0])
+                seqs.append((cache, ids[context + 3 * i : context + 3 * i + n]))
+            alone = []
+            for cache, rows in seqs:
+                logits = self.verify(rows, cache)[0]
+                mx.eval(logits)
+                self.trim(cache, len(rows))
+                alone.append(logits)
+            together = self.verify_batch([r for _, r in seqs], [c for c, _ in seqs])
+            mx.eval([t[0] for t in together])
+            return all(mx.array_equal(a, t[0]).item() for a, t in zip(alone, together))
+
+        best = 0
+        for size in range(2, max_rows + 1):
+            wide = min(size // 2, max_width)
+            if not exact([1] * size) or (wide >= 2 and not exact([wide, 1])):
+                break
+            best = size
+        log.info("batched passes: exact up to %d rows", best)
+        return best
+
     # ---- calibration -------------------------------------------------------------------------
 
     def _exact_width(self, context: list[int], probe: list[int], widths: int) -> int:

@@ -105,6 +105,11 @@ class Metrics:
         self.tokens_per_step = Histogram(PREFIX + "spec_decode_tokens_per_step",
                                          "Tokens committed per target verify step (drafter=none: plain decode).",
                                          ["drafter"], buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
+        self.batch_size = Histogram(PREFIX + "batch_size", "Decoding sequences per batched target pass "
+                                    "(continuous batching; single-sequence steps are not counted).",
+                                    buckets=(2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.batch_tokens = Counter(PREFIX + "batch_committed_tokens",
+                                    "Tokens committed by batched target passes.", registry=r)
 
     def attach(self, engine: Engine) -> None:
         self.registry.register(_EngineCollector(engine))
@@ -127,6 +132,10 @@ class Metrics:
         self.num_accepted.labels(drafter).inc(num_accepted)
         for pos in range(num_accepted):
             self.accepted_per_pos.labels(drafter, str(pos)).inc()
+
+    def batch_step(self, num_sequences: int, num_committed: int) -> None:
+        self.batch_size.observe(num_sequences)
+        self.batch_tokens.inc(num_committed)
 
     def request_finished(self, event: TokenEvent) -> None:
         reason = event.finish_reason.value if event.finish_reason is not None else "error"

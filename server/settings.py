@@ -109,6 +109,13 @@ class Settings(BaseSettings):
         "Reused tokens are reported as `usage.prompt_tokens_details.cached_tokens`.",
     )
     max_active: int = Field(8, ge=1, le=1024, description="Sequences interleaved by the engine at once.")
+    batching: Literal["auto", "off"] = Field(
+        "auto",
+        description="Continuous batching: decoding sequences share one target pass per cycle, each with "
+        "its own drafter and draft length. `auto`: as many rows per pass as start-up calibration finds "
+        "bit-identical to each sequence's own pass (none: one sequence per pass); `off`: one sequence "
+        "per pass.",
+    )
     max_queue: int = Field(
         256, ge=1,
         description="Requests waiting for a free slot (beyond `max_active`) before new ones get HTTP 429 "
@@ -188,6 +195,7 @@ class Settings(BaseSettings):
             prefill_step=self.prefill_step,
             prefix_cache_bytes=self.prefix_cache_bytes,
             max_active=self.max_active,
+            batching=self.batching,
             max_queue=self.max_queue,
             request_timeout=self.request_timeout or None,
         )

@@ -1,0 +1,139 @@
+"""Continuous batching: decoding sequences share target passes; each output equals its solo output."""
+
+import random
+from concurrent.futures import ThreadPoolExecutor
+
+import mlx.core as mx
+import pytest
+from helpers import assert_no_leaks
+from test_engine import prompts
+from test_engine_dspark import make_drafter
+
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
+from engine.runner import TargetRunner
+from engine.stats import NullSink
+
+
+class BatchRecorder(NullSink):
+    def __init__(self):
+        self.batches = []
+
+    def batch_step(self, num_sequences, num_committed):
+        self.batches.append((num_sequences, num_committed))
+
+
+def requests(seed: int, n: int) -> list[GenerationRequest]:
+    """Varied requests: greedy and seeded sampling, every method, logprobs, stops, lengths."""
+    rng = random.Random(seed)
+    out = []
+    for i, p in enumerate(prompts(n, seed=seed)):
+        sampled = i % 4 == 3
+        out.append(GenerationRequest(
+            prompt_tokens=p, max_tokens=rng.randint(8, 40),
+            sampling=SamplingParams(temperature=0.8 if sampled else 0.0, seed=1000 + i if sampled else None,
+                                    top_k=20 if i % 5 == 0 else 0),
+            logprobs=2 if i % 3 == 0 else None, stop=("ab",) if i % 7 == 0 else (),
+            speculative=SpeculativeParams(("auto", "prompt_lookup", "off")[i % 3]),
+        ))
+    return out
+
+
+def collect(engine, req: GenerationRequest):
+    clone = GenerationRequest(**{**req.__dict__, "request_id": f"{req.request_id}-{id(engine)}-{random.random()}"})
+    events = list(engine.generate(clone, timeout=600))
+    assert events[-1].error is None, events[-1].error
+    lps = [(lp.token, lp.logprob, lp.top) for e in events for lp in (e.logprobs or [])]
+    return [t for e in events for t in e.token_ids], "".join(e.text for e in events), lps, events[-1].finish_reason
+
+
+def concurrently(engine, reqs):
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        return list(pool.map(lambda r: collect(engine, r), reqs))
+
+
+@pytest.fixture(scope="module")
+def pair(tiny):
+    cfg = dict(speculation="auto", calibration_contexts=(40, 300), max_active=8)
+    solo = Engine(EngineConfig(batching="off", **cfg), loaded=tiny).start(wait=True, timeout=300)
+    rec = BatchRecorder()
+    batched = Engine(EngineConfig(**cfg), loaded=tiny, sink=rec).start(wait=True, timeout=300)
+    yield solo, batched, rec
+    solo.stop()
+    batched.stop()
+
+
+def test_verify_batch_rows_equal_each_sequences_own_pass(tiny):
+    runner = TargetRunner(tiny.model)
+    runner.calibrate(tiny.config["vocab_size"], max_rows=8, contexts=(40,))
+    rng = random.Random(3)
+    for lengths in ([1, 1, 1], [4, 1, 2], [1, 6], [3, 3, 1, 1]):
+        seqs = []
+        for n in lengths:
+            cache = runner.make_cache()
+            mx.eval(runner.prefill([rng.randrange(3, 259) for _ in range(rng.randint(5, 60))], cache)[0])
+            seqs.append((cache, [rng.randrange(3, 259) for _ in range(n)]))
+        alone = []
+        for cache, rows in seqs:
+            logits = runner.verify(rows, cache)[0]
+            mx.eval(logits)
+            runner.trim(cache, len(rows))
+            alone.append(logits)
+        together = runner.verify_batch([r for _, r in seqs], [c for c, _ in seqs])
+        for (cache, rows), a, (logits, hidden) in zip(seqs, alone, together):
+            assert logits.shape == a.shape and mx.array_equal(logits, a).item() and hidden is None
+            assert cache[0].offset == cache[-1].offset  # every layer appended the real rows only
+        offsets = [c[0].offset for c, _ in seqs]
+        assert all(o > 0 for o in offsets)
+
+
+def test_concurrent_outputs_equal_solo_outputs(pair):
+    solo, batched, rec = pair
+    assert batched.batch_rows >= 2, "calibration found batching inexact on this machine"
+    for seed in range(3):
+        reqs = requests(seed, 8)
+        alone = [collect(solo, r) for r in reqs]
+        together = concurrently(batched, reqs)
+        for a, t in zip(alone, together):
+            assert t == a  # tokens, text, logprobs (floats compared exactly), finish reason
+    assert len(rec.batches) > 10 and max(n for n, _ in rec.batches) >= 4
+    assert_no_leaks(batched)
+
+
+def test_more_sequences_than_a_batch_all_progress(tiny):
+    rec = BatchRecorder()
+    eng = Engine(EngineConfig(speculation="auto", calibration_contexts=(40, 300), max_active=12, max_verify_rows=3),
+                 loaded=tiny, sink=rec).start(wait=True, timeout=300)
+    try:
+        eng.batch_rows = 3  # force rotation: 12 sequences, 3 per pass
+        reqs = requests(5, 12)
+        solo = [collect(eng, r) for r in reqs]
+        assert concurrently(eng, reqs) == solo
+        assert max(n for n, _ in rec.batches) == 3
+    finally:
+        eng.stop()
+
+
+def test_batched_dspark_sequences_equal_solo(tiny, tmp_path):
+    path = make_drafter(tiny, tmp_path / "drafter", {77: 12.0})
+    cfg = dict(speculation="auto", dspark=True, dspark_drafter=str(path), calibration_contexts=(40, 300))
+    solo = Engine(EngineConfig(batching="off", **cfg), loaded=tiny).start(wait=True, timeout=300)
+    rec = BatchRecorder()
+    batched = Engine(EngineConfig(**cfg), loaded=tiny, sink=rec).start(wait=True, timeout=300)
+    try:
+        reqs = requests(9, 6)
+        for i, r in enumerate(reqs):
+            r.speculative = SpeculativeParams("dspark", min_draft_tokens=2) if i % 2 else SpeculativeParams("auto")
+            if i % 3 == 0:
+                r.sampling = SamplingParams(temperature=0.0, logit_bias=((77, 30.0),))
+        alone = [collect(solo, r) for r in reqs]
+        assert concurrently(batched, reqs) == alone
+        assert rec.batches
+    finally:
+        solo.stop()
+        batched.stop()
+
+
+def test_batching_off_and_bad_mode(tiny):
+    with pytest.raises(RuntimeError, match="batching"):
+        Engine(EngineConfig(batching="sometimes", calibration_contexts=(40, 300)), loaded=tiny).start(
+            wait=True, timeout=300)
