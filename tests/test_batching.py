@@ -99,6 +99,21 @@ def test_concurrent_outputs_equal_solo_outputs(pair):
     assert_no_leaks(batched)
 
 
+def test_few_sequences_draft_long_within_their_share(pair):
+    """Three sequences share 12 rows: 4 each, so drafts of 3 tokens (row-exact attention)."""
+    solo, batched, rec = pair
+    reqs = []
+    for i in range(3):
+        p = prompts(1, seed=20 + i)[0]  # a repeated pattern: prompt lookup drafts long
+        reqs.append(GenerationRequest(prompt_tokens=p * 2, max_tokens=40, logprobs=3,
+                                      sampling=SamplingParams(temperature=0.0),
+                                      speculative=SpeculativeParams("prompt_lookup")))
+    before = len(rec.batches)
+    for _ in range(2):
+        assert concurrently(batched, reqs) == [collect(solo, r) for r in reqs]
+    assert any(n == 3 and c > 3 for n, c in rec.batches[before:])  # batched passes accepted drafts
+
+
 def test_more_sequences_than_a_batch_all_progress(tiny):
     rec = BatchRecorder()
     eng = Engine(EngineConfig(speculation="auto", calibration_contexts=(40, 300), max_active=12, max_verify_rows=3),
