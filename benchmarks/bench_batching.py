@@ -95,9 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     top = max(args.concurrency)
     prompts = bench_prompts(loaded.tokenizer, args.workloads, top)
     counters = {"off": BatchCounter(), "on": BatchCounter()}
-    engines = {name: Engine(EngineConfig(speculation="auto", batching=name, max_active=top), loaded=loaded,
+    engines = {name: Engine(EngineConfig(speculation="auto", batching=mode, max_active=top), loaded=loaded,
                             sink=counters[name]).start(wait=True)
-               for name in ("off", "on")}
+               for name, mode in (("off", "off"), ("on", "auto"))}
     levels, mismatches = [], 0
     try:
         reference = [one(engines["off"], p, args.max_tokens, "off")["ids"] for p in prompts]

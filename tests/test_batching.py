@@ -152,3 +152,21 @@ def test_batching_off_and_bad_mode(tiny):
     with pytest.raises(RuntimeError, match="batching"):
         Engine(EngineConfig(batching="sometimes", calibration_contexts=(40, 300)), loaded=tiny).start(
             wait=True, timeout=300)
+
+
+def test_batch_metrics_over_http(tiny):
+    from conftest import tiny_live_server
+    from test_server import metric, post
+
+    live = tiny_live_server(tiny, max_active=8)
+    try:
+        before = metric(live, "batch_size_count")
+        body = {"prompt": [5, 6, 7, 8] * 6, "max_tokens": 24, "temperature": 0, "speculative": {"method": "off"}}
+        alone = post(live, "/v1/completions", body).json()["choices"][0]["text"]
+        with ThreadPoolExecutor(6) as pool:
+            texts = list(pool.map(lambda _: post(live, "/v1/completions", body).json()["choices"][0]["text"], range(6)))
+        assert texts == [alone] * 6
+        assert metric(live, "batch_size_count") > before
+        assert metric(live, "batch_committed_tokens_total") >= metric(live, "batch_size_sum")
+    finally:
+        live.stop()
