@@ -510,7 +510,7 @@ class Engine:
         now = time.monotonic()
         if cancelled or self.config.request_timeout:
             self._end_waiting(cancelled, now)
-        live, decoding = [], []
+        decoding = []
         for handle, seq in self._active:
             end = self._end_reason(handle, cancelled, now)
             if end is not None:

@@ -71,19 +71,18 @@ def test_verify_batch_rows_equal_each_sequences_own_pass(tiny):
         for n in lengths:
             cache = runner.make_cache()
             mx.eval(runner.prefill([rng.randrange(3, 259) for _ in range(rng.randint(5, 60))], cache)[0])
-            seqs.append((cache, [rng.randrange(3, 259) for _ in range(n)]))
+            seqs.append((cache, [rng.randrange(3, 259) for _ in range(n)], cache[0].offset))
         alone = []
-        for cache, rows in seqs:
+        for cache, rows, _ in seqs:
             logits = runner.verify(rows, cache)[0]
             mx.eval(logits)
             runner.trim(cache, len(rows))
             alone.append(logits)
-        together = runner.verify_batch([r for _, r in seqs], [c for c, _ in seqs])
-        for (cache, rows), a, (logits, hidden) in zip(seqs, alone, together):
+        together = runner.verify_batch([s[1] for s in seqs], [s[0] for s in seqs])
+        for (cache, rows, start), a, (logits, hidden) in zip(seqs, alone, together):
             assert logits.shape == a.shape and mx.array_equal(logits, a).item() and hidden is None
-            assert cache[0].offset == cache[-1].offset  # every layer appended the real rows only
-        offsets = [c[0].offset for c, _ in seqs]
-        assert all(o > 0 for o in offsets)
+            # every layer appended the sequence's real rows, not the padding
+            assert all(c.offset == start + len(rows) for c in cache)
 
 
 def test_concurrent_outputs_equal_solo_outputs(pair):
