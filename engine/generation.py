@@ -78,6 +78,7 @@ class Sequence:
         self.taps = taps if "dspark" in self.drafters else None
         self.pending_hidden: list[mx.array] = []
         self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
+        self.dspark_ran = False  # DSpark drafted in the cycle being proposed
         self.max_draft = max_draft
         self.stats = SpecStats()
         self.finish_reason: FinishReason | None = None
@@ -184,11 +185,19 @@ class Sequence:
         as a cycle that yielded nothing. Each proposal is cut to the length maximising
         ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding
         when none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched
-        pass).
+        pass). A DSpark forward whose proposal is not verified counts in the request's stats
+        (``num_unused_proposals``).
         """
         budget = self.draft_budget(min(cost.max_rows, max_rows or cost.max_rows))
         if budget == 0 or not self.drafters:
             return Draft()
+        self.dspark_ran = False
+        draft = self._choose(budget, cost)
+        if self.dspark_ran and not (draft.tokens and draft.drafter == "dspark"):
+            self.stats.unused_proposal("dspark")
+        return draft
+
+    def _choose(self, budget: int, cost: CostModel) -> Draft:
         ctx = DraftContext(self.tokens, temperature=self.request.sampling.temperature,
                            seed=self.pipeline.seed)
         options = []  # (rate, length, proposal, conditional)
@@ -227,6 +236,7 @@ class Sequence:
 
     def _propose_dspark(self, ctx: DraftContext, budget: int, cost: CostModel):
         self.cycles_since_dspark = 0
+        self.dspark_ran = True
         if self.pending_hidden:
             ctx.hidden = mx.concatenate(self.pending_hidden) if len(self.pending_hidden) > 1 else self.pending_hidden[0]
             self.pending_hidden = []

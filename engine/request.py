@@ -169,6 +169,7 @@ class DrafterCounts:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_unused_proposals: int = 0  # drafter forwards paid for but not verified (cut to nothing, or lost)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
@@ -193,6 +194,7 @@ class DrafterCounts:
             "num_accepted_tokens": self.num_accepted_tokens,
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "num_unused_proposals": self.num_unused_proposals,
         }
 
 
@@ -210,6 +212,11 @@ class SpecStats:
             return
         self.total.observe(num_draft, num_accepted)
         self.by_drafter.setdefault(drafter, DrafterCounts()).observe(num_draft, num_accepted)
+
+    def unused_proposal(self, drafter: str) -> None:
+        """A ``drafter`` forward ran this cycle but its proposal was not verified."""
+        self.total.num_unused_proposals += 1
+        self.by_drafter.setdefault(drafter, DrafterCounts()).num_unused_proposals += 1
 
     def as_dict(self) -> dict:
         return {

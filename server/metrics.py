@@ -96,6 +96,10 @@ class Metrics:
         self.accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by draft position (0-based).",
                                         ["drafter", "position"], registry=r)
+        self.unused_proposals = Counter(PREFIX + "spec_decode_num_unused_proposals",
+                                        "Drafter forwards paid for but not verified (cut to nothing by the "
+                                        "scheduler, or another option won); counted when a request ends.",
+                                        ["drafter"], registry=r)
         self.decisions = Counter(PREFIX + "scheduler_decisions",
                                  "Scheduler choices per verify step: prompt_lookup, dspark or plain.",
                                  ["outcome"], registry=r)
@@ -141,6 +145,9 @@ class Metrics:
         reason = event.finish_reason.value if event.finish_reason is not None else "error"
         self.finished.labels(reason).inc()
         self.prompt_tokens.inc(event.prompt_tokens)
+        for drafter, counts in (event.stats.by_drafter.items() if event.stats else ()):
+            if counts.num_unused_proposals:
+                self.unused_proposals.labels(drafter).inc(counts.num_unused_proposals)
         self.generation_tokens.inc(event.completion_tokens)
         if event.elapsed is not None:
             self.latency.observe(event.elapsed)

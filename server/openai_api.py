@@ -326,6 +326,7 @@ def spec_summary(jobs: list[Job]) -> dict:
                 target.num_drafts += counts.num_drafts
                 target.num_draft_tokens += counts.num_draft_tokens
                 target.num_accepted_tokens += counts.num_accepted_tokens
+                target.num_unused_proposals += counts.num_unused_proposals
                 pos = target.accepted_per_position
                 for i, v in enumerate(counts.accepted_per_position):
                     if i >= len(pos):
