@@ -73,7 +73,7 @@ class EngineConfig:
     prompt_lookup_max_ngram: int = 5
     prompt_lookup_max_draft: int = 15
     max_verify_rows: int = 16
-    exact_verify: str = "auto"  # auto | row | batched
+    exact_verify: str = "auto"  # auto (= row) | row | batched (see TargetRunner.calibrate)
     calibration_contexts: tuple[int, ...] = (48, 1100)
     prefill_step: int = 256  # prompt tokens per chunk; also the prefix cache's block
     prefix_cache_bytes: int = 1 << 30  # prefix cache budget (KV + DSpark taps); 0: off
@@ -341,6 +341,8 @@ class Engine:
 
     def _load(self) -> None:
         cfg = self.config
+        if cfg.batching not in ("auto", "off"):
+            raise ValueError(f"batching must be auto or off, got {cfg.batching!r}")
         if self.loaded is None:
             self.loaded = load_target(cfg.model, cfg.weights, cfg.served_model_name)
         from metal_kernels import patch_model
@@ -350,19 +352,10 @@ class Engine:
         self._calibrate(resolve_compile(cfg.compile))
         self.cost = cost_model(self.calibration)
         log.info("calibration: %s", self.calibration.summary())
-        if cfg.batching not in ("auto", "off"):
-            raise ValueError(f"batching must be auto or off, got {cfg.batching!r}")
         if cfg.batching == "auto" and cfg.max_active > 1:
             vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
             size = max(self.calibration.max_rows, min(cfg.max_active, 16))
             self.batch_rows = self.runner.calibrate_batch(vocab, size, self.calibration.max_rows)
-        if cfg.prefix_cache_bytes > 0:
-            if PrefixCache.supports(self.runner.make_cache()):
-                self.prefix_cache = PrefixCache(cfg.prefill_step, cfg.prefix_cache_bytes)
-                log.info("prefix cache: %d MiB, blocks of %d tokens", cfg.prefix_cache_bytes >> 20, cfg.prefill_step)
-            else:
-                log.warning("prefix cache off: %s caches are not plain per-layer KV caches",
-                            "compiled (static)" if self.runner.compiled else "this model's")
         if cfg.dspark or cfg.speculation == "dspark":
             self._load_dspark()
         if cfg.warmup:
@@ -372,6 +365,13 @@ class Engine:
             seq = self._make_sequence(warm)
             while not seq.finished:
                 (prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost))
+        if cfg.prefix_cache_bytes > 0:  # after the warm-up, which must not count in its metrics
+            if PrefixCache.supports(self.runner.make_cache()):
+                self.prefix_cache = PrefixCache(cfg.prefill_step, cfg.prefix_cache_bytes)
+                log.info("prefix cache: %d MiB, blocks of %d tokens", cfg.prefix_cache_bytes >> 20, cfg.prefill_step)
+            else:
+                log.warning("prefix cache off: %s caches are not plain per-layer KV caches",
+                            "compiled (static)" if self.runner.compiled else "this model's")
 
     def _calibrate(self, compiled: bool) -> None:
         """Make the target runner (eager or compiled passes) and run the start-up calibration."""
@@ -435,13 +435,16 @@ class Engine:
         return seq
 
     def _store_prefix(self, seq: Sequence) -> None:
-        """Offer a freshly prefilled prompt's whole chunks to the prefix cache (once)."""
-        seq.prefix_stored = True
+        """Offer a freshly prefilled prompt's whole chunks to the prefix cache. A failure here
+        (say, memory for the copy) is logged and costs only the reuse, never the request."""
         if self.prefix_cache is None:
             return
         req = seq.request
-        self.prefix_cache.insert(req.prompt_tokens, seq.cache, seq.prompt_hidden(), seq.taps is not None,
-                                 req.cache_salt, already=seq.cached_tokens)
+        try:
+            self.prefix_cache.insert(req.prompt_tokens, seq.cache, seq.prompt_hidden(), seq.taps is not None,
+                                     req.cache_salt, already=seq.cached_tokens)
+        except Exception:
+            log.exception("prefix cache: could not store the prompt of %s", req.request_id)
 
     def prefix_cache_info(self) -> dict | None:
         """The prefix cache's size and token counters (:meth:`PrefixCache.info`), None when off."""
@@ -539,7 +542,7 @@ class Engine:
             self._done(rid)
             handle.emit(TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR,
                                    error=_as_engine_error(exc), prompt_tokens=seq.prompt_len,
-                                   completion_tokens=seq.num_generated))
+                                   completion_tokens=seq.num_generated, cached_tokens=seq.cached_tokens))
             return False
 
     def _step(self, handle: _Handle, seq: Sequence) -> None:
@@ -556,7 +559,8 @@ class Engine:
 
     def _step_batch(self, decoding: list[tuple[_Handle, Sequence]]) -> None:
         """One batched cycle for up to ``batch_rows`` decoding sequences (round-robin when more
-        are decoding). A failing batch is retried one sequence at a time, so only the request at
+        are decoding). A sequence whose drafting or commit fails ends with its error alone; a
+        failing batched pass is retried one sequence at a time, so again only the request at
         fault ends with an error."""
         n = len(decoding)
         if n > self.batch_rows:
@@ -577,9 +581,13 @@ class Engine:
                     layer.trim(layer.offset - cached)
                 self._guarded(handle, seq, self._step, handle, seq)
             return
-        self.sink.batch_step(len(seqs), sum(len(r.token_ids) for r in results))
+        done = [r for r in results if not isinstance(r, Exception)]
+        self.sink.batch_step(len(done), sum(len(r.token_ids) for r in done))
         for (handle, seq), result in zip(decoding, results):
-            self._guarded(handle, seq, self._emit, handle, seq, result)
+            if isinstance(result, Exception):
+                self._guarded(handle, seq, _reraise, result)
+            else:
+                self._guarded(handle, seq, self._emit, handle, seq, result)
 
     def _emit(self, handle: _Handle, seq: Sequence, result) -> None:
         first = seq.num_generated == len(result.token_ids)

@@ -19,7 +19,14 @@ from .detokenizer import StreamingDetokenizer, TokenTable
 from .request import FinishReason, GenerationRequest, SpecStats, TokenEvent, TokenLogprob
 from .runner import TargetRunner
 from .sampling import LogitsPipeline, raw_logprobs
-from .scheduler import CostModel, DsparkStats, RequestAcceptance, choose_length, expected_tokens
+from .scheduler import (
+    CostModel,
+    DsparkStats,
+    RequestAcceptance,
+    batch_width,
+    choose_length,
+    expected_tokens,
+)
 from .stops import StopMatcher
 
 DSPARK_PROBE_EVERY = 32  # cycles between DSpark probes while its recent yield loses
@@ -60,7 +67,6 @@ class Sequence:
         self.num_prefilled = 0
         self.num_generated = 0
         self.cached_tokens = 0  # prompt positions taken from the prefix cache
-        self.prefix_stored = False
         self.pipeline = LogitsPipeline(request.sampling, seed, self.prompt_len)
         self.table = table
         self.detok = StreamingDetokenizer(table)
@@ -228,10 +234,8 @@ class Sequence:
         length = max(length, min(self.request.speculative.min_draft_tokens, len(proposal.tokens)))
         if length == 0:
             return Draft()
-        proposal.tokens = proposal.tokens[:length]
-        if proposal.draft_probs is not None:
-            proposal.draft_probs = proposal.draft_probs[:length]
-        proposal.expected_accepted = expected_tokens(conditional[:length])[-1] - 1.0
+        proposal.survival = conditional
+        cut(proposal, length)
         return proposal
 
     def _propose_dspark(self, ctx: DraftContext, budget: int, cost: CostModel):
@@ -323,20 +327,61 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
     return _accept(seq, draft, verdict, hidden)
 
 
-def speculative_batch_step(seqs: list[Sequence], cost: CostModel, max_rows: int) -> list[CommitResult]:
-    """One cycle for several sequences at once (continuous batching): each drafts within its
-    share of ``max_rows`` (the calibrated exact batch size, so drafts shrink as the batch grows),
-    one batched target pass verifies every ``[anchor | drafts]``, and each sequence accepts,
-    rolls back and commits on its own, exactly as :func:`speculative_step` would."""
-    width = max(1, max_rows // len(seqs))
-    drafts = [seq.propose(cost, max_rows=width) for seq in seqs]
-    rows = [[seq.tokens[-1], *draft.tokens] for seq, draft in zip(seqs, drafts)]
-    taps = next((seq.taps for seq in seqs if seq.taps is not None), None)
-    outs = seqs[0].runner.verify_batch(rows, [seq.cache for seq in seqs], taps)
-    verdicts = [_verdict(seq, draft, logits) for seq, draft, (logits, _) in zip(seqs, drafts, outs)]
-    mx.eval(*(a for v in verdicts for a in v))  # the cycle's only host sync
-    return [_accept(seq, draft, verdict, hidden if seq.taps is not None else None)
-            for seq, draft, verdict, (_, hidden) in zip(seqs, drafts, verdicts, outs)]
+def speculative_batch_step(seqs: list[Sequence], cost: CostModel,
+                           max_rows: int) -> list[CommitResult | Exception]:
+    """One cycle for several sequences at once (continuous batching).
+
+    Each sequence drafts within its share of ``max_rows`` (the calibrated exact batch size); the
+    batch's width is the one maximising expected tokens per second over all of them
+    (:func:`scheduler.batch_width`: drafts shrink as the batch grows); one batched target pass
+    verifies every ``[anchor | drafts]``; each sequence then accepts, rolls back and commits on
+    its own, as :func:`speculative_step` does.
+
+    Returns:
+        per sequence, its :class:`CommitResult`, or the exception its own drafting or commit
+        raised (the other sequences are unaffected).
+
+    Raises:
+        whatever the batched pass raises (nothing has been committed then).
+    """
+    share = max(1, max_rows // len(seqs))
+    out: list = [None] * len(seqs)
+    drafts: dict[int, Draft] = {}
+    for i, seq in enumerate(seqs):
+        try:
+            drafts[i] = seq.propose(cost, max_rows=share)
+        except Exception as exc:  # this sequence sits the pass out
+            out[i] = exc
+    if drafts:
+        width = batch_width([d.survival or [] for d in drafts.values()], cost,
+                            max(len(d.tokens) for d in drafts.values()) + 1)
+        for i, draft in drafts.items():
+            if len(draft.tokens) >= width:
+                if draft.drafter == "dspark" and width == 1:
+                    seqs[i].stats.unused_proposal("dspark")
+                cut(draft, width - 1)
+        live = list(drafts)
+        rows = [[seqs[i].tokens[-1], *drafts[i].tokens] for i in live]
+        taps = next((seqs[i].taps for i in live if seqs[i].taps is not None), None)
+        outs = seqs[live[0]].runner.verify_batch(rows, [seqs[i].cache for i in live], taps)
+        verdicts = [_verdict(seqs[i], drafts[i], logits) for i, (logits, _) in zip(live, outs)]
+        mx.eval(*(a for v in verdicts for a in v))  # the cycle's only host sync
+        for i, verdict, (_, hidden) in zip(live, verdicts, outs):
+            try:
+                out[i] = _accept(seqs[i], drafts[i], verdict, hidden if seqs[i].taps is not None else None)
+            except Exception as exc:
+                out[i] = exc
+    return out
+
+
+def cut(draft: Draft, length: int) -> None:
+    """Keep the first ``length`` drafts (and their draft_probs and survival estimates)."""
+    draft.tokens = draft.tokens[:length]
+    if draft.draft_probs is not None:
+        draft.draft_probs = draft.draft_probs[:length]
+    survival = (draft.survival or [])[:length]
+    draft.survival = survival
+    draft.expected_accepted = expected_tokens(survival)[-1] - 1.0 if survival else 0.0
 
 
 def _verdict(seq: Sequence, draft: Draft, logits: mx.array) -> tuple:

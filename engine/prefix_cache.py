@@ -18,8 +18,8 @@ also what keeps warm output bit-identical to cold output). Output tokens' KV, co
 and verify passes, is never cached: a later prompt containing them prefills them itself.
 
 Storage and lookup are mlx-lm's :class:`mlx_lm.models.cache.LRUPromptCache` (a token trie per
-namespace, exact / shorter / longer-and-trim matches, deep copies on fetch, LRU eviction under a
-byte cap). Namespaces keep apart entries with and without DSpark hidden states and requests
+namespace, exact / shorter / longer-and-trim matches, eviction of the least recently stored entry
+under a byte cap; a hit that uses a whole entry stores it again, so it counts as recent). Namespaces keep apart entries with and without DSpark hidden states and requests
 with different ``cache_salt`` values (vLLM's field: tenants that must not share cache timing).
 """
 
@@ -34,22 +34,28 @@ from mlx_lm.models.cache import LRUPromptCache
 from .exact_attention import ExactKVCache
 
 
-class TapRows:
-    """The DSpark taps' hidden rows of a cached prefix, stored alongside its KV cache layers.
+class StoredLayer:
+    """One cached layer's arrays (KV: ``(keys, values)`` ``[1, KV, P, D]``; DSpark taps:
+    ``(rows,)`` ``[P, m*d]``), as :class:`LRUPromptCache` holds them.
 
-    Behaves like a trimmable cache layer for :class:`LRUPromptCache` (``nbytes``, ``trim``).
-
-    Args:
-        rows: ``[P, m*d]`` float32, row ``i`` for prompt position ``i``.
+    The arrays are never modified. ``LRUPromptCache`` deep-copies an entry on every fetch and
+    trims the copy; here a deep copy is a new view on the same arrays with its own ``offset``, so
+    a fetch copies no data and a hit on a long entry holds nothing beyond the rows it uses once
+    :meth:`PrefixCache.fetch` has sliced them.
     """
 
-    def __init__(self, rows: mx.array):
-        self.rows = rows
-        self.offset = rows.shape[0]
+    def __init__(self, arrays: tuple[mx.array, ...], offset: int | None = None):
+        self.arrays = arrays
+        self.offset = arrays[0].shape[-2] if offset is None else offset
+
+    @property
+    def length(self) -> int:
+        """Positions the arrays hold (the offset may have been trimmed below it)."""
+        return self.arrays[0].shape[-2]
 
     @property
     def nbytes(self) -> int:
-        return self.rows.nbytes
+        return sum(a.nbytes for a in self.arrays)
 
     def is_trimmable(self) -> bool:
         return True
@@ -58,6 +64,9 @@ class TapRows:
         n = min(self.offset, n)
         self.offset -= n
         return n
+
+    def __deepcopy__(self, memo) -> StoredLayer:
+        return StoredLayer(self.arrays, self.offset)
 
 
 @dataclass
@@ -75,8 +84,9 @@ class PrefixCache:
 
     Args:
         block: the prefill chunk size; cached prefixes are multiples of it.
-        max_bytes: byte budget for stored KV (and tapped hidden rows); least recently used
-            entries are evicted past it.
+        max_bytes: byte budget for stored KV (and tapped hidden rows); past it the least
+            recently stored (or wholly reused) entries are evicted. A prompt whose whole chunks
+            exceed the budget stores only the leading chunks that fit.
 
     Thread safety: the engine's worker calls :meth:`fetch` and :meth:`insert`; :meth:`info` may
     be called from any thread (a scrape).
@@ -121,17 +131,20 @@ class PrefixCache:
             cache, _ = self._store.fetch_nearest_cache(self._namespace(taps, salt), prompt[:usable] + [-1])
         if cache is None:
             return None
-        length = cache[0].offset
-        aligned = min(length, usable) // self.block * self.block
+        aligned = min(cache[0].offset, usable) // self.block * self.block
         if aligned == 0:
             return None
-        layers, hidden = cache[:-1] if taps else cache, None
-        for c in layers:
-            c.trim(c.offset - aligned)
-        if taps:
-            hidden = cache[-1].rows[:aligned]
+        layers = []
+        for stored in cache[:-1] if taps else cache:
+            layer = ExactKVCache()  # fresh arrays objects: the request's writes never reach the entry
+            keys, values = stored.arrays
+            layer.state = (keys[..., :aligned, :], values[..., :aligned, :], aligned)
+            layers.append(layer)
+        hidden = cache[-1].arrays[0][:aligned] if taps else None
         with self._lock:
             self.hits += aligned
+            if aligned == cache[0].length:  # the whole entry is in use: make it the most recent
+                self._store.insert_cache(self._namespace(taps, salt), prompt[:aligned], cache)
         return PrefixHit(layers, hidden, aligned)
 
     def insert(self, prompt: list[int], cache: list, hidden: mx.array | None, taps: bool,
@@ -153,18 +166,19 @@ class PrefixCache:
             return 0
         if taps and (hidden is None or hidden.shape[0] < length):
             raise ValueError("a tapped prefix needs the hidden rows of every cached position")
-        snapshot = []
-        for c in cache:
-            layer = ExactKVCache()
-            layer.state = (_copy(c.keys[..., :length, :]), _copy(c.values[..., :length, :]), length)
-            snapshot.append(layer)
-        arrays = [a for layer in snapshot for a in (layer.keys, layer.values)]
+        per_position = sum(c.keys[..., :1, :].nbytes + c.values[..., :1, :].nbytes for c in cache)
         if taps:
-            snapshot.append(TapRows(hidden[:length]))
-            arrays.append(snapshot[-1].rows)
-        mx.eval(arrays)
+            per_position += hidden[:1].nbytes
+        fits = self.max_bytes // per_position // self.block * self.block
+        length = min(length, fits)  # an entry over the whole budget would evict everything
+        if length <= already:
+            return 0
+        entry = [StoredLayer((_copy(c.keys[..., :length, :]), _copy(c.values[..., :length, :]))) for c in cache]
+        if taps:
+            entry.append(StoredLayer((_copy(hidden[:length]),)))
+        mx.eval([a for layer in entry for a in layer.arrays])
         with self._lock:
-            self._store.insert_cache(self._namespace(taps, salt), prompt[:length], snapshot)
+            self._store.insert_cache(self._namespace(taps, salt), prompt[:length], entry)
         return length
 
     def info(self) -> dict:

@@ -91,8 +91,10 @@ class Settings(BaseSettings):
     )
     exact_verify: Literal["auto", "row", "batched"] = Field(
         "auto",
-        description="Verify attention: `batched` (one call), `row` (one call per row, exact on "
-        "BLAS backends), or `auto` (calibration picks the widest exact one).",
+        description="Verify attention: `row` (one attention call per row, the very call a one-token "
+        "decode makes: exact at every context length), `batched` (one call for the rows up to the width "
+        "calibration finds exact at its probe contexts; faster on some GPUs, but such a width was seen "
+        "to break at other context lengths), or `auto` (= `row`).",
     )
 
     # --- scheduling and limits

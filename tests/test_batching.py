@@ -99,8 +99,11 @@ def test_concurrent_outputs_equal_solo_outputs(pair):
 
 
 def test_few_sequences_draft_long_within_their_share(pair):
-    """Three sequences share 12 rows: 4 each, so drafts of 3 tokens (row-exact attention)."""
+    """Three sequences share 12 rows: up to 4 each, drafts of 3 tokens (row-exact attention).
+    The batched engine's verify cost is made flat, so the scheduler spends those rows on drafts."""
     solo, batched, rec = pair
+    saved = list(batched.cost.verify_cost)
+    batched.cost.verify_cost[:] = [saved[0]] * len(saved)
     reqs = []
     for i in range(3):
         p = prompts(1, seed=20 + i)[0]  # a repeated pattern: prompt lookup drafts long
@@ -108,8 +111,11 @@ def test_few_sequences_draft_long_within_their_share(pair):
                                       sampling=SamplingParams(temperature=0.0),
                                       speculative=SpeculativeParams("prompt_lookup")))
     before = len(rec.batches)
-    for _ in range(2):
-        assert concurrently(batched, reqs) == [collect(solo, r) for r in reqs]
+    try:
+        for _ in range(2):
+            assert concurrently(batched, reqs) == [collect(solo, r) for r in reqs]
+    finally:
+        batched.cost.verify_cost[:] = saved
     assert any(n == 3 and c > 3 for n, c in rec.batches[before:])  # batched passes accepted drafts
 
 
@@ -169,3 +175,58 @@ def test_batch_metrics_over_http(tiny):
         assert metric(live, "batch_committed_tokens_total") >= metric(live, "batch_size_sum")
     finally:
         live.stop()
+
+
+def test_batch_width_weighs_draft_rows_against_the_whole_batch():
+    from engine.scheduler import CostModel, batch_width
+
+    flat = CostModel([1.0] * 12)
+    steep = CostModel([1.0 + 0.5 * k for k in range(12)])  # T(k) = 0.5 + 0.5 k
+    sure, unsure, none = [0.95] * 5, [0.3] * 5, []
+    assert batch_width([sure, sure], flat, 6) == 6  # rows are free: draft all
+    assert batch_width([none, none], flat, 6) == 1  # nothing to verify
+    assert batch_width([unsure] * 4, steep, 3) == 1  # weak drafts do not pay for 4 more rows each
+    assert batch_width([sure, sure], steep, 6) > 1
+    assert steep.T(14) == steep.T(12) + 2 * 0.5  # extrapolated past the measured range
+
+
+def test_a_failing_sequence_ends_alone(pair, monkeypatch):
+    """A commit that raises for one request in a batch ends that request with an error; the
+    other requests of the same batched passes finish with their solo outputs."""
+    from engine import generation
+
+    solo, batched, _ = pair
+    reqs = requests(31, 6)
+    alone = [collect(solo, r) for r in reqs]
+    victim = reqs[2].prompt_tokens
+    real_commit = generation.Sequence.commit
+
+    def commit(self, tokens, logprobs):
+        if self.request.prompt_tokens == victim and self.num_generated >= 3:
+            raise RuntimeError("boom in one request")
+        return real_commit(self, tokens, logprobs)
+
+    monkeypatch.setattr(generation.Sequence, "commit", commit)
+
+    def attempt(r):
+        try:
+            return collect(batched, r)
+        except AssertionError as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(reqs)) as pool:
+        got = list(pool.map(attempt, reqs))
+    assert isinstance(got[2], AssertionError) and "boom in one request" in str(got[2])
+    assert [g for i, g in enumerate(got) if i != 2] == [a for i, a in enumerate(alone) if i != 2]
+    assert_no_leaks(batched)
+
+
+def test_batching_off_steps_one_sequence_per_pass(tiny):
+    rec = BatchRecorder()
+    eng = Engine(EngineConfig(batching="off", calibration_contexts=(40, 300)), loaded=tiny, sink=rec).start(
+        wait=True, timeout=300)
+    try:
+        assert eng.batch_rows == 0
+        assert concurrently(eng, requests(4, 4)) and not rec.batches
+    finally:
+        eng.stop()

@@ -80,6 +80,25 @@ def test_taps_rows_follow_the_kv():
     assert pc.fetch(prompt, taps=False) is None
 
 
+def test_a_hit_holds_only_the_rows_it_uses_and_refreshes_a_whole_entry():
+    one = 2 * 2 * (2 * BLOCK * 4) * 4  # one stored chunk: layers, k/v, [2, BLOCK, 4] float32
+    pc = PrefixCache(BLOCK, 3 * one)
+    long = list(range(200, 200 + 4 * BLOCK + 1))  # 4 chunks
+    pc.insert(long, kv_cache(4 * BLOCK), None, taps=False)
+    assert pc.info()["entries"] == 1 and pc.info()["bytes"] == 3 * one  # only the 3 chunks that fit
+    hit = pc.fetch(long[:BLOCK + 3], taps=False)  # uses 1 chunk of the 3-chunk entry
+    assert hit.num_tokens == BLOCK and all(c.keys.shape[2] == BLOCK for c in hit.cache)
+    # a: 1 chunk, b: 1 chunk; a reused whole stays, b (stored after a) goes when c arrives
+    a, b, c = ([i] * (BLOCK + 1) for i in (1, 2, 3))
+    pc = PrefixCache(BLOCK, 2 * one)
+    pc.insert(a, kv_cache(BLOCK), None, taps=False)
+    pc.insert(b, kv_cache(BLOCK), None, taps=False)
+    assert pc.fetch(a, taps=False).num_tokens == BLOCK
+    pc.insert(c, kv_cache(BLOCK), None, taps=False)
+    assert pc.fetch(a, taps=False) is not None and pc.fetch(b, taps=False) is None
+    assert pc.info()["bytes"] == 2 * one
+
+
 def test_byte_budget_evicts_least_recent():
     one = 2 * 2 * (2 * BLOCK * 4) * 4  # one stored chunk: layers, k/v, [2, BLOCK, 4] float32
     pc = PrefixCache(BLOCK, 2 * one + 1)
@@ -197,8 +216,7 @@ def test_dspark_drafts_read_cached_hidden_states(tiny, tmp_path):
             kw = bias if i % 2 else {}
             ids, text, last = run(cold, p, "x", max_tokens=20, speculative=force, **kw)
             w_ids, w_text, w_last = run(warm, p, "x", max_tokens=20, speculative=force, **kw)
-            assert (w_ids, w_text) == (ids, text)
-            assert w_last.stats.by_drafter["dspark"].as_dict() == last.stats.by_drafter["dspark"].as_dict()
+            assert (w_ids, w_text) == (ids, text)  # (draft lengths follow measured timings: not compared)
             accepted += w_last.stats.total.num_accepted_tokens if w_last.cached_tokens else 0
         assert accepted > 0 and warm.prefix_cache_info()["hits"] > 0
     finally:
