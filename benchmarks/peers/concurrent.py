@@ -20,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,11 +33,11 @@ from .run import (
     _client,
     _warm_up,
     build_items,
-    prepare_models,
+    set_up,
     stream_one,
     versions,
 )
-from .servers import Running, make_peers
+from .servers import Running
 
 
 def serve_levels(peer, workdir: Path, items: list[dict], levels: list[int], count_tokens) -> dict:
@@ -74,21 +72,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--workdir", default="/tmp/specserve-peers")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    gguf, mlx_dir, policy = prepare_models(args.weights, workdir)
-    names = args.peers.split(",")
-    peers = make_peers(names, gguf, mlx_dir, policy, os.cpu_count(), 4096)
+    workdir, _, _, policy, peers, count_tokens = set_up(args, os.cpu_count(), 4096)
+    names = [p.name for p in peers]
     for p in peers:  # let each server admit every stream of the largest level at once
         if p.name.startswith("specserve"):
             p.argv = p.argv + ["--max-active", str(max(args.concurrency))]
     items = build_items(args.workloads.split(","), args.max_tokens)
-    from transformers import AutoTokenizer
-
-    hf_tok = AutoTokenizer.from_pretrained(mlx_dir)
-    count_tokens = lambda text: len(hf_tok.encode(text, add_special_tokens=False))
     runs = []
     for rep in range(args.repeats):
         runs.append({p.name: serve_levels(p, workdir, items, args.concurrency, count_tokens)
