@@ -198,12 +198,13 @@ class TargetRunner:
             return 0
         ids = mx.random.randint(3, vocab_size, (context + 4 * max_rows + max_rows,), key=mx.random.key(99)).tolist()
 
+        caches = []  # sequence i: a cache holding context + 3 i tokens, reused by every check
+
         def exact(lengths: list[int]) -> bool:
-            seqs = []
-            for i, n in enumerate(lengths):
-                cache = self.make_cache()
-                mx.eval(self.prefill(ids[: context + 3 * i], cache)[0])
-                seqs.append((cache, ids[context + 3 * i : context + 3 * i + n]))
+            while len(caches) < len(lengths):
+                caches.append(self.make_cache())
+                mx.eval(self.prefill(ids[: context + 3 * (len(caches) - 1)], caches[-1])[0])
+            seqs = [(caches[i], ids[context + 3 * i : context + 3 * i + n]) for i, n in enumerate(lengths)]
             alone = []
             for cache, rows in seqs:
                 logits = self.verify(rows, cache)[0]
@@ -212,6 +213,8 @@ class TargetRunner:
                 alone.append(logits)
             together = self.verify_batch([r for _, r in seqs], [c for c, _ in seqs])
             mx.eval([t[0] for t in together])
+            for cache, rows in seqs:
+                self.trim(cache, len(rows))
             return all(mx.array_equal(a, t[0]).item() for a, t in zip(alone, together))
 
         best = 0
