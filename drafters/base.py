@@ -42,6 +42,8 @@ class Draft:
         drafter: the proposing drafter's name (set by the engine's scheduler).
         expected_accepted: the scheduler's estimate of accepted drafts, ``sum_k a_k`` over the
             tokens kept (for calibration metrics).
+        survival: the scheduler's conditional acceptance estimates ``c_1..c_L`` for the tokens
+            kept (set by the engine; None before).
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -50,6 +52,7 @@ class Draft:
     match_length: int = 0
     drafter: str | None = None
     expected_accepted: float = 0.0
+    survival: list[float] | None = None
 
 
 class Drafter(Protocol):

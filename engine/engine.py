@@ -5,8 +5,10 @@ Threads and queues::
     event loop (FastAPI)                         engine worker thread
     --------------------                         --------------------
     submit(req) -> validate -> inbox.put(h) ---> admit: waiting -> active (<= max_active)
-    async for event in stream:                   loop: one step per active sequence
-        <- asyncio.Queue <- call_soon_threadsafe    (prefill chunk or speculative cycle)
+    async for event in stream:                   loop: a prefill chunk per prefilling sequence,
+        <- asyncio.Queue <- call_soon_threadsafe    then one speculative cycle per decoding one
+                                                    (batched: one target pass for up to
+                                                    batch_rows rows of several sequences)
     cancel(id) -> cancelled set ---------------> checked before every step
     (deadline, abort_all) ---------------------> checked before every step
 
@@ -33,8 +35,9 @@ import mlx.core as mx
 
 from drafters import PromptLookupDrafter
 
-from .generation import Sequence, prefill_step, speculative_step
+from .generation import Sequence, prefill_step, speculative_batch_step, speculative_step
 from .loader import LoadedModel, load_target
+from .prefix_cache import PrefixCache
 from .request import (
     SPECULATION_METHODS,
     ContextLengthExceeded,
@@ -70,9 +73,11 @@ class EngineConfig:
     prompt_lookup_max_ngram: int = 5
     prompt_lookup_max_draft: int = 15
     max_verify_rows: int = 16
-    exact_verify: str = "auto"  # auto | row | batched
+    exact_verify: str = "auto"  # auto (= row) | row | batched (see TargetRunner.calibrate)
     calibration_contexts: tuple[int, ...] = (48, 1100)
-    prefill_step: int = 2048  # mlx-lm's default, so long prompts are cached identically
+    prefill_step: int = 256  # prompt tokens per chunk; also the prefix cache's block
+    prefix_cache_bytes: int = 1 << 30  # prefix cache budget (KV + DSpark taps); 0: off
+    batching: str = "auto"  # continuous batching of decoding sequences: auto (calibrated exact size) | off
     max_active: int = 8
     max_queue: int = 256
     request_timeout: float | None = None  # seconds from submit to the last event; None: no limit
@@ -110,6 +115,9 @@ class Engine:
         self.acceptance = AcceptanceModel()
         self.dspark_stats = DsparkStats()
         self.dspark = None  # the shared DSpark network, when loaded
+        self.prefix_cache: PrefixCache | None = None
+        self.batch_rows = 0  # rows of a batched pass (0: sequences step one by one)
+        self._batch_start = 0  # round-robin start when more sequences decode than fit a batch
         self.target_taps = None
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[_Handle] = deque()
@@ -333,6 +341,8 @@ class Engine:
 
     def _load(self) -> None:
         cfg = self.config
+        if cfg.batching not in ("auto", "off"):
+            raise ValueError(f"batching must be auto or off, got {cfg.batching!r}")
         if self.loaded is None:
             self.loaded = load_target(cfg.model, cfg.weights, cfg.served_model_name)
         from metal_kernels import patch_model
@@ -342,6 +352,10 @@ class Engine:
         self._calibrate(resolve_compile(cfg.compile))
         self.cost = cost_model(self.calibration)
         log.info("calibration: %s", self.calibration.summary())
+        if cfg.batching == "auto" and cfg.max_active > 1:
+            vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
+            size = max(self.calibration.max_rows, min(cfg.max_active, 16))
+            self.batch_rows = self.runner.calibrate_batch(vocab, size, self.calibration.max_rows)
         if cfg.dspark or cfg.speculation == "dspark":
             self._load_dspark()
         if cfg.warmup:
@@ -351,6 +365,13 @@ class Engine:
             seq = self._make_sequence(warm)
             while not seq.finished:
                 (prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost))
+        if cfg.prefix_cache_bytes > 0:  # after the warm-up, which must not count in its metrics
+            if PrefixCache.supports(self.runner.make_cache()):
+                self.prefix_cache = PrefixCache(cfg.prefill_step, cfg.prefix_cache_bytes)
+                log.info("prefix cache: %d MiB, blocks of %d tokens", cfg.prefix_cache_bytes >> 20, cfg.prefill_step)
+            else:
+                log.warning("prefix cache off: %s caches are not plain per-layer KV caches",
+                            "compiled (static)" if self.runner.compiled else "this model's")
 
     def _calibrate(self, compiled: bool) -> None:
         """Make the target runner (eager or compiled passes) and run the start-up calibration."""
@@ -400,12 +421,34 @@ class Engine:
         seed = request.sampling.seed
         if seed is None:
             seed = random.SystemRandom().getrandbits(63)
-        return Sequence(
+        seq = Sequence(
             request, self.runner, self.loaded.token_table, self.loaded.eos_token_ids,
             self.loaded.context_length, seed, drafters=drafters,
             acceptance=RequestAcceptance(self.acceptance), dspark_stats=self.dspark_stats,
             taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
         )
+        # Prompt logprobs need every prompt row's logits: such requests prefill from scratch.
+        if self.prefix_cache is not None and not request.prompt_logprobs:
+            hit = self.prefix_cache.fetch(request.prompt_tokens, seq.taps is not None, request.cache_salt)
+            if hit is not None:
+                seq.reuse_prefix(hit.cache, hit.hidden, hit.num_tokens)
+        return seq
+
+    def _store_prefix(self, seq: Sequence) -> None:
+        """Offer a freshly prefilled prompt's whole chunks to the prefix cache. A failure here
+        (say, memory for the copy) is logged and costs only the reuse, never the request."""
+        if self.prefix_cache is None:
+            return
+        req = seq.request
+        try:
+            self.prefix_cache.insert(req.prompt_tokens, seq.cache, seq.prompt_hidden(), seq.taps is not None,
+                                     req.cache_salt, already=seq.cached_tokens)
+        except Exception:
+            log.exception("prefix cache: could not store the prompt of %s", req.request_id)
+
+    def prefix_cache_info(self) -> dict | None:
+        """The prefix cache's size and token counters (:meth:`PrefixCache.info`), None when off."""
+        return self.prefix_cache.info() if self.prefix_cache is not None else None
 
     def _run(self) -> None:
         try:
@@ -470,38 +513,84 @@ class Engine:
         now = time.monotonic()
         if cancelled or self.config.request_timeout:
             self._end_waiting(cancelled, now)
-        still = []
+        decoding = []
         for handle, seq in self._active:
-            rid = handle.request.request_id
             end = self._end_reason(handle, cancelled, now)
             if end is not None:
                 self._finish(handle, seq, *end)
-                continue
-            try:
-                self._step(handle, seq)
-            except Exception as exc:
-                log.exception("request %s failed", rid)
-                seq.finish_reason = FinishReason.ERROR
-                seq.cache = None
-                self._done(rid)
-                handle.emit(TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR,
-                                       error=_as_engine_error(exc), prompt_tokens=seq.prompt_len,
-                                       completion_tokens=seq.num_generated))
-                continue
-            if not seq.finished:
-                still.append((handle, seq))
-        self._active = still
+            elif seq.prefilled and self.batch_rows >= 2:
+                decoding.append((handle, seq))
+            else:
+                self._guarded(handle, seq, self._step, handle, seq)
+        if len(decoding) == 1:
+            self._guarded(*decoding[0], self._step, *decoding[0])
+        elif decoding:
+            self._step_batch(decoding)
+        self._active = [(h, s) for h, s in self._active if not s.finished]
+
+    def _guarded(self, handle: _Handle, seq: Sequence, fn, *args) -> bool:
+        """Run ``fn(*args)``; an exception ends this request with an error event. Returns True
+        when it ran cleanly."""
+        try:
+            fn(*args)
+            return True
+        except Exception as exc:
+            rid = handle.request.request_id
+            log.exception("request %s failed", rid)
+            seq.finish_reason = FinishReason.ERROR
+            seq.cache = None
+            self._done(rid)
+            handle.emit(TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR,
+                                   error=_as_engine_error(exc), prompt_tokens=seq.prompt_len,
+                                   completion_tokens=seq.num_generated, cached_tokens=seq.cached_tokens))
+            return False
 
     def _step(self, handle: _Handle, seq: Sequence) -> None:
         """Advance one sequence by a prefill chunk or one speculative cycle and emit its event."""
-        first = seq.num_generated == 0
         result = None
         if not seq.prefilled:
             result = prefill_step(seq)
+            if seq.prefilled:
+                self._store_prefix(seq)
         if seq.prefilled and result is None:  # the first cycle may follow the last chunk at once
             result = speculative_step(seq, self.cost)
-        if result is None:
+        if result is not None:
+            self._emit(handle, seq, result)
+
+    def _step_batch(self, decoding: list[tuple[_Handle, Sequence]]) -> None:
+        """One batched cycle for up to ``batch_rows`` decoding sequences (round-robin when more
+        are decoding). A sequence whose drafting or commit fails ends with its error alone; a
+        failing batched pass is retried one sequence at a time, so again only the request at
+        fault ends with an error."""
+        n = len(decoding)
+        if n > self.batch_rows:
+            start = self._batch_start % n
+            decoding = (decoding[start:] + decoding[:start])[: self.batch_rows]
+            self._batch_start = start + self.batch_rows
+        seqs = [seq for _, seq in decoding]
+        marks = [(len(seq.tokens), self.runner.cache_length(seq.cache)) for seq in seqs]
+        try:
+            results = speculative_batch_step(seqs, self.cost, self.batch_rows)
+        except Exception as exc:
+            log.exception("batched cycle failed; stepping its %d sequences one by one", len(seqs))
+            for (handle, seq), (tokens, cached) in zip(decoding, marks):
+                if len(seq.tokens) != tokens:  # committed before the failure: its state is unsure
+                    self._guarded(handle, seq, _reraise, exc)
+                    continue
+                for layer in seq.cache:  # undo any rows the pass appended
+                    layer.trim(layer.offset - cached)
+                self._guarded(handle, seq, self._step, handle, seq)
             return
+        done = [r for r in results if not isinstance(r, Exception)]
+        self.sink.batch_step(len(done), sum(len(r.token_ids) for r in done))
+        for (handle, seq), result in zip(decoding, results):
+            if isinstance(result, Exception):
+                self._guarded(handle, seq, _reraise, result)
+            else:
+                self._guarded(handle, seq, self._emit, handle, seq, result)
+
+    def _emit(self, handle: _Handle, seq: Sequence, result) -> None:
+        first = seq.num_generated == len(result.token_ids)
         if result.verify_step is not None:
             self.sink.spec_step(*result.verify_step, len(result.token_ids))
         event = seq.event(result, first)
@@ -552,7 +641,7 @@ class Engine:
         self._done(handle.request.request_id)
         event = TokenEvent(handle.request.request_id, [], "", finish_reason=reason,
                            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
-                           stats=seq.stats, elapsed=time.perf_counter() - seq.submitted_at, error=error)
+                           cached_tokens=seq.cached_tokens, stats=seq.stats, elapsed=time.perf_counter() - seq.submitted_at, error=error)
         handle.emit(event)
         self.sink.request_finished(event)
 
@@ -568,6 +657,10 @@ def resolve_compile(mode: str) -> bool:
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"compile must be auto, on or off, got {mode!r}")
     return mode == "on"
+
+
+def _reraise(exc: Exception):
+    raise exc
 
 
 def _as_engine_error(exc: Exception) -> EngineError:

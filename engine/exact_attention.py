@@ -36,6 +36,54 @@ class ExactKVCache(KVCache):
     row_exact = False
 
 
+class BatchLayerCache:
+    """One layer's view of several sequences' caches during a batched pass (continuous batching).
+
+    The model sees a batch ``[S, L]`` (sequence ``i``'s rows first, padding after ``lengths[i]``)
+    and one cache object per layer. RoPE reads ``offset`` (each sequence's own position, an
+    ``int32 [S]`` array); :meth:`update_and_fetch` appends each sequence's real rows to its own
+    cache; :func:`scaled_dot_product_attention` then attends sequence by sequence with exactly
+    the call a single-sequence pass of those rows makes. The projections stay batched: their
+    rows must not depend on the batch, which calibration checks (``TargetRunner.calibrate_batch``).
+
+    Args:
+        layers: each sequence's cache for this layer (:class:`ExactKVCache`).
+        lengths: real rows per sequence (``1 <= lengths[i] <= L``).
+        row_exact: per sequence, attend row by row (as its single-sequence pass would).
+    """
+
+    batched = True
+
+    def __init__(self, layers: list[ExactKVCache], lengths: list[int], row_exact: list[bool]):
+        self.layers, self.lengths, self.row_exact = layers, lengths, row_exact
+        self.offset = mx.array([c.offset for c in layers], dtype=mx.int32)
+        self.fetched: list[tuple[mx.array, mx.array]] = []
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        self.fetched = [c.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+                        for i, (c, n) in enumerate(zip(self.layers, self.lengths))]
+        return keys, values  # unused: attention reads `fetched`
+
+    def make_mask(self, *args, **kwargs):
+        return None  # causality is per sequence, in scaled_dot_product_attention
+
+
+def _batched_sdpa(queries, cache: BatchLayerCache, scale, sinks):
+    width = queries.shape[2]
+    outs = []
+    for i, ((keys, values), n, layer) in enumerate(zip(cache.fetched, cache.lengths, cache.layers)):
+        layer.row_exact = cache.row_exact[i]
+        try:  # what a single-sequence pass of these n rows calls (mask as mlx-lm's KVCache makes it)
+            out = scaled_dot_product_attention(queries[i : i + 1, :, :n], keys, values, layer, scale,
+                                               None if n == 1 else "causal", sinks)
+        finally:
+            layer.row_exact = False
+        if n < width:
+            out = mx.concatenate([out, mx.zeros((1, out.shape[1], width - n, out.shape[3]), out.dtype)], axis=2)
+        outs.append(out)
+    return mx.concatenate(outs, axis=0)
+
+
 def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
     """Drop-in for mlx-lm's ``scaled_dot_product_attention``.
 
@@ -45,6 +93,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     static cache (``cache.static``; ``mask`` a bool array ``[L, capacity]``, keys the whole buffer) query ``i``
     attends over the whole buffer with mask row ``i``.
     """
+    if getattr(cache, "batched", False):
+        return _batched_sdpa(queries, cache, scale, sinks)
     n = queries.shape[2]
     if n == 1 or not getattr(cache, "row_exact", False) or sinks is not None:
         return _original_sdpa(queries, keys, values, cache, scale, mask, sinks)

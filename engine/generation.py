@@ -19,7 +19,14 @@ from .detokenizer import StreamingDetokenizer, TokenTable
 from .request import FinishReason, GenerationRequest, SpecStats, TokenEvent, TokenLogprob
 from .runner import TargetRunner
 from .sampling import LogitsPipeline, raw_logprobs
-from .scheduler import CostModel, DsparkStats, RequestAcceptance, choose_length, expected_tokens
+from .scheduler import (
+    CostModel,
+    DsparkStats,
+    RequestAcceptance,
+    batch_width,
+    choose_length,
+    expected_tokens,
+)
 from .stops import StopMatcher
 
 DSPARK_PROBE_EVERY = 32  # cycles between DSpark probes while its recent yield loses
@@ -59,6 +66,7 @@ class Sequence:
         self.cache = runner.make_cache(self.prompt_len + request.max_tokens + MAX_VERIFY_ROWS)  # clamped to the context
         self.num_prefilled = 0
         self.num_generated = 0
+        self.cached_tokens = 0  # prompt positions taken from the prefix cache
         self.pipeline = LogitsPipeline(request.sampling, seed, self.prompt_len)
         self.table = table
         self.detok = StreamingDetokenizer(table)
@@ -76,12 +84,32 @@ class Sequence:
         self.taps = taps if "dspark" in self.drafters else None
         self.pending_hidden: list[mx.array] = []
         self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
+        self.dspark_ran = False  # DSpark drafted in the cycle being proposed
         self.max_draft = max_draft
         self.stats = SpecStats()
         self.finish_reason: FinishReason | None = None
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs else None
+
+    def reuse_prefix(self, cache: list, hidden: mx.array | None, num_tokens: int) -> None:
+        """Start from a prefix cache hit: ``cache`` holds the first ``num_tokens`` prompt
+        positions (whole prefill chunks), ``hidden`` their tapped rows when DSpark is on."""
+        if not 0 < num_tokens < self.prompt_len or self.num_prefilled:
+            raise ValueError("a prefix hit must cover part of the prompt before prefill starts")
+        self.cache = cache
+        self.num_prefilled = self.cached_tokens = num_tokens
+        if self.taps is not None:
+            self.pending_hidden = [hidden]
+
+    def prompt_hidden(self) -> mx.array | None:
+        """The tapped rows of every prefilled prompt position (before the first cycle hands them
+        to the drafter), merged into one array; None without taps."""
+        if self.taps is None or not self.pending_hidden:
+            return None
+        if len(self.pending_hidden) > 1:
+            self.pending_hidden = [mx.concatenate(self.pending_hidden)]
+        return self.pending_hidden[0]
 
     @property
     def prefilled(self) -> bool:
@@ -130,6 +158,7 @@ class Sequence:
             finish_reason=self.finish_reason,
             prompt_tokens=self.prompt_len,
             completion_tokens=self.num_generated,
+            cached_tokens=self.cached_tokens,
             prompt_logprobs=self.prompt_logprobs if first_event else None,
             stats=self.stats if self.finished else None,
             time_to_first_token=(
@@ -151,7 +180,7 @@ class Sequence:
         )
         return max(0, min(left, room, max_rows - 1, cap))
 
-    def propose(self, cost: CostModel) -> Draft:
+    def propose(self, cost: CostModel, max_rows: int | None = None) -> Draft:
         """Choose this cycle's drafter and draft length (issue #6's rule, engine/scheduler.py).
 
         Prompt lookup proposes for free; DSpark costs a draft forward, so it runs only when its
@@ -161,11 +190,20 @@ class Sequence:
         request sets ``min_draft_tokens``). A DSpark forward whose draft is cut to nothing counts
         as a cycle that yielded nothing. Each proposal is cut to the length maximising
         ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding
-        when none beats it.
+        when none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched
+        pass). A DSpark forward whose proposal is not verified counts in the request's stats
+        (``num_unused_proposals``).
         """
-        budget = self.draft_budget(cost.max_rows)
+        budget = self.draft_budget(min(cost.max_rows, max_rows or cost.max_rows))
         if budget == 0 or not self.drafters:
             return Draft()
+        self.dspark_ran = False
+        draft = self._choose(budget, cost)
+        if self.dspark_ran and not (draft.tokens and draft.drafter == "dspark"):
+            self.stats.unused_proposal("dspark")
+        return draft
+
+    def _choose(self, budget: int, cost: CostModel) -> Draft:
         ctx = DraftContext(self.tokens, temperature=self.request.sampling.temperature,
                            seed=self.pipeline.seed)
         options = []  # (rate, length, proposal, conditional)
@@ -196,14 +234,13 @@ class Sequence:
         length = max(length, min(self.request.speculative.min_draft_tokens, len(proposal.tokens)))
         if length == 0:
             return Draft()
-        proposal.tokens = proposal.tokens[:length]
-        if proposal.draft_probs is not None:
-            proposal.draft_probs = proposal.draft_probs[:length]
-        proposal.expected_accepted = expected_tokens(conditional[:length])[-1] - 1.0
+        proposal.survival = conditional
+        cut(proposal, length)
         return proposal
 
     def _propose_dspark(self, ctx: DraftContext, budget: int, cost: CostModel):
         self.cycles_since_dspark = 0
+        self.dspark_ran = True
         if self.pending_hidden:
             ctx.hidden = mx.concatenate(self.pending_hidden) if len(self.pending_hidden) > 1 else self.pending_hidden[0]
             self.pending_hidden = []
@@ -242,13 +279,17 @@ def _logprob_rows(chosen_lp, top_ids, top_lp, tokens: list[int]) -> list[TokenLo
 def prefill_step(seq: Sequence) -> CommitResult | None:
     """Feed the next prompt chunk into the KV cache.
 
+    Chunks are ``[j*S, (j+1)*S)`` for ``S = runner.prefill_step`` (absolute positions), the last
+    one ending before the anchor: the prefix cache reuses whole chunks, so a warm start computes
+    exactly the chunks a cold one would.
+
     The last prompt token is not prefilled: it is the first anchor, and the first output token
     comes from the first verify pass, computed exactly as a one-token decode step would (as
     mlx-lm's ``generate_step`` does), so prompt-lookup drafts can start on the first cycle.
     Returns a finished result only for ``max_tokens == 0`` (prompt scoring), else None.
     """
     runner, start = seq.runner, seq.num_prefilled
-    end = min(start + runner.prefill_step, seq.prompt_len - 1)
+    end = min((start // runner.prefill_step + 1) * runner.prefill_step, seq.prompt_len - 1)
     if seq.prompt_logprobs is not None and start == 0:
         seq.prompt_logprobs.append(TokenLogprob(seq.tokens[0], None))
     if end > start:
@@ -260,8 +301,8 @@ def prefill_step(seq: Sequence) -> CommitResult | None:
             lp = raw_logprobs(logits.astype(mx.float32), mx.array(targets), seq.request.logprobs or 0)
             mx.eval(*lp)
             seq.prompt_logprobs += _logprob_rows(*lp, targets)
-        else:
-            mx.eval(logits)
+        else:  # only the KV (and taps) are needed: the LM head rows stay unevaluated
+            mx.eval(runner.cache_arrays(seq.cache), *(() if hidden is None else (hidden,)))
     seq.num_prefilled = end if end < seq.prompt_len - 1 else seq.prompt_len
     if seq.prefilled and seq.request.max_tokens == 0:  # echo + logprobs scoring: prompt only
         seq.finish_reason = FinishReason.LENGTH
@@ -278,13 +319,81 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
     # 2. Verify: one target pass; row r decides the token after anchor + draft[:r].
     started = time.perf_counter()
     logits, hidden = seq.runner.verify(rows, seq.cache, seq.taps)
-    processed = seq.pipeline.process(logits, seq.tokens, draft.tokens)
-    row_tokens, passed = seq.pipeline.verify(processed, draft.tokens, draft.draft_probs, len(seq.tokens))
-    want_lp = seq.request.logprobs is not None
-    lp = raw_logprobs(logits, row_tokens, seq.request.logprobs) if want_lp else ()
-    mx.eval(row_tokens, passed, *lp)  # the cycle's only host sync
+    verdict = _verdict(seq, draft, logits)
+    mx.eval(*verdict)  # the cycle's only host sync
     cost.observe(len(rows), time.perf_counter() - started)
 
+    # 3-5. Accept, roll back, commit.
+    return _accept(seq, draft, verdict, hidden)
+
+
+def speculative_batch_step(seqs: list[Sequence], cost: CostModel,
+                           max_rows: int) -> list[CommitResult | Exception]:
+    """One cycle for several sequences at once (continuous batching).
+
+    Each sequence drafts within its share of ``max_rows`` (the calibrated exact batch size); the
+    batch's width is the one maximising expected tokens per second over all of them
+    (:func:`scheduler.batch_width`: drafts shrink as the batch grows); one batched target pass
+    verifies every ``[anchor | drafts]``; each sequence then accepts, rolls back and commits on
+    its own, as :func:`speculative_step` does.
+
+    Returns:
+        per sequence, its :class:`CommitResult`, or the exception its own drafting or commit
+        raised (the other sequences are unaffected).
+
+    Raises:
+        whatever the batched pass raises (nothing has been committed then).
+    """
+    share = max(1, max_rows // len(seqs))
+    out: list = [None] * len(seqs)
+    drafts: dict[int, Draft] = {}
+    for i, seq in enumerate(seqs):
+        try:
+            drafts[i] = seq.propose(cost, max_rows=share)
+        except Exception as exc:  # this sequence sits the pass out
+            out[i] = exc
+    if drafts:
+        width = batch_width([d.survival or [] for d in drafts.values()], cost,
+                            max(len(d.tokens) for d in drafts.values()) + 1)
+        for i, draft in drafts.items():
+            if len(draft.tokens) >= width:
+                if draft.drafter == "dspark" and width == 1:
+                    seqs[i].stats.unused_proposal("dspark")
+                cut(draft, width - 1)
+        live = list(drafts)
+        rows = [[seqs[i].tokens[-1], *drafts[i].tokens] for i in live]
+        taps = next((seqs[i].taps for i in live if seqs[i].taps is not None), None)
+        outs = seqs[live[0]].runner.verify_batch(rows, [seqs[i].cache for i in live], taps)
+        verdicts = [_verdict(seqs[i], drafts[i], logits) for i, (logits, _) in zip(live, outs)]
+        mx.eval(*(a for v in verdicts for a in v))  # the cycle's only host sync
+        for i, verdict, (_, hidden) in zip(live, verdicts, outs):
+            try:
+                out[i] = _accept(seqs[i], drafts[i], verdict, hidden if seqs[i].taps is not None else None)
+            except Exception as exc:
+                out[i] = exc
+    return out
+
+
+def cut(draft: Draft, length: int) -> None:
+    """Keep the first ``length`` drafts (and their draft_probs and survival estimates)."""
+    draft.tokens = draft.tokens[:length]
+    if draft.draft_probs is not None:
+        draft.draft_probs = draft.draft_probs[:length]
+    survival = (draft.survival or [])[:length]
+    draft.survival = survival
+    draft.expected_accepted = expected_tokens(survival)[-1] - 1.0 if survival else 0.0
+
+
+def _verdict(seq: Sequence, draft: Draft, logits: mx.array) -> tuple:
+    """Lazy ``(row_tokens, passed, *logprob arrays)`` of a verify pass's rows."""
+    processed = seq.pipeline.process(logits, seq.tokens, draft.tokens)
+    row_tokens, passed = seq.pipeline.verify(processed, draft.tokens, draft.draft_probs, len(seq.tokens))
+    lp = raw_logprobs(logits, row_tokens, seq.request.logprobs) if seq.request.logprobs is not None else ()
+    return (row_tokens, passed, *lp)
+
+
+def _accept(seq: Sequence, draft: Draft, verdict: tuple, hidden: mx.array | None) -> CommitResult:
+    row_tokens, passed, *lp = verdict
     # 3. Accept the drafts up to the first rejection, plus the bonus/recovered token.
     num_accepted = next((i for i, ok in enumerate(passed.tolist()) if not ok), len(draft.tokens))
     row_tokens = row_tokens.tolist()
@@ -295,7 +404,7 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
 
     # 5. Statistics, then commit (cut at EOS / stop string / max_tokens).
     drafter = seq.observe(draft, num_accepted, hidden)
-    logprobs = _logprob_rows(*lp, row_tokens)[: num_accepted + 1] if want_lp else None
+    logprobs = _logprob_rows(*lp, row_tokens)[: num_accepted + 1] if lp else None
     result = seq.commit(committed, logprobs)
     result.verify_step = (drafter, len(draft.tokens), num_accepted, draft.expected_accepted)
     return result

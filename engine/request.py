@@ -149,6 +149,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # echo + logprobs: logprobs of the prompt tokens too
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
     request_id: str = field(default_factory=new_request_id)
+    cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share
 
 
 @dataclass
@@ -168,6 +169,7 @@ class DrafterCounts:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    num_unused_proposals: int = 0  # drafter forwards paid for but not verified (cut to nothing, or lost)
 
     def observe(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
@@ -192,6 +194,7 @@ class DrafterCounts:
             "num_accepted_tokens": self.num_accepted_tokens,
             "mean_acceptance_length": round(self.mean_acceptance_length, 4),
             "accepted_per_position": list(self.accepted_per_position),
+            "num_unused_proposals": self.num_unused_proposals,
         }
 
 
@@ -209,6 +212,11 @@ class SpecStats:
             return
         self.total.observe(num_draft, num_accepted)
         self.by_drafter.setdefault(drafter, DrafterCounts()).observe(num_draft, num_accepted)
+
+    def unused_proposal(self, drafter: str) -> None:
+        """A ``drafter`` forward ran this cycle but its proposal was not verified."""
+        self.total.num_unused_proposals += 1
+        self.by_drafter.setdefault(drafter, DrafterCounts()).num_unused_proposals += 1
 
     def as_dict(self) -> dict:
         return {
@@ -236,6 +244,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     prompt_logprobs: list[TokenLogprob] | None = None  # first event only, when asked
     stats: SpecStats | None = None
     error: EngineError | None = None

@@ -93,6 +93,13 @@ class TargetRunner:
             c.trim(n)
 
     @staticmethod
+    def cache_arrays(cache) -> list[mx.array]:
+        """The arrays holding ``cache``'s keys and values (what to evaluate after a prefill)."""
+        if isinstance(cache, StaticCache):
+            return cache.keys + cache.values
+        return [a for c in cache for a in (c.keys, c.values) if a is not None]
+
+    @staticmethod
     def cache_length(cache) -> int:
         return cache.length if isinstance(cache, StaticCache) else cache[0].offset
 
@@ -153,6 +160,76 @@ class TargetRunner:
         finally:
             exact_attention.set_row_exact(cache, False)
 
+    def verify_batch(self, rows: list[list[int]], caches: list[list], taps=None) -> list[tuple]:
+        """Several sequences' decode/verify rows in one target pass (continuous batching).
+
+        Sequence ``i``'s rows are padded to the longest; its real rows go into ``caches[i]``
+        (eager per-layer caches). Each real row computes what the sequence's own
+        :meth:`verify` computes, as long as the padded batch holds at most
+        :meth:`calibrate_batch`'s row count.
+
+        Returns:
+            per sequence ``(logits [n_i, V] float32, hidden [n_i, m*d] float32 or None)``, lazy.
+        """
+        lengths = [len(r) for r in rows]
+        width = max(lengths)
+        ids = mx.array([r + [r[-1]] * (width - len(r)) for r in rows], dtype=mx.uint32)
+        row_exact = [self.row_exact_attention and n > self.batched_rows for n in lengths]
+        layers = [exact_attention.BatchLayerCache([c[j] for c in caches], lengths, row_exact)
+                  for j in range(len(caches[0]))]
+        if taps is None:
+            logits, hidden = self.model(ids, cache=layers), None
+        else:
+            final, hidden = taps.forward(ids, layers)
+            logits, hidden = taps.lm_head(final), hidden.astype(mx.float32)
+        return [(logits[i, :n].astype(mx.float32), None if hidden is None else hidden[i, :n])
+                for i, n in enumerate(lengths)]
+
+    def calibrate_batch(self, vocab_size: int, max_rows: int, max_width: int, context: int = 40) -> int:
+        """Most rows (sequences x padded width) a batched pass may hold while every sequence's
+        rows stay bit-identical to its own pass (0: batching is not exact here, or ``max_rows``
+        < 2, or the model's modules cannot run a batched pass). Checks, for each size ``P``,
+        ``P`` one-row sequences and two sequences of ``min(P // 2, max_width)`` and 1 rows
+        (``max_width``: the widest exact single verify), at different context lengths. A
+        batched pass attends sequence by sequence with the calls each sequence's own pass makes,
+        so only the batched projections and RoPE's per-sequence offsets are under test here: a
+        few short contexts suffice."""
+        if self.compiled or max_rows < 2:
+            return 0
+        ids = mx.random.randint(3, vocab_size, (context + 4 * max_rows + max_rows,), key=mx.random.key(99)).tolist()
+
+        caches = []  # sequence i: a cache holding context + 3 i tokens, reused by every check
+
+        def exact(lengths: list[int]) -> bool:
+            while len(caches) < len(lengths):
+                caches.append(self.make_cache())
+                mx.eval(self.prefill(ids[: context + 3 * (len(caches) - 1)], caches[-1])[0])
+            seqs = [(caches[i], ids[context + 3 * i : context + 3 * i + n]) for i, n in enumerate(lengths)]
+            alone = []
+            for cache, rows in seqs:
+                logits = self.verify(rows, cache)[0]
+                mx.eval(logits)
+                self.trim(cache, len(rows))
+                alone.append(logits)
+            together = self.verify_batch([r for _, r in seqs], [c for c, _ in seqs])
+            mx.eval([t[0] for t in together])
+            for cache, rows in seqs:
+                self.trim(cache, len(rows))
+            return all(mx.array_equal(a, t[0]).item() for a, t in zip(alone, together))
+
+        best = 0
+        try:
+            for size in range(2, max_rows + 1):
+                wide = min(size // 2, max_width)
+                if not exact([1] * size) or (wide >= 2 and not exact([wide, 1])):
+                    break
+                best = size
+        except Exception:  # a model whose attention or RoPE cannot take a BatchLayerCache
+            log.warning("batched passes unavailable for this model: one sequence per pass", exc_info=True)
+            return 0
+        log.info("batched passes: exact up to %d rows", best)
+        return best
+
     # ---- calibration -------------------------------------------------------------------------
 
     def _exact_width(self, context: list[int], probe: list[int], widths: int) -> int:
@@ -205,7 +282,11 @@ class TargetRunner:
         Args:
             vocab_size: tokens are drawn from ``[0, vocab_size)``.
             max_rows: widest verify pass to consider (anchor + drafts).
-            mode: ``auto`` (batched attention if exact, else row-exact), ``row`` or ``batched``.
+            mode: ``row`` (and ``auto``): every pass wider than one row attends row by row;
+                ``batched``: MLX's batched attention up to the widest width exact at ``contexts``,
+                row by row beyond. ``auto`` is ``row`` because batched attention that is exact at
+                the probed contexts was found inexact at others (2-3 rows on OpenBLAS at 8 of 64
+                context lengths), and no affordable probe covers every length.
             contexts: context lengths probed (long ones catch attention kernels that switch
                 algorithm with the key length).
             max_context: the model's context window (probes are clipped to it).
@@ -224,11 +305,11 @@ class TargetRunner:
             log.info("verify exactness: row_exact=%s -> %d rows", row_exact, width)
             return width
 
-        batched = exact_width(False) if mode in ("auto", "batched") and max_rows > 1 else 1
-        row = exact_width(True) if mode in ("auto", "row") and batched < max_rows and max_rows > 1 else 0
+        batched = exact_width(False) if mode == "batched" and max_rows > 1 else 1
+        row = exact_width(True) if batched < max_rows and max_rows > 1 else 0
         # Passes up to `batched` rows use MLX's batched attention; wider ones (up to `row`) attend
-        # row by row. Both are exact in their range, so each width uses the cheaper exact one.
-        self.batched_rows = batched if mode != "row" else 0
+        # row by row (the same call a one-row decode makes, so exact whatever the context).
+        self.batched_rows = batched if mode == "batched" else 0
         self.row_exact_attention = row > batched
         width = max(batched, row)
         ctx = min(256, need - max_rows)

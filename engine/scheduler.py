@@ -33,7 +33,13 @@ class CostModel:
         return len(self.verify_cost)
 
     def T(self, rows: int) -> float:
-        return self.verify_cost[min(rows, self.max_rows) - 1]
+        """Seconds for a pass of ``rows`` rows; past the measured range (wide batched passes),
+        extrapolated linearly from the last two points."""
+        if rows <= self.max_rows:
+            return self.verify_cost[rows - 1]
+        last = self.verify_cost[-1]
+        step = last - self.verify_cost[-2] if self.max_rows > 1 else last
+        return last + (rows - self.max_rows) * max(step, 0.0)
 
     def observe(self, rows: int, seconds: float) -> None:
         if 1 <= rows <= self.max_rows and seconds > 0:
@@ -202,3 +208,19 @@ def choose_length(conditional: list[float], cost: CostModel, extra_cost: float =
         if rate > best_rate:
             best, best_rate = length, rate
     return best, best_rate
+
+
+def batch_width(survivals: list[list[float]], cost: CostModel, max_width: int) -> int:
+    """Rows per sequence of a batched verify pass (continuous batching): the ``w`` in
+    ``1..max_width`` maximising ``sum_s E_s(w - 1) / T(S * w)``, where ``survivals[s]`` are
+    sequence ``s``'s conditional acceptance estimates for its proposal (empty: no draft) and
+    every sequence's rows are padded to ``w``. A draft row is worth its expected tokens against
+    the cost of widening the whole batch, so drafts shrink as the batch grows."""
+    n = len(survivals)
+    best, best_rate = 1, n / cost.T(n)
+    for width in range(2, max_width + 1):
+        tokens = sum(expected_tokens(c[: width - 1])[-1] for c in survivals)
+        rate = tokens / cost.T(n * width)
+        if rate > best_rate:
+            best, best_rate = width, rate
+    return best

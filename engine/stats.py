@@ -17,6 +17,11 @@ class StatsSink(Protocol):
         """One verify step: ``drafter`` None for a plain decode step (no draft);
         ``expected_accepted`` is the scheduler's estimate for the kept draft (calibration)."""
 
+    def batch_step(self, num_sequences: int, num_committed: int) -> None:
+        """One batched target pass over ``num_sequences`` decoding sequences (continuous
+        batching), committing ``num_committed`` tokens in all (each sequence's verify step is also
+        reported through :meth:`spec_step`)."""
+
     def request_finished(self, event: TokenEvent) -> None:
         """The last event of a request (finish_reason, usage, timings, stats)."""
 
@@ -26,6 +31,9 @@ class StatsSink(Protocol):
 
 class NullSink:
     def spec_step(self, drafter, num_draft, num_accepted, expected_accepted, num_committed) -> None:
+        pass
+
+    def batch_step(self, num_sequences, num_committed) -> None:
         pass
 
     def request_finished(self, event) -> None:
@@ -44,6 +52,10 @@ class FanoutSink:
     def spec_step(self, *args) -> None:
         for s in self.sinks:
             s.spec_step(*args)
+
+    def batch_step(self, *args) -> None:
+        for s in self.sinks:
+            s.batch_step(*args)
 
     def request_finished(self, event) -> None:
         for s in self.sinks:

@@ -16,7 +16,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine import Engine, TokenEvent
 
@@ -28,7 +28,8 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
 
 
 class _EngineCollector:
-    """Values read from the engine at scrape time: queue depth, running, verify cost T(k)."""
+    """Values read from the engine at scrape time: queue depth, running, verify cost T(k), the
+    prefix cache's size and token counters (vLLM's ``prefix_cache_queries``/``_hits``)."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
@@ -51,6 +52,18 @@ class _EngineCollector:
             for k, t in enumerate(cost.verify_cost, start=1):
                 g.add_metric([str(k)], t)
         yield g
+        info = self.engine.prefix_cache_info() or {"queries": 0, "hits": 0, "bytes": 0, "entries": 0, "max_bytes": 0}
+        for name, key, doc in (("prefix_cache_queries", "queries", "Prompt tokens looked up in the prefix cache."),
+                               ("prefix_cache_hits", "hits", "Prompt tokens whose KV came from the prefix cache.")):
+            c = CounterMetricFamily(PREFIX + name, doc)
+            c.add_metric([], info[key])
+            yield c
+        for name, key, doc in (("prefix_cache_bytes", "bytes", "Bytes held by the prefix cache."),
+                               ("prefix_cache_max_bytes", "max_bytes", "The prefix cache's byte budget."),
+                               ("prefix_cache_entries", "entries", "Cached prompt prefixes.")):
+            g = GaugeMetricFamily(PREFIX + name, doc)
+            g.add_metric([], info[key])
+            yield g
 
 
 class Metrics:
@@ -83,6 +96,10 @@ class Metrics:
         self.accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by draft position (0-based).",
                                         ["drafter", "position"], registry=r)
+        self.unused_proposals = Counter(PREFIX + "spec_decode_num_unused_proposals",
+                                        "Drafter forwards paid for but not verified (cut to nothing by the "
+                                        "scheduler, or another option won); counted when a request ends.",
+                                        ["drafter"], registry=r)
         self.decisions = Counter(PREFIX + "scheduler_decisions",
                                  "Scheduler choices per verify step: prompt_lookup, dspark or plain.",
                                  ["outcome"], registry=r)
@@ -92,6 +109,11 @@ class Metrics:
         self.tokens_per_step = Histogram(PREFIX + "spec_decode_tokens_per_step",
                                          "Tokens committed per target verify step (drafter=none: plain decode).",
                                          ["drafter"], buckets=(1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32), registry=r)
+        self.batch_size = Histogram(PREFIX + "batch_size", "Decoding sequences per batched target pass "
+                                    "(continuous batching; single-sequence steps are not counted).",
+                                    buckets=(2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
+        self.batch_tokens = Counter(PREFIX + "batch_committed_tokens",
+                                    "Tokens committed by batched target passes.", registry=r)
 
     def attach(self, engine: Engine) -> None:
         self.registry.register(_EngineCollector(engine))
@@ -115,10 +137,17 @@ class Metrics:
         for pos in range(num_accepted):
             self.accepted_per_pos.labels(drafter, str(pos)).inc()
 
+    def batch_step(self, num_sequences: int, num_committed: int) -> None:
+        self.batch_size.observe(num_sequences)
+        self.batch_tokens.inc(num_committed)
+
     def request_finished(self, event: TokenEvent) -> None:
         reason = event.finish_reason.value if event.finish_reason is not None else "error"
         self.finished.labels(reason).inc()
         self.prompt_tokens.inc(event.prompt_tokens)
+        for drafter, counts in (event.stats.by_drafter.items() if event.stats else ()):
+            if counts.num_unused_proposals:
+                self.unused_proposals.labels(drafter).inc(counts.num_unused_proposals)
         self.generation_tokens.inc(event.completion_tokens)
         if event.elapsed is not None:
             self.latency.observe(event.elapsed)

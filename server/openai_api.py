@@ -152,6 +152,7 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
                 prompt_logprobs=body.echo and body.logprobs is not None,
                 speculative=speculative_params(body),
                 request_id=f"{rid}-{p_index}-{i}",
+                cache_salt=body.cache_salt,
             )
             if body.echo and echo is None:
                 _state(request).engine.validate(req)  # token ids in range before decoding them
@@ -191,6 +192,7 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
             logprobs=logprobs,
             speculative=speculative_params(body),
             request_id=f"{rid}-{i}",
+            cache_salt=body.cache_salt,
         ))
         for i in range(body.n)
     ]
@@ -296,16 +298,20 @@ def first_error(jobs: list[Job]) -> EngineError | None:
 
 
 def usage(jobs: list[Job]) -> dict:
-    prompts = {}
+    """OpenAI usage; a prompt shared by ``n`` choices counts once (its largest cached part)."""
+    prompts, cached = {}, {}
     completion = 0
     for job in jobs:
         last = job.events[-1] if job.events else None
         if last is None:
             continue
-        prompts[job.request.request_id.rsplit("-", 1)[0]] = last.prompt_tokens
+        key = job.request.request_id.rsplit("-", 1)[0]
+        prompts[key] = last.prompt_tokens
+        cached[key] = max(cached.get(key, 0), last.cached_tokens)
         completion += last.completion_tokens
     prompt = sum(prompts.values())
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(cached.values())}}
 
 
 def spec_summary(jobs: list[Job]) -> dict:
@@ -320,6 +326,7 @@ def spec_summary(jobs: list[Job]) -> dict:
                 target.num_drafts += counts.num_drafts
                 target.num_draft_tokens += counts.num_draft_tokens
                 target.num_accepted_tokens += counts.num_accepted_tokens
+                target.num_unused_proposals += counts.num_unused_proposals
                 pos = target.accepted_per_position
                 for i, v in enumerate(counts.accepted_per_position):
                     if i >= len(pos):

@@ -2,7 +2,8 @@
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers commonly do, so clients
 that send newer fields keep working. Extensions: ``speculative``, ``top_k``, ``min_p``,
-``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``.
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` (vLLM's: only
+requests with the same salt share prefix-cache entries).
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     speculative: SpeculativeOptions | None = None
+    cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="before")
     @classmethod

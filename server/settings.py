@@ -91,16 +91,33 @@ class Settings(BaseSettings):
     )
     exact_verify: Literal["auto", "row", "batched"] = Field(
         "auto",
-        description="Verify attention: `batched` (one call), `row` (one call per row, exact on "
-        "BLAS backends), or `auto` (calibration picks the widest exact one).",
+        description="Verify attention: `row` (one attention call per row, the very call a one-token "
+        "decode makes: exact at every context length), `batched` (one call for the rows up to the width "
+        "calibration finds exact at its probe contexts; faster on some GPUs, but such a width was seen "
+        "to break at other context lengths), or `auto` (= `row`).",
     )
 
     # --- scheduling and limits
     prefill_step: int = Field(
-        2048, ge=16, le=16384,
-        description="Prompt tokens per prefill chunk (mlx-lm's default; other sequences step between chunks).",
+        256, ge=16, le=16384,
+        description="Prompt tokens per prefill chunk (other sequences step between chunks). Chunks start "
+        "at multiples of it, and the prefix cache stores and reuses whole chunks, so warm and cold "
+        "prefills compute the same bits.",
+    )
+    prefix_cache_bytes: int = Field(
+        1 << 30, ge=0,
+        description="Byte budget of the prefix cache: prompt KV (and DSpark's tapped hidden states) kept "
+        "for reuse by later requests sharing a prefix, least recently stored evicted first (0: off). "
+        "Reused tokens are reported as `usage.prompt_tokens_details.cached_tokens`.",
     )
     max_active: int = Field(8, ge=1, le=1024, description="Sequences interleaved by the engine at once.")
+    batching: Literal["auto", "off"] = Field(
+        "auto",
+        description="Continuous batching: decoding sequences share one target pass per cycle, each with "
+        "its own drafter and draft length. `auto`: as many rows per pass as start-up calibration finds "
+        "bit-identical to each sequence's own pass (none: one sequence per pass); `off`: one sequence "
+        "per pass.",
+    )
     max_queue: int = Field(
         256, ge=1,
         description="Requests waiting for a free slot (beyond `max_active`) before new ones get HTTP 429 "
@@ -178,7 +195,9 @@ class Settings(BaseSettings):
             max_verify_rows=self.max_verify_rows,
             exact_verify=self.exact_verify,
             prefill_step=self.prefill_step,
+            prefix_cache_bytes=self.prefix_cache_bytes,
             max_active=self.max_active,
+            batching=self.batching,
             max_queue=self.max_queue,
             request_timeout=self.request_timeout or None,
         )

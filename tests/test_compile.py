@@ -74,12 +74,13 @@ def test_compiled_decode_equals_uncompiled_static_pass_bit_for_bit(runners):
 def calibrated(tiny):
     """A compiled runner after the engine's start-up calibration, and its result."""
     runner = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)
-    return runner, runner.calibrate(tiny.config["vocab_size"], max_rows=16, contexts=(40, 300))
+    return runner, runner.calibrate(tiny.config["vocab_size"], max_rows=16, mode="batched", contexts=(40, 300))
 
 
 def test_verify_rows_equal_one_row_decode_in_the_compiled_path(calibrated):
-    """After calibration (batched attention up to its exact width, per-row attention inside the
-    compiled graph beyond it), every row of every width equals a one-row decode bit for bit."""
+    """After calibration in ``batched`` mode (batched attention up to its exact width at the
+    probed contexts, per-row attention inside the compiled graph beyond it), every row of every
+    width equals a one-row decode bit for bit."""
     runner, cal = calibrated
     # same widths as the eager path on this machine (OpenBLAS bounds both); both modes in use
     assert cal.max_rows > cal.batched_rows >= 1 and cal.max_rows >= 4, cal.summary()

@@ -155,3 +155,23 @@ def test_losing_dspark_is_probed_not_run_every_cycle(tiny, tmp_path, monkeypatch
         assert 1 <= len(calls) <= 1 + cycles // DSPARK_PROBE_EVERY + 2, (len(calls), cycles)
     finally:
         eng.stop()
+
+
+def test_unused_dspark_forwards_are_counted(dspark_engine):
+    """DSpark probes on the first cycle of an auto request; on a repeated pattern prompt lookup
+    wins, so that forward is paid for and not verified: the request's stats and the server's
+    counter say so."""
+    from server.metrics import Metrics
+
+    p = [9, 10, 11, 12, 13] * 6
+    _, _, last = run(dspark_engine, p, "x", max_tokens=30, speculative=SpeculativeParams("auto"))
+    ds = last.stats.by_drafter["dspark"]
+    assert ds.num_unused_proposals >= 1 and last.stats.total.num_unused_proposals == ds.num_unused_proposals
+    assert last.stats.as_dict()["by_drafter"]["dspark"]["num_unused_proposals"] == ds.num_unused_proposals
+    metrics = Metrics()
+    metrics.request_finished(last)
+    text = metrics.render().decode()
+    assert f'specserve:spec_decode_num_unused_proposals_total{{drafter="dspark"}} {float(ds.num_unused_proposals)}' in text
+    # forced DSpark drafts are verified: none unused
+    _, _, forced = run(dspark_engine, p, "x", max_tokens=12, speculative=FORCE)
+    assert forced.stats.by_drafter["dspark"].num_unused_proposals == 0

@@ -56,7 +56,8 @@ def test_completion_shape_and_usage(tiny_server):
     choice = body["choices"][0]
     assert choice["finish_reason"] == "length" and choice["logprobs"] is None
     assert body["usage"] == {"prompt_tokens": len(PROMPT.encode()), "completion_tokens": 7,
-                             "total_tokens": len(PROMPT.encode()) + 7}
+                             "total_tokens": len(PROMPT.encode()) + 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     assert body["speculative_decoding"]["num_verify_steps"] >= 1
 
 

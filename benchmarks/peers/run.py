@@ -244,6 +244,22 @@ def prepare_models(weights: str, workdir: Path) -> tuple[str, str, str]:
     return gguf, str(mlx_dir), policy
 
 
+def set_up(args, threads: int, n_ctx: int):
+    """What every peer run needs: SIGTERM unwinding like Ctrl-C (so the servers it started are
+    stopped too), ``args.workdir``, the models, the peers named in ``args.peers`` and a token
+    counter (the model's own tokenizer). Returns ``(workdir, gguf, mlx_dir, policy, peers,
+    count_tokens)``."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    gguf, mlx_dir, policy = prepare_models(args.weights, workdir)
+    peers = make_peers(args.peers.split(","), gguf, mlx_dir, policy, threads, n_ctx)
+    from transformers import AutoTokenizer
+
+    hf_tok = AutoTokenizer.from_pretrained(mlx_dir)
+    return workdir, gguf, mlx_dir, policy, peers, lambda text: len(hf_tok.encode(text, add_special_tokens=False))
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--peers", default=DEFAULT_PEERS, help="comma-separated; first = baseline for identity")
@@ -262,20 +278,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--out", default=None)
     ap.add_argument("--plot", default=None)
     args = ap.parse_args(argv)
-    # a SIGTERM unwinds like Ctrl-C, so the servers this run started are stopped too
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    gguf, mlx_dir, policy = prepare_models(args.weights, workdir)
-    names = args.peers.split(",")
-    peers = make_peers(names, gguf, mlx_dir, policy, args.threads, args.n_ctx)
+    workdir, gguf, mlx_dir, policy, peers, count_tokens = set_up(args, args.threads, args.n_ctx)
+    names = [p.name for p in peers]
     workloads = args.workloads.split(",")
     items = build_items(workloads, args.max_tokens or None)
-    from transformers import AutoTokenizer
-
-    hf_tok = AutoTokenizer.from_pretrained(mlx_dir)
-    count_tokens = lambda text: len(hf_tok.encode(text, add_special_tokens=False))
     results = {"versions": versions(), "weights": policy, "gguf": gguf, "mlx_dir": mlx_dir,
                "peers": {p.name: {"label": p.label, "argv": p.argv, "env": p.env} for p in peers},
                "workloads": workloads, "repeats": args.repeats, "interleave": args.interleave, "max_tokens_cap": args.max_tokens,

@@ -1,0 +1,122 @@
+"""Prefix cache benchmark: a multi-turn agent session with the cache on vs off, side by side.
+
+The session is what agent clients send: a long system prompt (tool definitions and a file the
+agent works on), then turns that resend the whole conversation plus a new user message. Each
+turn's prompt runs on two engines sharing one loaded model, the prefix cache off and on, back to
+back (order alternating by turn, so machine noise hits both alike). Greedy; the two outputs
+must be identical token for token. The assistant's reply is appended to the conversation before
+the next turn.
+
+Reported per turn: prompt tokens, cached tokens, time to first token (TTFT) off and on and
+their ratio, and the same for the whole request.
+
+    python -m benchmarks.bench_prefix_cache --out benchmarks/results/prefix_cache_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import engine  # noqa: F401  (OpenBLAS before mlx.core)
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
+from engine.loader import load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOLS = [
+    {"name": "read_file", "description": "Read a text file of the repository.",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}},
+    {"name": "write_file", "description": "Replace a file's content.",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                    "required": ["path", "content"]}},
+    {"name": "run_tests", "description": "Run the test suite, or one test file, and return its output.",
+     "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}},
+    {"name": "search", "description": "Search the repository for a string; returns matching lines.",
+     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}},
+]
+TURNS = [
+    "Explain briefly what `StopMatcher.feed` returns.",
+    "Write a unit test for a stop string that arrives split over two calls.",
+    "What happens when two stop strings overlap? Answer in two sentences.",
+    "Call the tool that runs the tests for this file.",
+    "Suggest one rename that would make the code clearer, as a tool call that writes the file.",
+]
+
+
+def system_prompt(file: Path) -> str:
+    source = file.read_text()
+    return ("You are a coding agent. You may call these tools by answering with one JSON object "
+            '{"tool": name, "arguments": {...}}:\n' + json.dumps(TOOLS, indent=2) +
+            f"\n\nThe user is working on `{file.relative_to(ROOT)}`:\n```python\n{source}\n```")
+
+
+def run_turn(eng: Engine, tokens: list[int], max_tokens: int, method: str) -> dict:
+    req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
+                            speculative=SpeculativeParams(method=method))
+    start = time.perf_counter()
+    ids, ttft, last = [], None, None
+    for event in eng.generate(req, timeout=3600):
+        if event.error is not None:
+            raise RuntimeError(event.error)
+        if event.token_ids and ttft is None:
+            ttft = time.perf_counter() - start
+        ids += event.token_ids
+        last = event
+    return {"ids": ids, "ttft": ttft, "total_s": time.perf_counter() - start, "cached": last.cached_tokens}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--file", default=str(ROOT / "engine" / "stops.py"), help="the file in the system prompt")
+    ap.add_argument("--turns", type=int, default=len(TURNS))
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--method", default="auto", help="speculation method of every request")
+    ap.add_argument("--prefill-step", type=int, default=EngineConfig.prefill_step)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+
+    loaded = load_target(args.model)
+    tok = loaded.tokenizer
+    cfg = dict(speculation="auto", prefill_step=args.prefill_step)
+    engines = {"off": Engine(EngineConfig(prefix_cache_bytes=0, **cfg), loaded=loaded).start(wait=True),
+               "on": Engine(EngineConfig(**cfg), loaded=loaded).start(wait=True)}
+    messages = [{"role": "system", "content": system_prompt(Path(args.file))}]
+    turns = []
+    try:
+        for i, question in enumerate(TURNS[: args.turns]):
+            messages.append({"role": "user", "content": question})
+            tokens = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+            order = ("off", "on") if i % 2 == 0 else ("on", "off")
+            res = {name: run_turn(engines[name], tokens, args.max_tokens, args.method) for name in order}
+            identical = res["off"]["ids"] == res["on"]["ids"]
+            turns.append({
+                "turn": i + 1, "prompt_tokens": len(tokens), "cached_tokens": res["on"]["cached"],
+                "ttft_off_s": res["off"]["ttft"], "ttft_on_s": res["on"]["ttft"],
+                "ttft_ratio": res["off"]["ttft"] / res["on"]["ttft"],
+                "total_off_s": res["off"]["total_s"], "total_on_s": res["on"]["total_s"],
+                "completion_tokens": len(res["on"]["ids"]), "identical": identical,
+            })
+            print(json.dumps(turns[-1]), flush=True)
+            messages.append({"role": "assistant", "content": tok.decode(res["on"]["ids"])})
+    finally:
+        for eng in engines.values():
+            eng.stop()
+    report = {"machine": platform.platform(), "python": sys.version.split()[0], "model": loaded.name,
+              "weights": loaded.weights, "prefill_step": args.prefill_step, "method": args.method,
+              "max_tokens": args.max_tokens, "prefix_cache": engines["on"].prefix_cache_info(), "turns": turns}
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    bad = [t["turn"] for t in turns if not t["identical"]]
+    if bad:
+        print(f"outputs differ with the prefix cache on turns {bad}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,262 @@
+"""Prefix cache: whole prefill chunks reused across requests, bit-identical to a cold prefill."""
+
+import random
+
+import httpx
+import mlx.core as mx
+import pytest
+from conftest import tiny_live_server
+from helpers import run
+from test_engine_dspark import make_drafter
+from test_server import metric, post, sse_events
+
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
+from engine.exact_attention import ExactKVCache
+from engine.prefix_cache import PrefixCache
+
+BLOCK = 16
+
+
+def kv_cache(tokens: int, layers: int = 2, seed: int = 0) -> list:
+    """Per-layer caches holding ``tokens`` positions of random keys/values ([1, 2, S, 4])."""
+    cache = []
+    for i in range(layers):
+        c = ExactKVCache()
+        k, v = mx.random.normal((2, 1, 2, tokens, 4), key=mx.random.key(seed * 1000 + i))
+        c.update_and_fetch(k, v)
+        cache.append(c)
+    return cache
+
+
+def test_whole_chunks_only_and_longest_prefix():
+    pc = PrefixCache(BLOCK, 1 << 30)
+    prompt = list(range(100, 150))  # 50 tokens: 49 prefillable, 48 in whole chunks
+    cache = kv_cache(49)
+    assert pc.insert(prompt, cache, None, taps=False) == 48
+    assert pc.insert(prompt, cache, None, taps=False, already=48) == 0  # nothing new
+
+    # A prompt sharing 40 tokens gets 32 (the whole chunks inside the shared part), bit for bit.
+    hit = pc.fetch(prompt[:40] + [7] * 30, taps=False)
+    assert hit.num_tokens == 32 and all(c.offset == 32 for c in hit.cache)
+    for got, ref in zip(hit.cache, cache):
+        assert mx.array_equal(got.keys[..., :32, :], ref.keys[..., :32, :]).item()
+        assert mx.array_equal(got.values[..., :32, :], ref.values[..., :32, :]).item()
+
+    # Sharing exactly the stored 48 with a longer prompt keeps all 48 (not one chunk less).
+    assert pc.fetch(prompt[:48] + [1] * 20, taps=False).num_tokens == 48
+    # A prompt whose prefillable part is a whole chunk shorter than the entry: 32 of 48.
+    assert pc.fetch(prompt[:33], taps=False).num_tokens == 32
+    # Under one chunk shared, or another salt / the taps namespace: misses.
+    assert pc.fetch(prompt[:15] + [1] * 40, taps=False) is None
+    assert pc.fetch(prompt, taps=False, salt="tenant-b") is None
+    assert pc.fetch(prompt, taps=True) is None
+    info = pc.info()
+    assert info["hits"] == 32 + 48 + 32 and info["queries"] == 70 + 68 + 33 + 55 + 50 + 50
+    assert info["entries"] == 1 and info["bytes"] == 2 * 2 * (2 * 48 * 4) * 4  # layers, k/v, [2, 48, 4] float32
+
+
+def test_fetched_cache_is_a_copy():
+    pc = PrefixCache(BLOCK, 1 << 30)
+    prompt = list(range(40))
+    pc.insert(prompt, kv_cache(39), None, taps=False)
+    first = pc.fetch(prompt, taps=False)
+    before = mx.array(first.cache[0].keys[..., :32, :])
+    k, v = mx.ones((2, 1, 2, 5, 4))
+    first.cache[0].trim(10)
+    first.cache[0].update_and_fetch(k, v)  # the live request writes over positions 22..26
+    again = pc.fetch(prompt, taps=False)
+    assert mx.array_equal(again.cache[0].keys[..., :32, :], before).item()
+
+
+def test_taps_rows_follow_the_kv():
+    pc = PrefixCache(BLOCK, 1 << 30)
+    prompt = list(range(60))
+    hidden = mx.arange(59 * 3, dtype=mx.float32).reshape(59, 3)
+    with pytest.raises(ValueError):
+        pc.insert(prompt, kv_cache(59), None, taps=True)
+    assert pc.insert(prompt, kv_cache(59), hidden, taps=True) == 48
+    hit = pc.fetch(prompt[:35] + [9] * 10, taps=True)
+    assert hit.num_tokens == 32 and mx.array_equal(hit.hidden, hidden[:32]).item()
+    assert pc.fetch(prompt, taps=False) is None
+
+
+def test_a_hit_holds_only_the_rows_it_uses_and_refreshes_a_whole_entry():
+    one = 2 * 2 * (2 * BLOCK * 4) * 4  # one stored chunk: layers, k/v, [2, BLOCK, 4] float32
+    pc = PrefixCache(BLOCK, 3 * one)
+    long = list(range(200, 200 + 4 * BLOCK + 1))  # 4 chunks
+    pc.insert(long, kv_cache(4 * BLOCK), None, taps=False)
+    assert pc.info()["entries"] == 1 and pc.info()["bytes"] == 3 * one  # only the 3 chunks that fit
+    hit = pc.fetch(long[:BLOCK + 3], taps=False)  # uses 1 chunk of the 3-chunk entry
+    assert hit.num_tokens == BLOCK and all(c.keys.shape[2] == BLOCK for c in hit.cache)
+    # a: 1 chunk, b: 1 chunk; a reused whole stays, b (stored after a) goes when c arrives
+    a, b, c = ([i] * (BLOCK + 1) for i in (1, 2, 3))
+    pc = PrefixCache(BLOCK, 2 * one)
+    pc.insert(a, kv_cache(BLOCK), None, taps=False)
+    pc.insert(b, kv_cache(BLOCK), None, taps=False)
+    assert pc.fetch(a, taps=False).num_tokens == BLOCK
+    pc.insert(c, kv_cache(BLOCK), None, taps=False)
+    assert pc.fetch(a, taps=False) is not None and pc.fetch(b, taps=False) is None
+    assert pc.info()["bytes"] == 2 * one
+
+
+def test_byte_budget_evicts_least_recent():
+    one = 2 * 2 * (2 * BLOCK * 4) * 4  # one stored chunk: layers, k/v, [2, BLOCK, 4] float32
+    pc = PrefixCache(BLOCK, 2 * one + 1)
+    prompts = [[i] * (BLOCK + 1) for i in range(3)]
+    for p in prompts:
+        pc.insert(p, kv_cache(BLOCK), None, taps=False)
+    assert pc.info()["entries"] == 2 and pc.info()["bytes"] <= 2 * one + 1
+    assert pc.fetch(prompts[0], taps=False) is None  # the oldest went
+    assert pc.fetch(prompts[2], taps=False).num_tokens == BLOCK
+
+
+def test_only_plain_kv_caches_are_supported():
+    assert PrefixCache.supports(kv_cache(4))
+    from engine.static_cache import StaticCache
+
+    assert not PrefixCache.supports(StaticCache(2, 2, 4, mx.float32))
+    assert not PrefixCache.supports([object()])
+
+
+# ---- in the engine -----------------------------------------------------------------------------
+
+
+def session_prompts(seed: int) -> list[list[int]]:
+    """A multi-turn session: each prompt is the previous one plus an answer and a new question;
+    and a few prompts that share only a system prefix."""
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 259) for _ in range(37)]
+    out, convo = [], list(system)
+    for _ in range(4):
+        convo = convo + [rng.randrange(3, 259) for _ in range(rng.randint(5, 30))]
+        out.append(list(convo))
+    pattern = [rng.randrange(3, 259) for _ in range(5)]
+    out += [system + pattern * rng.randint(2, 6) + [rng.randrange(3, 259)] for _ in range(3)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(tiny):
+    cfg = dict(speculation="auto", prefill_step=BLOCK, calibration_contexts=(40, 300))
+    cold = Engine(EngineConfig(prefix_cache_bytes=0, **cfg), loaded=tiny).start(wait=True, timeout=300)
+    warm = Engine(EngineConfig(**cfg), loaded=tiny).start(wait=True, timeout=300)
+    yield cold, warm
+    cold.stop()
+    warm.stop()
+
+
+def test_warm_output_equals_cold_output(engines):
+    cold, warm = engines
+    cached = []
+    for seed in range(3):
+        for p in session_prompts(seed):
+            for method in ("off", "auto"):
+                kw = dict(max_tokens=24, logprobs=3)
+                ids, text, last = run(cold, p, method, **kw)
+                w_ids, w_text, w_last = run(warm, p, method, **kw)
+                assert (w_ids, w_text) == (ids, text)
+                assert last.cached_tokens == 0
+                assert w_last.cached_tokens % BLOCK == 0 and w_last.cached_tokens < len(p)
+                cached.append(w_last.cached_tokens)
+    assert sum(c > 0 for c in cached) >= len(cached) // 2
+    info = warm.prefix_cache_info()
+    assert info["hits"] == sum(cached) and info["entries"] >= 1 and cold.prefix_cache_info() is None
+
+
+def test_warm_logprobs_and_seeded_samples_equal_cold(engines):
+    cold, warm = engines
+    p = session_prompts(11)[-1]
+    run(warm, p, "off", max_tokens=1)  # store its chunks
+    for temperature, seed in ((0.0, None), (0.9, 1234)):
+        outs = []
+        for eng in (cold, warm):
+            req = GenerationRequest(prompt_tokens=p, max_tokens=20, logprobs=4,
+                                    sampling=SamplingParams(temperature=temperature, seed=seed),
+                                    speculative=SpeculativeParams("auto"))
+            events = list(eng.generate(req, timeout=600))
+            lps = [(lp.token, lp.logprob, lp.top) for e in events for lp in (e.logprobs or [])]
+            outs.append(([t for e in events for t in e.token_ids], lps, events[-1].cached_tokens))
+        (ids, lps, c0), (w_ids, w_lps, c1) = outs
+        assert w_ids == ids and w_lps == lps  # floats compared exactly
+        assert c0 == 0 and c1 == (len(p) - 1) // BLOCK * BLOCK
+
+
+def test_prompt_logprobs_prefill_from_scratch(engines):
+    cold, warm = engines
+    p = session_prompts(12)[0]
+    run(warm, p, "off", max_tokens=1)
+    outs = []
+    for eng in (cold, warm):
+        req = GenerationRequest(prompt_tokens=p, max_tokens=3, logprobs=2, prompt_logprobs=True)
+        events = list(eng.generate(req, timeout=600))
+        outs.append(([(lp.token, lp.logprob) for lp in events[0].prompt_logprobs], events[-1].cached_tokens))
+    assert outs[0] == outs[1] and outs[1][1] == 0 and len(outs[0][0]) == len(p)
+
+
+def test_salted_requests_do_not_share(engines):
+    _, warm = engines
+    p = session_prompts(13)[2]
+    assert run(warm, p, "off", max_tokens=2, cache_salt="a")[2].cached_tokens == 0
+    assert run(warm, p, "off", max_tokens=2, cache_salt="b")[2].cached_tokens == 0
+    assert run(warm, p, "off", max_tokens=2)[2].cached_tokens == 0
+    assert run(warm, p, "off", max_tokens=2, cache_salt="a")[2].cached_tokens > 0
+
+
+def test_dspark_drafts_read_cached_hidden_states(tiny, tmp_path):
+    path = make_drafter(tiny, tmp_path / "drafter", {77: 12.0})
+    cfg = dict(speculation="auto", dspark=True, dspark_drafter=str(path), prefill_step=BLOCK,
+               calibration_contexts=(40, 300))
+    cold = Engine(EngineConfig(prefix_cache_bytes=0, **cfg), loaded=tiny).start(wait=True, timeout=300)
+    warm = Engine(EngineConfig(**cfg), loaded=tiny).start(wait=True, timeout=300)
+    try:
+        force = SpeculativeParams("dspark", min_draft_tokens=3)
+        bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}
+        accepted = 0
+        for i, p in enumerate(session_prompts(21)):
+            kw = bias if i % 2 else {}
+            ids, text, last = run(cold, p, "x", max_tokens=20, speculative=force, **kw)
+            w_ids, w_text, w_last = run(warm, p, "x", max_tokens=20, speculative=force, **kw)
+            assert (w_ids, w_text) == (ids, text)  # (draft lengths follow measured timings: not compared)
+            accepted += w_last.stats.total.num_accepted_tokens if w_last.cached_tokens else 0
+        assert accepted > 0 and warm.prefix_cache_info()["hits"] > 0
+    finally:
+        cold.stop()
+        warm.stop()
+
+
+# ---- over HTTP -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def prefix_server(tiny):
+    live = tiny_live_server(tiny, prefill_step=BLOCK)
+    yield live
+    live.stop()
+
+
+def test_usage_reports_cached_tokens_and_metrics_move(prefix_server):
+    prompt = session_prompts(31)[3]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    q0, h0 = metric(prefix_server, "prefix_cache_queries_total"), metric(prefix_server, "prefix_cache_hits_total")
+    first = post(prefix_server, "/v1/completions", body).json()
+    second = post(prefix_server, "/v1/completions", body).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    cached = (len(prompt) - 1) // BLOCK * BLOCK
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    assert second["choices"][0]["text"] == first["choices"][0]["text"]
+    assert metric(prefix_server, "prefix_cache_queries_total") - q0 == 2 * len(prompt)
+    assert metric(prefix_server, "prefix_cache_hits_total") - h0 == cached
+    assert metric(prefix_server, "prefix_cache_entries") >= 1 and metric(prefix_server, "prefix_cache_bytes") > 0
+
+    salted = post(prefix_server, "/v1/completions", {**body, "cache_salt": "tenant-7"}).json()
+    assert salted["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+    stream = httpx.post(prefix_server.url + "/v1/completions", timeout=120, json={
+        **body, "stream": True, "stream_options": {"include_usage": True}})
+    assert sse_events(stream)[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+
+
+def test_empty_cache_salt_is_rejected(prefix_server):
+    r = post(prefix_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "cache_salt": ""})
+    assert r.status_code == 400
+    assert r.json()["error"]["type"] == "invalid_request_error" and "cache_salt" in r.json()["error"]["param"]
