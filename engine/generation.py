@@ -29,7 +29,8 @@ from .scheduler import (
 )
 from .stops import StopMatcher
 
-DSPARK_PROBE_EVERY = 32  # cycles between DSpark probes while its recent yield loses
+DSPARK_PROBE_EVERY = 32  # cycles before the first re-probe of a DSpark drafter that loses
+DSPARK_PROBE_MAX = 512  # the probe interval doubles after every losing probe, up to this
 MAX_VERIFY_ROWS = 64  # the widest verify pass any setting allows (sizes static caches)
 
 
@@ -84,6 +85,7 @@ class Sequence:
         self.taps = taps if "dspark" in self.drafters else None
         self.pending_hidden: list[mx.array] = []
         self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
+        self.dspark_probe_every = DSPARK_PROBE_EVERY
         self.dspark_ran = False  # DSpark drafted in the cycle being proposed
         self.max_draft = max_draft
         self.stats = SpecStats()
@@ -186,8 +188,9 @@ class Sequence:
         Prompt lookup proposes for free; DSpark costs a draft forward, so it runs only when its
         recent yield (tokens per second, draft cost included) beats the best option so far
         (plain decoding included, also when DSpark is the only drafter), or as a probe on a
-        request's first cycle and every ``DSPARK_PROBE_EVERY`` cycles after (always when the
-        request sets ``min_draft_tokens``). A DSpark forward whose draft is cut to nothing counts
+        request's first cycle and then after ``DSPARK_PROBE_EVERY`` cycles, an interval that
+        doubles after every probe run while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets
+        once it wins (always when the request sets ``min_draft_tokens``). A DSpark forward whose draft is cut to nothing counts
         as a cycle that yielded nothing. Each proposal is cut to the length maximising
         ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding
         when none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched
@@ -219,8 +222,11 @@ class Sequence:
         dspark = self.drafters.get("dspark")
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1)] + [o[0] for o in options])
-            probe = self.cycles_since_dspark >= DSPARK_PROBE_EVERY
-            if probe or forced or self.dspark_stats.expected_rate(cost) > best_so_far:
+            wins = forced or self.dspark_stats.expected_rate(cost) > best_so_far
+            if wins or self.cycles_since_dspark >= self.dspark_probe_every:
+                # a probe runs only while DSpark loses: back off (ds4 backed off after misses too)
+                self.dspark_probe_every = (DSPARK_PROBE_EVERY if wins else
+                                           min(2 * self.dspark_probe_every, DSPARK_PROBE_MAX))
                 option = self._propose_dspark(ctx, budget, cost)
                 if option[1] == 0 and not forced:  # paid for, drafted nothing
                     self.dspark_stats.observe([], 0, 0)
