@@ -263,6 +263,9 @@ class Engine:
         for token, _ in request.sampling.logit_bias:
             if not 0 <= token < vocab:
                 raise InvalidRequestError(f"logit_bias token {token} is out of range", param="logit_bias")
+        bad = [t for t in request.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"stop token id {bad[0]} is out of range [0, {vocab})", param="stop_token_ids")
 
     def _enqueue(self, request: GenerationRequest, emit: Callable[[TokenEvent], None]) -> _Handle:
         try:

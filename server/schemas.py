@@ -1,7 +1,8 @@
 """OpenAI request schemas (pydantic). All field validation lives here.
 
 Unknown fields are accepted and ignored, as OpenAI-compatible servers commonly do, so clients
-that send newer fields keep working. Extensions: ``speculative``, ``top_k``, ``min_p``,
+that send newer fields keep working. Known fields are strictly typed: ``"3"`` or ``true`` for an
+integer, or ``"yes"`` for a boolean, is a 400, not coerced (an integer is fine for a float). Extensions: ``speculative``, ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` (vLLM's: only
 requests with the same salt share prefix-cache entries).
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 SpecMethod = Literal["auto", "prompt_lookup", "dspark", "off"]
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -41,13 +42,19 @@ def surrogate_path(value, path: str = "") -> str | None:
 class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     method: SpecMethod | None = None
-    max_draft_tokens: Annotated[int, Field(ge=0, le=64)] | None = None
-    min_draft_tokens: Annotated[int, Field(ge=0, le=64)] = 0
+    max_draft_tokens: Annotated[int, Field(strict=True, ge=0, le=64)] | None = None
+    min_draft_tokens: Annotated[int, Field(strict=True, ge=0, le=64)] = 0
+
+    @model_validator(mode="after")
+    def _order(self):
+        if self.max_draft_tokens is not None and self.min_draft_tokens > self.max_draft_tokens:
+            raise ValueError("min_draft_tokens must not exceed max_draft_tokens")
+        return self
 
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(BaseModel):
@@ -56,22 +63,22 @@ class SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1, le=1_000_000)] | None = None
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
-    stream: bool = False
+    temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(strict=True, ge=-1, le=1_000_000)] | None = None
+    min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = None
+    n: Annotated[int, Field(strict=True, ge=1, le=128)] = 1
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
-    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
-    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    presence_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(strict=True, ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(strict=True, gt=0.0, le=10.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(strict=True, ge=-100.0, le=100.0)]] | None = None
+    seed: Annotated[int, Field(strict=True, ge=-(2**63), le=2**64 - 1)] | None = None
     user: str | None = None
-    ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
     speculative: SpeculativeOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
@@ -113,17 +120,17 @@ class SamplingFields(BaseModel):
         return self
 
 
-TokenList = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+TokenList = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
 PromptType = str | Annotated[list[str], Field(min_length=1)] | TokenList | Annotated[list[TokenList], Field(min_length=1)]
 
 
 class CompletionRequest(SamplingFields):
     prompt: PromptType
-    max_tokens: Annotated[int, Field(ge=0)] | None = None
-    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
-    echo: bool = False
+    max_tokens: Annotated[int, Field(strict=True, ge=0)] | None = None
+    logprobs: Annotated[int, Field(strict=True, ge=0, le=5)] | None = None
+    echo: StrictBool = False
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1)] | None = None
+    best_of: Annotated[int, Field(strict=True, ge=1)] | None = None
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -161,10 +168,10 @@ class ResponseFormat(BaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None

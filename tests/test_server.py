@@ -143,6 +143,17 @@ def test_chat_logprobs(tiny_server):
         ({"prompt": "x", "speculative": {"method": "magic"}}, 400, "speculative.method"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
         ({"prompt": [99999]}, 400, "prompt"),
+        # strictly typed: no coercion of strings or booleans
+        ({"prompt": [True, False]}, 400, None),
+        ({"prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
+        ({"prompt": "x", "temperature": "0"}, 400, "temperature"),
+        ({"prompt": "x", "n": True}, 400, "n"),
+        ({"prompt": "x", "echo": "yes"}, 400, "echo"),
+        ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
+        ({"prompt": "x", "speculative": {"max_draft_tokens": "3"}}, 400, "speculative.max_draft_tokens"),
+        ({"prompt": "x", "speculative": {"min_draft_tokens": 5, "max_draft_tokens": 2}}, 400, None),
+        ({"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+        ({"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
     ],
 )
 def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
