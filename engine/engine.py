@@ -531,12 +531,10 @@ class Engine:
             self._step_batch(decoding)
         self._active = [(h, s) for h, s in self._active if not s.finished]
 
-    def _guarded(self, handle: _Handle, seq: Sequence, fn, *args) -> bool:
-        """Run ``fn(*args)``; an exception ends this request with an error event. Returns True
-        when it ran cleanly."""
+    def _guarded(self, handle: _Handle, seq: Sequence, fn, *args) -> None:
+        """Run ``fn(*args)``; an exception ends this request with an error event."""
         try:
             fn(*args)
-            return True
         except Exception as exc:
             rid = handle.request.request_id
             log.exception("request %s failed", rid)
@@ -546,7 +544,6 @@ class Engine:
             handle.emit(TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR,
                                    error=_as_engine_error(exc), prompt_tokens=seq.prompt_len,
                                    completion_tokens=seq.num_generated, cached_tokens=seq.cached_tokens))
-            return False
 
     def _step(self, handle: _Handle, seq: Sequence) -> None:
         """Advance one sequence by a prefill chunk or one speculative cycle and emit its event."""
@@ -571,17 +568,14 @@ class Engine:
             decoding = (decoding[start:] + decoding[:start])[: self.batch_rows]
             self._batch_start = start + self.batch_rows
         seqs = [seq for _, seq in decoding]
-        marks = [(len(seq.tokens), self.runner.cache_length(seq.cache)) for seq in seqs]
+        lengths = [self.runner.cache_length(seq.cache) for seq in seqs]
         try:
             results = speculative_batch_step(seqs, self.cost, self.batch_rows)
-        except Exception as exc:
+        except Exception:  # the batched pass itself: nothing was committed
             log.exception("batched cycle failed; stepping its %d sequences one by one", len(seqs))
-            for (handle, seq), (tokens, cached) in zip(decoding, marks):
-                if len(seq.tokens) != tokens:  # committed before the failure: its state is unsure
-                    self._guarded(handle, seq, _reraise, exc)
-                    continue
+            for (handle, seq), length in zip(decoding, lengths):
                 for layer in seq.cache:  # undo any rows the pass appended
-                    layer.trim(layer.offset - cached)
+                    layer.trim(layer.offset - length)
                 self._guarded(handle, seq, self._step, handle, seq)
             return
         done = [r for r in results if not isinstance(r, Exception)]

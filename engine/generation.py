@@ -86,7 +86,6 @@ class Sequence:
         self.pending_hidden: list[mx.array] = []
         self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
         self.dspark_probe_every = DSPARK_PROBE_EVERY
-        self.dspark_ran = False  # DSpark drafted in the cycle being proposed
         self.max_draft = max_draft
         self.stats = SpecStats()
         self.finish_reason: FinishReason | None = None
@@ -189,24 +188,25 @@ class Sequence:
         recent yield (tokens per second, draft cost included) beats the best option so far
         (plain decoding included, also when DSpark is the only drafter), or as a probe on a
         request's first cycle and then after ``DSPARK_PROBE_EVERY`` cycles, an interval that
-        doubles after every probe run while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets
-        once it wins (always when the request sets ``min_draft_tokens``). A DSpark forward whose draft is cut to nothing counts
-        as a cycle that yielded nothing. Each proposal is cut to the length maximising
+        doubles after every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets
+        once it wins; it always runs when the request sets ``min_draft_tokens``. A DSpark
+        forward whose draft is cut to nothing counts as a cycle that yielded nothing, and any
+        DSpark forward whose proposal is not verified counts in the request's stats
+        (``num_unused_proposals``). Each proposal is cut to the length maximising
         ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding
         when none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched
-        pass). A DSpark forward whose proposal is not verified counts in the request's stats
-        (``num_unused_proposals``).
+        pass).
         """
         budget = self.draft_budget(min(cost.max_rows, max_rows or cost.max_rows))
         if budget == 0 or not self.drafters:
             return Draft()
-        self.dspark_ran = False
-        draft = self._choose(budget, cost)
-        if self.dspark_ran and not (draft.tokens and draft.drafter == "dspark"):
+        draft, dspark_ran = self._choose(budget, cost)
+        if dspark_ran and not (draft.tokens and draft.drafter == "dspark"):
             self.stats.unused_proposal("dspark")
         return draft
 
-    def _choose(self, budget: int, cost: CostModel) -> Draft:
+    def _choose(self, budget: int, cost: CostModel) -> tuple[Draft, bool]:
+        """The draft to verify, and whether a DSpark forward ran for it."""
         ctx = DraftContext(self.tokens, temperature=self.request.sampling.temperature,
                            seed=self.pipeline.seed)
         options = []  # (rate, length, proposal, conditional)
@@ -219,6 +219,7 @@ class Sequence:
                 conditional = self.acceptance.survival(proposal.match_length, len(proposal.tokens))
                 length, rate = choose_length(conditional, cost)
                 options.append((rate, length, proposal, conditional))
+        dspark_ran = False
         dspark = self.drafters.get("dspark")
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1)] + [o[0] for o in options])
@@ -228,25 +229,25 @@ class Sequence:
                 self.dspark_probe_every = (DSPARK_PROBE_EVERY if wins else
                                            min(2 * self.dspark_probe_every, DSPARK_PROBE_MAX))
                 option = self._propose_dspark(ctx, budget, cost)
+                dspark_ran = True
                 if option[1] == 0 and not forced:  # paid for, drafted nothing
                     self.dspark_stats.observe([], 0, 0)
                 else:
                     options.append(option)
         if not options:
-            return Draft()
+            return Draft(), dspark_ran
         rate, length, proposal, conditional = max(options, key=lambda o: o[0])
         if length == 0 and forced:
             rate, length, proposal, conditional = options[0]
         length = max(length, min(self.request.speculative.min_draft_tokens, len(proposal.tokens)))
         if length == 0:
-            return Draft()
+            return Draft(), dspark_ran
         proposal.survival = conditional
         cut(proposal, length)
-        return proposal
+        return proposal, dspark_ran
 
     def _propose_dspark(self, ctx: DraftContext, budget: int, cost: CostModel):
         self.cycles_since_dspark = 0
-        self.dspark_ran = True
         if self.pending_hidden:
             ctx.hidden = mx.concatenate(self.pending_hidden) if len(self.pending_hidden) > 1 else self.pending_hidden[0]
             self.pending_hidden = []

@@ -150,7 +150,7 @@ class TargetRunner:
         Returns:
             ``(logits [len(tokens), V] float32, hidden [len(tokens), m*d] float32 or None)``, lazy.
         """
-        row_exact = self.row_exact_attention and len(tokens) > self.batched_rows
+        row_exact = self._row_exact(len(tokens))
         if isinstance(cache, StaticCache):
             return self.passes(taps).run(tokens, cache, row_exact)
         exact_attention.set_row_exact(cache, row_exact)
@@ -159,6 +159,10 @@ class TargetRunner:
             return logits.astype(mx.float32), hidden
         finally:
             exact_attention.set_row_exact(cache, False)
+
+    def _row_exact(self, rows: int) -> bool:
+        """Whether a pass of ``rows`` rows attends row by row (calibration's choice)."""
+        return self.row_exact_attention and rows > self.batched_rows
 
     def verify_batch(self, rows: list[list[int]], caches: list[list], taps=None) -> list[tuple]:
         """Several sequences' decode/verify rows in one target pass (continuous batching).
@@ -174,7 +178,7 @@ class TargetRunner:
         lengths = [len(r) for r in rows]
         width = max(lengths)
         ids = mx.array([r + [r[-1]] * (width - len(r)) for r in rows], dtype=mx.uint32)
-        row_exact = [self.row_exact_attention and n > self.batched_rows for n in lengths]
+        row_exact = [self._row_exact(n) for n in lengths]
         layers = [exact_attention.BatchLayerCache([c[j] for c in caches], lengths, row_exact)
                   for j in range(len(caches[0]))]
         if taps is None:
@@ -203,7 +207,8 @@ class TargetRunner:
         def exact(lengths: list[int]) -> bool:
             while len(caches) < len(lengths):
                 caches.append(self.make_cache())
-                mx.eval(self.prefill(ids[: context + 3 * (len(caches) - 1)], caches[-1])[0])
+                self.prefill(ids[: context + 3 * (len(caches) - 1)], caches[-1])
+                mx.eval(self.cache_arrays(caches[-1]))
             seqs = [(caches[i], ids[context + 3 * i : context + 3 * i + n]) for i, n in enumerate(lengths)]
             alone = []
             for cache, rows in seqs:

@@ -153,7 +153,7 @@ def test_batched_dspark_sequences_equal_solo(tiny, tmp_path):
         batched.stop()
 
 
-def test_batching_off_and_bad_mode(tiny):
+def test_unknown_batching_mode_fails_start_up(tiny):
     with pytest.raises(RuntimeError, match="batching"):
         Engine(EngineConfig(batching="sometimes", calibration_contexts=(40, 300)), loaded=tiny).start(
             wait=True, timeout=300)
