@@ -77,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--method", default="auto", help="speculation method of every request")
     ap.add_argument("--prefill-step", type=int, default=EngineConfig.prefill_step)
+    ap.add_argument("--weights", default="auto", help="SPECSERVE_WEIGHTS")
+    ap.add_argument("--kernels", default="off", choices=["auto", "off"], help="SPECSERVE_KERNELS")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
-    loaded = load_target(args.model)
+    loaded = load_target(args.model, weights=args.weights)
     tok = loaded.tokenizer
-    cfg = dict(speculation="auto", prefill_step=args.prefill_step)
+    cfg = dict(speculation="auto", prefill_step=args.prefill_step, kernels=args.kernels)
     engines = {"off": Engine(EngineConfig(prefix_cache_bytes=0, **cfg), loaded=loaded).start(wait=True),
                "on": Engine(EngineConfig(**cfg), loaded=loaded).start(wait=True)}
     messages = [{"role": "system", "content": system_prompt(Path(args.file))}]

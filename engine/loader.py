@@ -21,7 +21,8 @@ from .detokenizer import TokenTable
 
 log = logging.getLogger("specserve.loader")
 
-WEIGHT_POLICIES = ("auto", "quantized", "float32", "float16", "bfloat16")
+WEIGHT_POLICIES = ("auto", "quantized", "quantized-bfloat16", "quantized-float16", "float32",
+                   "float16", "bfloat16")
 
 
 @dataclass
@@ -57,26 +58,27 @@ def apply_weight_policy(model: nn.Module, policy: str) -> str:
     """Dequantize or cast the model's weights in place. Returns the resolved policy.
 
     ``quantized`` keeps quantized layers and makes every other float parameter (and the
-    quantization scales/biases) float32, so activations are float32. Float policies
+    quantization scales/biases) float32, so activations are float32. ``quantized-bfloat16``
+    and ``quantized-float16`` keep the quantized layers too but cast every float parameter,
+    scales and biases included, to that dtype, so activations are bfloat16/float16: the
+    dtype the GPU small-batch kernels run on tensor cores (metal_kernels/). Float policies
     dequantize with float32 scales (no float16 rounding of the weights) and cast to that dtype.
     """
     from mlx_lm.utils import dequantize_model
 
     policy = resolve_policy(policy)
 
-    def to_f32(path, x):
-        return x.astype(mx.float32) if mx.issubdtype(x.dtype, mx.floating) else x
+    def cast(dtype):
+        model.update(tree_map_with_path(
+            lambda p, x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
+            model.parameters()))
 
-    model.update(tree_map_with_path(to_f32, model.parameters()))
-    if policy != "quantized":
+    cast(mx.float32)
+    if policy.startswith("quantized-"):
+        cast(getattr(mx, policy.split("-", 1)[1]))
+    elif policy != "quantized":
         dequantize_model(model)
-        dtype = getattr(mx, policy)
-        model.update(
-            tree_map_with_path(
-                lambda p, x: x.astype(dtype) if mx.issubdtype(x.dtype, mx.floating) else x,
-                model.parameters(),
-            )
-        )
+        cast(getattr(mx, policy))
     mx.eval(model.parameters())
     return policy
 
@@ -174,7 +176,7 @@ def save_mlx_dir(loaded: LoadedModel, out: str | Path) -> Path:
     weights = dict(tree_flatten(loaded.model.parameters()))
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": "mlx"})
     config = {k: v for k, v in loaded.config.items() if k != "quantization"}
-    if loaded.weights == "quantized" and "quantization" in loaded.config:
+    if loaded.weights.startswith("quantized") and "quantization" in loaded.config:
         config["quantization"] = loaded.config["quantization"]
     config["eos_token_id"] = sorted(loaded.eos_token_ids)
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -20,7 +20,7 @@ from metal_kernels.qmv import (
     SUPPORTED_BITS,
     SUPPORTED_GROUP_SIZES,
     backend,
-    quantized_matmul,
+    layer_matmul,
 )
 
 MODES = ("auto", "off")
@@ -30,8 +30,7 @@ class KernelQuantizedLinear(nn.QuantizedLinear):
     """``nn.QuantizedLinear`` whose matmul goes through the small-batch dispatcher."""
 
     def __call__(self, x):
-        y = quantized_matmul(x, self["weight"], self["scales"], self.get("biases"),
-                             group_size=self.group_size, bits=self.bits, mode=self.mode)
+        y = layer_matmul(self, x)
         if "bias" in self:
             y = y + self["bias"]
         return y
@@ -41,8 +40,7 @@ class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
     """``nn.QuantizedEmbedding`` whose ``as_linear`` (tied LM head) goes through the dispatcher."""
 
     def as_linear(self, x):
-        return quantized_matmul(x, self["weight"], self["scales"], self.get("biases"),
-                                group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return layer_matmul(self, x)
 
 
 _SWAPS = {nn.QuantizedLinear: KernelQuantizedLinear,

@@ -36,10 +36,13 @@ class Settings(BaseSettings):
     served_model_name: str | None = Field(
         None, description="Model id clients send in `model` (default: derived from the model source)."
     )
-    weights: Literal["auto", "quantized", "float32", "float16", "bfloat16"] = Field(
+    weights: Literal["auto", "quantized", "quantized-bfloat16", "quantized-float16", "float32",
+                     "float16", "bfloat16"] = Field(
         "auto",
         description="Weight format: `auto` is float32 on the CPU backend (fast BLAS path) and the "
-        "file's quantization on a GPU.",
+        "file's quantization on a GPU. `quantized` keeps the file's quantized weights with "
+        "float32 activations; `quantized-bfloat16`/`quantized-float16` keep them with "
+        "bfloat16/float16 activations (what the GPU kernels run on tensor cores).",
     )
     cache_dir: str | None = Field(
         None, description="Where downloaded models live (default `~/.cache/specserve`)."

@@ -244,3 +244,21 @@ def test_sampled_distribution_is_preserved(tiny):
         assert p_value > 1e-3, p_value
     finally:
         eng.stop()
+
+
+@pytest.mark.parametrize("policy,dtype", [("quantized", mx.float32), ("quantized-bfloat16", mx.bfloat16),
+                                          ("quantized-float16", mx.float16)])
+def test_quantized_weight_policies_keep_quantized_layers_and_set_activation_dtype(policy, dtype):
+    import mlx.nn as nn
+
+    from engine.loader import apply_weight_policy
+    from tiny import tiny_model
+
+    model, _ = tiny_model(seed=3)
+    nn.quantize(model, group_size=32, bits=4)
+    packed = model.layers[0].mlp.up_proj["weight"]
+    assert apply_weight_policy(model, policy) == policy
+    proj = model.layers[0].mlp.up_proj
+    assert isinstance(proj, nn.QuantizedLinear) and mx.array_equal(proj["weight"], packed)
+    assert proj["scales"].dtype == dtype and model.layers[0].input_layernorm.weight.dtype == dtype
+    assert model(mx.array([[5, 6, 7]])).dtype == dtype

@@ -195,6 +195,41 @@ def test_swap_layers_keeps_cpu_forward_identical():
     assert mx.array_equal(model(tokens), before)
 
 
+def test_layer_launch_decision_is_cached_and_invalidated(monkeypatch):
+    """A patched layer plans once per (rows, dtype, backend) and re-plans when its arrays change.
+
+    The CUDA backend is faked: the "kernel" computes the reference product, so the test
+    checks the dispatch and its cache, not the CUDA code (the GPU tests do that).
+    """
+    launches, plans = [], []
+
+    def fake_kernel(*, inputs, output_shapes, output_dtypes, **_):
+        x, w, s, b = inputs
+        launches.append(x.shape[0])
+        return [qmv.reference_matmul(x, w, s, b, 32, 4)]
+
+    real_launcher = qmv._launcher.__wrapped__
+
+    def counting_launcher(*args):
+        plans.append(args[0])
+        return real_launcher(*args)
+
+    monkeypatch.setattr(qmv, "backend", lambda: "cuda")
+    monkeypatch.setattr(qmv, "_kernel", lambda kind, be: fake_kernel)
+    monkeypatch.setattr(qmv, "_launcher", counting_launcher)
+    layer = nn.QuantizedLinear(64, 48, bias=False, group_size=32, bits=4)
+    swap_layers(layer)
+    for rows in (1, 1, 3, 1, 17):
+        x = mx.random.normal((rows, 64)).astype(mx.float16)
+        ref = qmv.reference_matmul(x, layer["weight"], layer["scales"], layer["biases"], 32, 4)
+        assert mx.array_equal(layer(x), ref)
+    assert plans == [1, 3, 17]  # one plan per row count; 17 rows go to the reference
+    assert launches == [1, 1, 3, 1]
+    layer.update({"scales": layer["scales"] * 2})
+    layer(mx.random.normal((1, 64)).astype(mx.float16))
+    assert plans == [1, 3, 17, 1]
+
+
 def test_swap_layers_skips_unsupported():
     model = _tiny_llama(bits=3, gs=64, embed_bits=6)
     report = swap_layers(model)
@@ -217,9 +252,7 @@ namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
 
 def _render_cuda(p, xdt, sdt, fname):
     """One kernel as mx.fast.cuda_kernel generates it (mlx/backend/cuda/custom_kernel.cpp)."""
-    header, body = (qmv._read("mma_cuda.cuh"), qmv._read("mma_body.cu")) if p.kind == "mma" \
-        else (qmv._read("simd_cuda.cuh"), qmv._read("simd_cuda_prologue.inc") + qmv._read(
-            "simd_body.inc"))
+    header, body = qmv.kernel_sources(p.kind, "cuda")
     sig = []
     for name, ctype in (("x", _CUDA_TYPES[xdt]), ("w", "uint32_t"), ("scales", _CUDA_TYPES[sdt]),
                         ("biases", _CUDA_TYPES[sdt])):

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The verify-kernel measurements on the lent H200 (MLX-CUDA), one bounded device call per phase,
+# from the repository root after the staged parts were copied into /root/s (docs/benchmarks.md):
+#   kernels_h200.sh cal      # start-up calibration: exact verify width and T(k) per activation
+#                            # dtype, metal_kernels off/on (benchmarks/gpu/kernel_calibration.py)
+#   kernels_h200.sh spec     # prompt lookup vs plain: float32 activations with MLX's matmul
+#                            # against bfloat16 activations with the kernels
+#   kernels_h200.sh verify   # benchmarks/verify_cost.py: matrices, 8B-shaped stack, default model
+#   kernels_h200.sh check    # benchmarks/kernel_check.py: the GPU correctness tests
+#   kernels_h200.sh overhead # benchmarks/gpu/kernel_overhead.py (+ ncu device times)
+# Staging: ../shared/tools/stage-for-gpu.sh --pip transformers==5.24.0 \
+#   "$SPECSERVE_CACHE_DIR"/models/SmolLM2-135M-Instruct.Q4_1.gguf
+# Results go to $OUT.
+set -euo pipefail
+stage=/root/s
+if [ -d "$stage" ] && [ ! -d /tmp/site/mlx ]; then
+  (cd "$stage" && cat part_* | tar x && rm -f part_* &&
+   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl)
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECSERVE_CACHE_DIR=${SPECSERVE_CACHE_DIR:-/root/cache}
+mkdir -p "$SPECSERVE_CACHE_DIR/models" && cp -n "$stage"/files/*.gguf "$SPECSERVE_CACHE_DIR/models/" 2>/dev/null || true
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+spec_workloads=${WORKLOADS:-copy,code_edit,agent_turn,prose,adversarial,novel_code}
+case "$1" in
+  cal) OUT=$out python3 benchmarks/gpu/kernel_calibration.py ;;
+  spec)
+    for cfg in ${SPEC_CONFIGS:-quantized:off quantized-bfloat16:auto}; do
+      w=${cfg%%:*}; k=${cfg##*:}
+      python3 -m benchmarks.bench_speculative --weights "$w" --kernels "$k" --methods off,prompt_lookup \
+        --workloads "$spec_workloads" --repeats "${REPEATS:-1}" --max-tokens "${MAX_TOKENS:-128}" \
+        --out "$out/spec_h200_${w}_kernels_${k}.json" 2>&1 | grep -v "^INFO" | tail -25
+    done ;;
+  verify) python3 benchmarks/verify_cost.py --out "$out/verify_cost_h200.json" --parts "${PARTS:-matrices,llama8b,smollm}" \
+            --reps "${REPS:-9}" 2>&1 | tail -60 ;;
+  check) python3 benchmarks/kernel_check.py --out "$out/kernel_check_h200.json" 2>&1 | tail -70 ;;
+  overhead)
+    python3 benchmarks/gpu/kernel_overhead.py --out "$out/kernel_overhead.json" 2>&1 | tail -90
+    timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$out/ncu.csv" \
+      python3 benchmarks/gpu/kernel_overhead.py --ncu > "$out/ncu_stdout.txt" 2>&1 || true ;;
+  *) echo "usage: $0 cal|spec|verify|check|overhead" >&2; exit 2 ;;
+esac
