@@ -73,7 +73,7 @@ class EngineConfig:
     prompt_lookup_max_ngram: int = 5
     prompt_lookup_max_draft: int = 15
     max_verify_rows: int = 16
-    exact_verify: str = "auto"  # auto (= row) | row | batched (see TargetRunner.calibrate)
+    exact_verify: str = "auto"  # auto (= row) | row | batched | kernel (see TargetRunner.calibrate)
     calibration_contexts: tuple[int, ...] = (48, 1100)
     prefill_step: int = 256  # prompt tokens per chunk; also the prefix cache's block
     prefix_cache_bytes: int = 1 << 30  # prefix cache budget (KV + DSpark taps); 0: off

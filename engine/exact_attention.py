@@ -17,6 +17,11 @@ from ``mlx_lm.models.base``; :func:`install` rebinds that name in the model's mo
 wrapper that changes nothing unless the cache passed in has ``row_exact`` set: an
 :class:`ExactKVCache` (eager passes) or an ``engine.static_cache.StaticLayerCache`` (compiled
 passes; ``static`` set). The engine sets it for decode/verify passes only, never for prefill.
+
+With ``SPECSERVE_EXACT_VERIFY=kernel`` the cache also carries ``row_kernel``
+(``metal_kernels.attention.row_attention``): every decode and verify pass then attends through
+that one launch per layer, whose rows are independent by construction, instead of one call per
+row (decode rows go through it too, so they match the verify rows).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ class ExactKVCache(KVCache):
     """mlx-lm's ``KVCache`` plus a flag that asks for row-exact attention."""
 
     row_exact = False
+    row_kernel = None  # callable(queries, keys, values, scale) -> array | None, or None
 
 
 class BatchLayerCache:
@@ -50,12 +56,15 @@ class BatchLayerCache:
         layers: each sequence's cache for this layer (:class:`ExactKVCache`).
         lengths: real rows per sequence (``1 <= lengths[i] <= L``).
         row_exact: per sequence, attend row by row (as its single-sequence pass would).
+        row_kernel: the row-attention kernel of the engine's passes, if any (see module doc).
     """
 
     batched = True
 
-    def __init__(self, layers: list[ExactKVCache], lengths: list[int], row_exact: list[bool]):
+    def __init__(self, layers: list[ExactKVCache], lengths: list[int], row_exact: list[bool],
+                 row_kernel=None):
         self.layers, self.lengths, self.row_exact = layers, lengths, row_exact
+        self.row_kernel = row_kernel
         self.offset = mx.array([c.offset for c in layers], dtype=mx.int32)
         self.fetched: list[tuple[mx.array, mx.array]] = []
 
@@ -73,11 +82,12 @@ def _batched_sdpa(queries, cache: BatchLayerCache, scale, sinks):
     outs = []
     for i, ((keys, values), n, layer) in enumerate(zip(cache.fetched, cache.lengths, cache.layers)):
         layer.row_exact = cache.row_exact[i]
+        layer.row_kernel = cache.row_kernel if cache.row_exact[i] else None
         try:  # what a single-sequence pass of these n rows calls (mask as mlx-lm's KVCache makes it)
             out = scaled_dot_product_attention(queries[i : i + 1, :, :n], keys, values, layer, scale,
                                                None if n == 1 else "causal", sinks)
         finally:
-            layer.row_exact = False
+            layer.row_exact, layer.row_kernel = False, None
         if n < width:
             out = mx.concatenate([out, mx.zeros((1, out.shape[1], width - n, out.shape[3]), out.dtype)], axis=2)
         outs.append(out)
@@ -95,6 +105,12 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     """
     if getattr(cache, "batched", False):
         return _batched_sdpa(queries, cache, scale, sinks)
+    kernel = getattr(cache, "row_kernel", None)
+    if (kernel is not None and getattr(cache, "row_exact", False) and sinks is None
+            and (mask is None or isinstance(mask, str) and mask == "causal")):
+        out = kernel(queries, keys, values, scale)
+        if out is not None:
+            return out
     n = queries.shape[2]
     if n == 1 or not getattr(cache, "row_exact", False) or sinks is not None:
         return _original_sdpa(queries, keys, values, cache, scale, mask, sinks)
@@ -145,7 +161,9 @@ def make_cache(model) -> list:
     return [ExactKVCache() if type(c) is KVCache else c for c in cache]
 
 
-def set_row_exact(cache: list, on: bool) -> None:
+def set_row_exact(cache: list, on: bool, kernel=None) -> None:
+    """Mark ``cache``'s layers for row-exact attention (``on``), through ``kernel`` if given."""
     for c in cache:
         if isinstance(c, ExactKVCache):
             c.row_exact = on
+            c.row_kernel = kernel if on else None

@@ -31,6 +31,7 @@ class Calibration:
     verify_cost: list[float]  # seconds for k = 1..max_rows rows
     probed_rows: int  # the width asked for
     batched_rows: int = 0  # widest pass exact with MLX's batched attention
+    attention_kernel: bool = False  # decode/verify passes attend through metal_kernels.attention
 
     def summary(self) -> dict:
         base = self.verify_cost[0]
@@ -38,6 +39,7 @@ class Calibration:
             "max_verify_rows": self.max_rows,
             "batched_attention_rows": self.batched_rows,
             "row_exact_attention": self.row_exact_attention,
+            "attention_kernel": self.attention_kernel,
             "verify_cost_ms": [round(t * 1e3, 3) for t in self.verify_cost],
             "verify_cost_relative": [round(t / base, 3) for t in self.verify_cost],
         }
@@ -60,6 +62,9 @@ class TargetRunner:
         self.prefill_step = prefill_step
         self.row_exact_attention = False
         self.batched_rows = 1 << 30  # passes up to this many rows use batched attention
+        # The row-attention kernel (metal_kernels.attention) for decode/verify passes, set by
+        # calibrate(mode="kernel"); None: MLX's attention, row by row where needed.
+        self.row_kernel = None
         self.patched_modules = exact_attention.install(model)
         self.compiled = compile
         self.max_context = max_context
@@ -153,7 +158,7 @@ class TargetRunner:
         row_exact = self._row_exact(len(tokens))
         if isinstance(cache, StaticCache):
             return self.passes(taps).run(tokens, cache, row_exact)
-        exact_attention.set_row_exact(cache, row_exact)
+        exact_attention.set_row_exact(cache, row_exact, self.row_kernel)
         try:
             logits, hidden = self._forward(tokens, cache, taps)
             return logits.astype(mx.float32), hidden
@@ -179,7 +184,7 @@ class TargetRunner:
         width = max(lengths)
         ids = mx.array([r + [r[-1]] * (width - len(r)) for r in rows], dtype=mx.uint32)
         row_exact = [self._row_exact(n) for n in lengths]
-        layers = [exact_attention.BatchLayerCache([c[j] for c in caches], lengths, row_exact)
+        layers = [exact_attention.BatchLayerCache([c[j] for c in caches], lengths, row_exact, self.row_kernel)
                   for j in range(len(caches[0]))]
         if taps is None:
             logits, hidden = self.model(ids, cache=layers), None
@@ -291,11 +296,23 @@ class TargetRunner:
                 ``batched``: MLX's batched attention up to the widest width exact at ``contexts``,
                 row by row beyond. ``auto`` is ``row`` because batched attention that is exact at
                 the probed contexts was found inexact at others (2-3 rows on OpenBLAS at 8 of 64
-                context lengths), and no affordable probe covers every length.
+                context lengths), and no affordable probe covers every length. ``kernel``: every
+                decode and verify pass attends through ``metal_kernels.attention.row_attention``
+                (one launch per layer, rows independent by construction; CUDA only, ``row``
+                elsewhere).
             contexts: context lengths probed (long ones catch attention kernels that switch
                 algorithm with the key length).
             max_context: the model's context window (probes are clipped to it).
         """
+        if mode == "kernel":
+            from metal_kernels import attention
+
+            self.row_kernel = attention.row_attention if attention.backend() == "cuda" else None
+            if self.row_kernel is None:
+                log.warning("exact_verify=kernel: the row-attention kernel is CUDA only; using row")
+            mode = "row"
+        else:
+            self.row_kernel = None
         rng = mx.random.key(1234)
         need = max(contexts) + max_rows
         if max_context:
@@ -319,7 +336,8 @@ class TargetRunner:
         width = max(batched, row)
         ctx = min(256, need - max_rows)
         costs = self._measure_cost(ids[:ctx], ids[ctx : ctx + width], width, repeats)
-        return Calibration(width, row > batched, costs, max_rows, batched_rows=self.batched_rows)
+        return Calibration(width, row > batched, costs, max_rows, batched_rows=self.batched_rows,
+                           attention_kernel=self.row_kernel is not None)
 
 def cost_model(cal: Calibration) -> CostModel:
     return CostModel(list(cal.verify_cost))

@@ -92,12 +92,14 @@ class Settings(BaseSettings):
         description="Widest verify pass (anchor + drafts). Start-up calibration lowers it to the "
         "widest pass that is bit-identical to one-token decoding on this machine.",
     )
-    exact_verify: Literal["auto", "row", "batched"] = Field(
+    exact_verify: Literal["auto", "row", "batched", "kernel"] = Field(
         "auto",
         description="Verify attention: `row` (one attention call per row, the very call a one-token "
         "decode makes: exact at every context length), `batched` (one call for the rows up to the width "
         "calibration finds exact at its probe contexts; faster on some GPUs, but such a width was seen "
-        "to break at other context lengths), or `auto` (= `row`).",
+        "to break at other context lengths), `kernel` (CUDA: every decode and verify pass attends "
+        "through one launch of metal_kernels' row-attention kernel, rows independent by construction; "
+        "`row` elsewhere), or `auto` (= `row`).",
     )
 
     # --- scheduling and limits

@@ -262,3 +262,48 @@ def test_quantized_weight_policies_keep_quantized_layers_and_set_activation_dtyp
     assert isinstance(proj, nn.QuantizedLinear) and mx.array_equal(proj["weight"], packed)
     assert proj["scales"].dtype == dtype and model.layers[0].input_layernorm.weight.dtype == dtype
     assert model(mx.array([[5, 6, 7]])).dtype == dtype
+
+
+def test_exact_verify_kernel_mode_routes_every_decode_and_verify_pass_through_the_kernel(tiny, monkeypatch):
+    """SPECSERVE_EXACT_VERIFY=kernel: decode, verify and batched passes attend through the
+    row-attention kernel (a stand-in here with the same contract: one call, rows independent),
+    prefill does not, and greedy output stays token-identical. The CUDA kernel itself is checked
+    on a GPU (tests/test_kernels.py); off CUDA the mode falls back to `row`."""
+    import mlx.core as mx
+
+    from engine import Engine, EngineConfig
+    from metal_kernels import attention
+
+    calls = []
+
+    def stand_in(queries, keys, values, scale):
+        n, start = queries.shape[2], keys.shape[2] - queries.shape[2]
+        calls.append(n)
+        return mx.concatenate([mx.fast.scaled_dot_product_attention(
+            queries[:, :, i:i + 1], keys[:, :, :start + i + 1], values[:, :, :start + i + 1], scale=scale)
+            for i in range(n)], axis=2)
+
+    eng = Engine(EngineConfig(speculation="prompt_lookup", exact_verify="kernel", max_verify_rows=8,
+                              calibration_contexts=(40,)), loaded=tiny).start(wait=True, timeout=300)
+    try:
+        assert not eng.calibration.attention_kernel  # CPU: falls back to row
+    finally:
+        eng.stop()
+    monkeypatch.setattr(attention, "backend", lambda: "cuda")
+    monkeypatch.setattr(attention, "row_attention", stand_in)
+    eng = Engine(EngineConfig(speculation="prompt_lookup", exact_verify="kernel", max_verify_rows=8,
+                              calibration_contexts=(40,)), loaded=tiny).start(wait=True, timeout=300)
+    try:
+        assert eng.calibration.attention_kernel and eng.calibration.max_rows >= 4
+        calls.clear()
+        p = [5, 6, 7, 8, 9] * 12
+        spec, _, last = run(eng, p, "prompt_lookup", max_tokens=40)
+        layers = tiny.num_layers
+        assert last.stats.total.num_accepted_tokens > 0
+        assert 1 in calls and max(calls) > 1 and len(calls) % layers == 0
+        assert len(p) not in calls  # prefill attends through MLX
+        calls.clear()
+        plain, _, _ = run(eng, p, "off", max_tokens=40)
+        assert spec == plain and set(calls) == {1}
+    finally:
+        eng.stop()

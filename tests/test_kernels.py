@@ -389,3 +389,83 @@ def test_patched_model_logits_close(dtype):
     head = model.model.embed_tokens.as_linear
     assert mx.array_equal(head(h)[:, 4], head(h[:, 4:5])[:, 0]).item()
     assert unpatch_model(model) == 15
+
+
+# ---------------------------------------------------------------- row attention (CUDA)
+
+from metal_kernels import attention as row_attn  # noqa: E402
+
+ON_CUDA = backend() == "cuda"
+needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="the row-attention kernel is CUDA only; this MLX has no CUDA backend")
+
+
+def _attn_inputs(h, kv, d, total, dtype, seed, capacity=None):
+    """queries [1, h, L, d] are made by the caller; keys/values are [1, kv, total, d] slices of a
+    larger cache buffer (strided views, as mlx-lm's KVCache hands them to attention)."""
+    mx.random.seed(seed)
+    cap = capacity or total + 37
+    kbuf = mx.random.normal((1, kv, cap, d)).astype(dtype)
+    vbuf = mx.random.normal((1, kv, cap, d)).astype(dtype)
+    return kbuf[:, :, :total], vbuf[:, :, :total]
+
+
+def test_row_attention_declines_off_cuda_and_unsupported_shapes():
+    q = mx.zeros((1, 4, 2, 64))
+    k = mx.zeros((1, 2, 10, 64))
+    if not ON_CUDA:
+        assert row_attn.row_attention(q, k, k, 0.125) is None
+        assert "CUDA only" in row_attn.supported(q, k, k)
+    else:
+        assert row_attn.supported(mx.zeros((1, 4, 2, 80)), mx.zeros((1, 2, 10, 80)), mx.zeros((1, 2, 10, 80)))
+        assert row_attn.supported(mx.zeros((2, 4, 2, 64)), mx.zeros((2, 2, 10, 64)), mx.zeros((2, 2, 10, 64)))
+        assert row_attn.supported(q, k.astype(mx.float16), k.astype(mx.float16))
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (CUDA toolkit absent)")
+def test_row_attention_kernel_compiles_for_sm90_without_spills(tmp_path):
+    body = row_attn.attention_source()
+    src = _MLX_PRELUDE + "namespace mlx::core::cu { using Strides = cuda::std::array<int64_t, 10>; }\n"
+    for i, (ctype, d) in enumerate((("float", 64), ("float", 128), ("__nv_bfloat16", 64), ("__half", 128))):
+        sig = []
+        for name in ("q", "k", "v"):  # the parameters mx.fast.cuda_kernel generates
+            sig.append(f"const {ctype}* {name},")
+            if f"{name}_shape" in body:
+                sig.append(f"const __grid_constant__ Shape {name}_shape,")
+            if f"{name}_strides" in body:
+                sig.append(f"const __grid_constant__ Strides {name}_strides,")
+        src += (f"namespace mlx::core::cu {{\n__global__ void a{i}({''.join(sig)} {ctype}* out) {{\n"
+                f"using T = {ctype};\nconstexpr int D = {d};\nconstexpr int W = {row_attn.WARPS};\n"
+                f"constexpr int SCALE_BITS = 1040187392;\n{body}\n}}\n}}\n")
+    (tmp_path / "a.cu").write_text(src)
+    res = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v",
+                          "-o", str(tmp_path / "a.cubin"), str(tmp_path / "a.cu")],
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stderr.count("0 bytes spill stores") == 4, res.stderr[-4000:]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("h,kv,d", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.gpu
+@needs_cuda
+def test_row_attention_matches_sdpa_and_rows_are_exact(dtype, h, kv, d):
+    dt = DTYPES[dtype]
+    tol = {mx.float32: 2e-5, mx.float16: 3e-3, mx.bfloat16: 2e-2}[dt]
+    scale = d ** -0.5
+    for start in (0, 1, 31, 32, 33, 255, 1100):
+        keys, values = _attn_inputs(h, kv, d, start + 16, dt, seed=start + d)
+        q = mx.random.normal((1, 16, h, d)).astype(dt).transpose(0, 2, 1, 3)  # strided, like mlx-lm's
+        full = row_attn.row_attention(q, keys, values, scale)
+        mx.eval(full)
+        for i in range(16):
+            ref = mx.fast.scaled_dot_product_attention(
+                q[:, :, i:i + 1].astype(mx.float32), keys[:, :, :start + i + 1].astype(mx.float32),
+                values[:, :, :start + i + 1].astype(mx.float32), scale=scale)
+            err = (mx.abs(full[:, :, i:i + 1].astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+            assert err < tol, (start, i, err)
+            one = row_attn.row_attention(q[:, :, i:i + 1], keys[:, :, :start + i + 1],
+                                         values[:, :, :start + i + 1], scale)
+            assert mx.array_equal(one, full[:, :, i:i + 1]).item(), f"row {i} start {start}"
+        for n in (2, 7, 9):  # an n-row pass over the same cache prefix
+            part = row_attn.row_attention(q[:, :, :n], keys[:, :, :start + n], values[:, :, :start + n], scale)
+            assert mx.array_equal(part, full[:, :, :n]).item(), f"{n} rows start {start}"

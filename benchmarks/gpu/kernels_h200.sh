@@ -3,8 +3,9 @@
 # from the repository root after the staged parts were copied into /root/s (docs/benchmarks.md):
 #   kernels_h200.sh cal      # start-up calibration: exact verify width and T(k) per activation
 #                            # dtype, metal_kernels off/on (benchmarks/gpu/kernel_calibration.py)
-#   kernels_h200.sh spec     # prompt lookup vs plain: float32 activations with MLX's matmul
-#                            # against bfloat16 activations with the kernels
+#   kernels_h200.sh spec     # prompt lookup vs plain per SPEC_CONFIGS (weights:kernels:exact_verify),
+#                            # by default float32 activations with MLX's matmul against bfloat16
+#                            # activations with the matmul kernels
 #   kernels_h200.sh verify   # benchmarks/verify_cost.py: matrices, 8B-shaped stack, default model
 #   kernels_h200.sh check    # benchmarks/kernel_check.py: the GPU correctness tests
 #   kernels_h200.sh overhead # benchmarks/gpu/kernel_overhead.py (+ ncu device times)
@@ -24,15 +25,17 @@ spec_workloads=${WORKLOADS:-copy,code_edit,agent_turn,prose,adversarial,novel_co
 case "$1" in
   cal) OUT=$out python3 benchmarks/gpu/kernel_calibration.py ;;
   spec)
-    for cfg in ${SPEC_CONFIGS:-quantized:off quantized-bfloat16:auto}; do
-      w=${cfg%%:*}; k=${cfg##*:}
-      python3 -m benchmarks.bench_speculative --weights "$w" --kernels "$k" --methods off,prompt_lookup \
-        --workloads "$spec_workloads" --repeats "${REPEATS:-1}" --max-tokens "${MAX_TOKENS:-128}" \
-        --out "$out/spec_h200_${w}_kernels_${k}.json" 2>&1 | grep -v "^INFO" | tail -25
+    # SPEC_CONFIGS: weights:kernels:exact_verify triples
+    for cfg in ${SPEC_CONFIGS:-quantized:off:row quantized-bfloat16:auto:row}; do
+      IFS=: read -r w k e <<< "$cfg"
+      python3 -m benchmarks.bench_speculative --weights "$w" --kernels "$k" --exact-verify "$e" \
+        --methods off,prompt_lookup --workloads "$spec_workloads" --repeats "${REPEATS:-1}" \
+        --max-tokens "${MAX_TOKENS:-128}" --out "$out/spec_h200_${w}_kernels_${k}_${e}.json" 2>&1 \
+        | grep -v "^INFO" | tail -25
     done ;;
   verify) python3 benchmarks/verify_cost.py --out "$out/verify_cost_h200.json" --parts "${PARTS:-matrices,llama8b,smollm}" \
             --reps "${REPS:-9}" 2>&1 | tail -60 ;;
-  check) python3 benchmarks/kernel_check.py --out "$out/kernel_check_h200.json" 2>&1 | tail -70 ;;
+  check) python3 benchmarks/kernel_check.py --out "$out/kernel_check_h200.json" ${CHECK_K:+-k "$CHECK_K"} 2>&1 | tail -70 ;;
   overhead)
     python3 benchmarks/gpu/kernel_overhead.py --out "$out/kernel_overhead.json" 2>&1 | tail -90
     timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$out/ncu.csv" \

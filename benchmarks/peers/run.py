@@ -41,7 +41,7 @@ from pathlib import Path
 
 import engine  # noqa: F401  (OpenBLAS before mlx.core; sets OPENBLAS_CORETYPE for children too)
 
-from .servers import ROOT, Running, make_peers
+from .servers import ROOT, Running, make_peers, python_path
 
 WORKLOADS = ROOT / "benchmarks" / "workloads"
 DEFAULT_WORKLOADS = "copy,code_edit,agent_turn,novel_code,prose,adversarial"
@@ -240,7 +240,7 @@ def prepare_models(weights: str, workdir: Path) -> tuple[str, str, str]:
     mlx_dir = workdir / f"smollm2-135m-instruct-{policy}"
     if not (mlx_dir / "config.json").exists():
         subprocess.run([sys.executable, "-m", "engine.convert", "--weights", policy, "--out", str(mlx_dir)],
-                       cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, check=True)
+                       cwd=ROOT, env={**os.environ, "PYTHONPATH": python_path()}, check=True)
     return gguf, str(mlx_dir), policy
 
 

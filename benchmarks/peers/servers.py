@@ -106,6 +106,12 @@ def make_peers(names: list[str], gguf: str, mlx_dir: str, weights: str, threads:
     return [table[n] for n in names]
 
 
+def python_path() -> str:
+    """PYTHONPATH for a child process: the repository first, then whatever the caller had
+    (on the GPU machine the staged wheels live in a PYTHONPATH directory)."""
+    return os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+
+
 class Running:
     """A started peer: ``url``, ``proc`` and its log file. Use as a context manager."""
 
@@ -114,7 +120,7 @@ class Running:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = workdir / f"{peer.name}.log"
-        env = {**os.environ, "PYTHONPATH": str(ROOT), **peer.env}
+        env = {**os.environ, "PYTHONPATH": python_path(), **peer.env}
         if env.get("LD_PRELOAD") == "":
             env.pop("LD_PRELOAD")
         self._log = open(self.log_path, "a")
