@@ -12,6 +12,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine import EngineError
 
+from .schemas import ParamError
+
 log = logging.getLogger("specserve.server")
 
 _TYPES = {
@@ -70,6 +72,15 @@ def _param(loc) -> str | None:
     return ".".join(parts) or None
 
 
+def _error_param(error: dict) -> str | None:
+    """The request field a pydantic error is about; a cross-field check names its own (ParamError)."""
+    param = _param(error.get("loc", ()))
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, ParamError):
+        return ".".join(p for p in (param, cause.param) if p)
+    return param
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -86,10 +97,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(400, f"Invalid JSON body: {first.get('ctx', {}).get('error', 'parse error')}",
                                   code="invalid_json")
-        msg = "; ".join(
-            f"{_param(e.get('loc', ())) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5]
-        )
-        return error_response(400, msg, param=_param(first.get("loc", ())))
+        msg = "; ".join(f"{_error_param(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5])
+        return error_response(400, msg, param=_error_param(first))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):

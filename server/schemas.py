@@ -39,6 +39,15 @@ def surrogate_path(value, path: str = "") -> str | None:
     return None
 
 
+class ParamError(ValueError):
+    """A check that spans several fields, naming the field the error response's ``param`` should
+    point at (relative to the model that raised it)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     method: SpecMethod | None = None
@@ -48,7 +57,7 @@ class SpeculativeOptions(BaseModel):
     @model_validator(mode="after")
     def _order(self):
         if self.max_draft_tokens is not None and self.min_draft_tokens > self.max_draft_tokens:
-            raise ValueError("min_draft_tokens must not exceed max_draft_tokens")
+            raise ParamError("min_draft_tokens", "min_draft_tokens must not exceed max_draft_tokens")
         return self
 
 
@@ -116,7 +125,7 @@ class SamplingFields(BaseModel):
     @model_validator(mode="after")
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise ParamError("stream_options", "stream_options is only allowed when stream is true")
         return self
 
 
@@ -135,9 +144,9 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _unsupported(self):
         if self.suffix:
-            raise ValueError("suffix (insert mode) is not supported")
+            raise ParamError("suffix", "suffix (insert mode) is not supported")
         if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
+            raise ParamError("best_of", "best_of other than n is not supported")
         return self
 
 
@@ -179,9 +188,9 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _checks(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported")
+            raise ParamError("response_format", f"response_format {self.response_format.type!r} is not supported")
         if self.tools and self.tool_choice != "none":
-            raise ValueError("tool calling is not supported by this server (send tool_choice 'none' or no tools)")
+            raise ParamError("tools", "tool calling is not supported by this server (send tool_choice 'none' or no tools)")
         return self

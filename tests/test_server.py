@@ -138,8 +138,8 @@ def test_chat_logprobs(tiny_server):
         ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
         ({"prompt": "x", "n": 99}, 400, "n"),
         ({"prompt": "x", "logprobs": 9}, 400, "logprobs"),
-        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, None),
-        ({"prompt": "x", "suffix": "y"}, 400, None),
+        ({"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options"),
+        ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
         ({"prompt": "x", "speculative": {"method": "magic"}}, 400, "speculative.method"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
         ({"prompt": [99999]}, 400, "prompt"),
@@ -151,9 +151,11 @@ def test_chat_logprobs(tiny_server):
         ({"prompt": "x", "echo": "yes"}, 400, "echo"),
         ({"prompt": "x", "logprobs": True}, 400, "logprobs"),
         ({"prompt": "x", "speculative": {"max_draft_tokens": "3"}}, 400, "speculative.max_draft_tokens"),
-        ({"prompt": "x", "speculative": {"min_draft_tokens": 5, "max_draft_tokens": 2}}, 400, None),
+        ({"prompt": "x", "speculative": {"min_draft_tokens": 5, "max_draft_tokens": 2}}, 400,
+         "speculative.min_draft_tokens"),
         ({"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
         ({"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
+        ({"prompt": "x", "best_of": 3}, 400, "best_of"),
     ],
 )
 def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
@@ -194,6 +196,10 @@ def test_chat_errors(tiny_server):
     r = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                    "tools": [{"type": "function"}]})
     assert r.status_code == 400 and "tool" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "tools"
+    r = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                   "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
 
 
 def _wait_idle(engine, timeout=10.0):
