@@ -503,8 +503,12 @@ class Engine:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
+        deferred = []
         while self._waiting and len(self._active) < self.config.max_active:
             handle = self._waiting.popleft()
+            if self._awaits_prefill(handle.request):
+                deferred.append(handle)
+                continue
             with self._lock:
                 self._queued -= 1
             try:
@@ -514,6 +518,32 @@ class Engine:
                 self._done(handle.request.request_id)
                 handle.emit(TokenEvent(handle.request.request_id, [], "", finish_reason=FinishReason.ERROR,
                                        error=_as_engine_error(exc)))
+        self._waiting.extendleft(reversed(deferred))
+
+    def _awaits_prefill(self, request: GenerationRequest) -> bool:
+        """Whether ``request`` should wait for a prompt now being prefilled: one that will store
+        whole chunks of ``request``'s own prompt in the prefix cache that the cache does not hold
+        yet (identical prompts of an ``n > 1`` request, agents sharing a system prompt). Admitted
+        once that prefill ends, it reuses those chunks instead of computing them a second time,
+        with the same output (warm equals cold)."""
+        if self.prefix_cache is None or request.prompt_logprobs:
+            return False
+        prompt = request.prompt_tokens
+        usable = self.prefix_cache.cacheable(len(prompt))
+        if usable <= 0:
+            return False
+        block = self.config.prefill_step
+        for _, seq in self._active:
+            other = seq.request
+            if seq.prefilled or seq.finished or other.prompt_logprobs or other.cache_salt != request.cache_salt:
+                continue
+            limit = min(usable, self.prefix_cache.cacheable(len(other.prompt_tokens)))
+            shared = 0  # whole chunks in common, compared a chunk at a time
+            while shared + block <= limit and prompt[shared:shared + block] == other.prompt_tokens[shared:shared + block]:
+                shared += block
+            if shared > seq.cached_tokens:
+                return True
+        return False
 
     def _step_all(self) -> None:
         with self._lock:

@@ -260,3 +260,43 @@ def test_empty_cache_salt_is_rejected(prefix_server):
     r = post(prefix_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1, "cache_salt": ""})
     assert r.status_code == 400
     assert r.json()["error"]["type"] == "invalid_request_error" and "cache_salt" in r.json()["error"]["param"]
+
+
+def test_identical_prompts_arriving_together_prefill_once(engines):
+    """n > 1 or agents sharing a prompt: requests that arrive while the same prompt is being
+    prefilled wait for it and reuse its whole chunks; each output equals the cold one."""
+    import asyncio
+
+    cold, warm = engines
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 259) for _ in range(20 * BLOCK + 5)]
+    reference = run(cold, prompt, "auto", max_tokens=12)[0]
+    rows = []
+    prefill = warm.runner.prefill
+
+    def counting_prefill(tokens, cache, taps=None):
+        rows.append(len(tokens))
+        return prefill(tokens, cache, taps)
+
+    warm.runner.prefill = counting_prefill
+
+    async def all_at_once():
+        reqs = [GenerationRequest(prompt_tokens=list(prompt), max_tokens=12, request_id=f"same-{i}",
+                                  sampling=SamplingParams(temperature=0.0),
+                                  speculative=SpeculativeParams(method="auto")) for i in range(4)]
+        streams = [warm.submit(r) for r in reqs]  # all queued before the worker admits them
+
+        async def drain(stream):
+            return [e async for e in stream]
+        return await asyncio.gather(*(drain(s) for s in streams))
+
+    try:
+        results = asyncio.run(all_at_once())
+    finally:
+        warm.runner.prefill = prefill
+    usable = warm.prefix_cache.cacheable(len(prompt))
+    for events in results:
+        assert events[-1].error is None and [t for e in events for t in e.token_ids] == reference
+    assert sorted(events[-1].cached_tokens for events in results) == [0, usable, usable, usable]
+    # the last prompt token is the first anchor, never prefilled
+    assert sum(rows) == (len(prompt) - 1) + 3 * (len(prompt) - 1 - usable), rows
