@@ -250,9 +250,9 @@ def test_sampled_distribution_is_preserved(tiny):
                                           ("quantized-float16", mx.float16)])
 def test_quantized_weight_policies_keep_quantized_layers_and_set_activation_dtype(policy, dtype):
     import mlx.nn as nn
+    from tiny import tiny_model
 
     from engine.loader import apply_weight_policy
-    from tiny import tiny_model
 
     model, _ = tiny_model(seed=3)
     nn.quantize(model, group_size=32, bits=4)
