@@ -352,11 +352,12 @@ class Engine:
 
         self.kernels = patch_model(self.loaded.model, mode=cfg.kernels)
         log.info("%s", self.kernels.summary())
-        if self.loaded.weights.startswith("quantized-") and cfg.speculation != "off":
-            log.warning("weights=%s with speculation: half-precision activations once broke greedy "
-                        "identity on an H200 although start-up calibration passed (docs/benchmarks.md, "
-                        "'Engine calibration per activation dtype'); use weights=quantized or auto for "
-                        "exact speculative output", self.loaded.weights)
+        if self.loaded.weights != "quantized" and self.loaded.weights.endswith(("float16", "bfloat16")) \
+                and cfg.speculation != "off" and self.kernels.backend != "cpu":
+            log.warning("weights=%s with speculation: half-precision activations (with the kernels on) "
+                        "once broke greedy identity on an H200 although start-up calibration passed "
+                        "(docs/benchmarks.md, 'Engine calibration per activation dtype'); use "
+                        "weights=quantized or auto for exact speculative output", self.loaded.weights)
         self._calibrate(resolve_compile(cfg.compile))
         self.cost = cost_model(self.calibration)
         log.info("calibration: %s", self.calibration.summary())

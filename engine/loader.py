@@ -61,7 +61,8 @@ def apply_weight_policy(model: nn.Module, policy: str) -> str:
     quantization scales/biases) float32, so activations are float32. ``quantized-bfloat16``
     and ``quantized-float16`` keep the quantized layers too but cast every float parameter,
     scales and biases included, to that dtype, so activations are bfloat16/float16: the
-    dtype the GPU small-batch kernels run on tensor cores (metal_kernels/). Float policies
+    dtype the GPU small-batch kernels run on tensor cores (metal_kernels/); bfloat16 scales keep
+    3 fewer mantissa bits than a GGUF's float16 ones. Float policies
     dequantize with float32 scales (no float16 rounding of the weights) and cast to that dtype.
     """
     from mlx_lm.utils import dequantize_model

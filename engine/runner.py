@@ -304,15 +304,22 @@ class TargetRunner:
                 algorithm with the key length).
             max_context: the model's context window (probes are clipped to it).
         """
-        if mode == "kernel":
+        self.row_kernel, launched = None, []
+        kernel_mode = mode == "kernel"
+        if kernel_mode:
             from metal_kernels import attention
 
-            self.row_kernel = attention.row_attention if attention.backend() == "cuda" else None
-            if self.row_kernel is None:
-                log.warning("exact_verify=kernel: the row-attention kernel is CUDA only; using row")
+            if attention.backend() != "cuda" or self.compiled:
+                log.warning("exact_verify=kernel: the row-attention kernel needs CUDA and eager passes; "
+                            "using row")
+            else:
+                def counted(queries, keys, values, scale):
+                    out = attention.row_attention(queries, keys, values, scale)
+                    if out is not None and not launched:
+                        launched.append(True)
+                    return out
+                self.row_kernel = counted
             mode = "row"
-        else:
-            self.row_kernel = None
         rng = mx.random.key(1234)
         need = max(contexts) + max_rows
         if max_context:
@@ -334,10 +341,23 @@ class TargetRunner:
         self.batched_rows = batched if mode == "batched" else 0
         self.row_exact_attention = row > batched
         width = max(batched, row)
+        if self.row_kernel is not None:
+            if not launched:  # every call fell back: same code as `row`, say so
+                log.warning("exact_verify=kernel: the kernel does not take this model's attention "
+                            "(head dim, dtype or layout); using row")
+                self.row_kernel = None
+            else:
+                from metal_kernels import attention
+
+                self.row_kernel = attention.row_attention
+        if kernel_mode and max_rows > 1 and width <= 1:
+            log.warning("exact_verify=kernel found no exact verify width (a model whose attention "
+                        "takes an array mask verifies through MLX but decodes through the kernel); "
+                        "try exact_verify=row")
         ctx = min(256, need - max_rows)
         costs = self._measure_cost(ids[:ctx], ids[ctx : ctx + width], width, repeats)
         return Calibration(width, row > batched, costs, max_rows, batched_rows=self.batched_rows,
-                           attention_kernel=self.row_kernel is not None)
+                           attention_kernel=self.row_kernel is not None and self.row_exact_attention)
 
 def cost_model(cal: Calibration) -> CostModel:
     return CostModel(list(cal.verify_cost))

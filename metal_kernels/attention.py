@@ -55,7 +55,8 @@ def supported(queries: mx.array, keys: mx.array, values: mx.array) -> str:
     """Empty when :func:`row_attention` takes these arrays, else the reason it does not."""
     if backend() != "cuda":
         return f"backend {backend()} (the kernel is CUDA only)"
-    if queries.ndim != 4 or keys.ndim != 4 or values.shape != keys.shape or queries.shape[0] != 1:
+    if (queries.ndim != 4 or keys.ndim != 4 or values.shape != keys.shape or queries.shape[0] != 1
+            or keys.shape[0] != 1 or keys.shape[1] < 1):
         return "shapes (need queries [1, H, L, D], keys/values [1, KV, S + L, D])"
     d = queries.shape[3]
     if d not in SUPPORTED_HEAD_DIMS or keys.shape[3] != d:

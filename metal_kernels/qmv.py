@@ -269,10 +269,10 @@ _MISSING = object()
 def layer_matmul(layer, x: mx.array) -> mx.array:
     """``quantized_matmul`` for a quantized mlx layer (``weight``/``scales``/``biases``,
     ``group_size``, ``bits``, ``mode``), with the launch decision cached on the layer per
-    (row count, activation dtype, backend), so a decode step pays one dict lookup per matmul
+    (row count, input width, activation dtype, backend), so a decode step pays one dict lookup per matmul
     instead of re-deriving the plan. The cache is keyed on the identity of the layer's
-    arrays: replacing them (``model.update``) invalidates it. Same results as
-    :func:`quantized_matmul`.
+    arrays: replacing them (``model.update``) invalidates it at the layer's next call (until
+    then it keeps the replaced arrays alive). Same results as :func:`quantized_matmul`.
     """
     w, s, b = layer["weight"], layer["scales"], layer.get("biases")
     k = x.shape[-1]
@@ -282,7 +282,7 @@ def layer_matmul(layer, x: mx.array) -> mx.array:
         state = (w, s, b, {})
         object.__setattr__(layer, "_ssk_launch", state)  # nn.Module would store a tuple as a parameter
     be = backend()
-    key = (rows, x.dtype, be)
+    key = (rows, k, x.dtype, be)
     launch = state[3].get(key, _MISSING)
     if launch is _MISSING:
         launch = None

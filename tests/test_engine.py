@@ -269,41 +269,61 @@ def test_exact_verify_kernel_mode_routes_every_decode_and_verify_pass_through_th
     row-attention kernel (a stand-in here with the same contract: one call, rows independent),
     prefill does not, and greedy output stays token-identical. The CUDA kernel itself is checked
     on a GPU (tests/test_kernels.py); off CUDA the mode falls back to `row`."""
+    from concurrent.futures import ThreadPoolExecutor
+
     import mlx.core as mx
 
-    from engine import Engine, EngineConfig
+    from engine import Engine, EngineConfig, exact_attention
     from metal_kernels import attention
 
-    calls = []
+    calls = []  # (rows, inside a batched pass)
+    in_batch = []
 
     def stand_in(queries, keys, values, scale):
         n, start = queries.shape[2], keys.shape[2] - queries.shape[2]
-        calls.append(n)
+        calls.append((n, bool(in_batch)))
         return mx.concatenate([mx.fast.scaled_dot_product_attention(
             queries[:, :, i:i + 1], keys[:, :, :start + i + 1], values[:, :, :start + i + 1], scale=scale)
             for i in range(n)], axis=2)
 
-    eng = Engine(EngineConfig(speculation="prompt_lookup", exact_verify="kernel", max_verify_rows=8,
-                              calibration_contexts=(40,)), loaded=tiny).start(wait=True, timeout=300)
+    batched_sdpa = exact_attention._batched_sdpa
+
+    def recording_batched_sdpa(*args):
+        in_batch.append(True)
+        try:
+            return batched_sdpa(*args)
+        finally:
+            in_batch.pop()
+
+    cfg = dict(speculation="prompt_lookup", exact_verify="kernel", max_verify_rows=8, calibration_contexts=(40,),
+               max_active=2)
+    eng = Engine(EngineConfig(**cfg), loaded=tiny).start(wait=True, timeout=300)
     try:
         assert not eng.calibration.attention_kernel  # CPU: falls back to row
     finally:
         eng.stop()
     monkeypatch.setattr(attention, "backend", lambda: "cuda")
     monkeypatch.setattr(attention, "row_attention", stand_in)
-    eng = Engine(EngineConfig(speculation="prompt_lookup", exact_verify="kernel", max_verify_rows=8,
-                              calibration_contexts=(40,)), loaded=tiny).start(wait=True, timeout=300)
+    monkeypatch.setattr(exact_attention, "_batched_sdpa", recording_batched_sdpa)
+    eng = Engine(EngineConfig(**cfg), loaded=tiny).start(wait=True, timeout=300)
     try:
         assert eng.calibration.attention_kernel and eng.calibration.max_rows >= 4
+        assert eng.batch_rows >= 2  # batched passes were calibrated through the kernel too
         calls.clear()
         p = [5, 6, 7, 8, 9] * 12
-        spec, _, last = run(eng, p, "prompt_lookup", max_tokens=40)
-        layers = tiny.num_layers
-        assert last.stats.total.num_accepted_tokens > 0
-        assert 1 in calls and max(calls) > 1 and len(calls) % layers == 0
-        assert len(p) not in calls  # prefill attends through MLX
+        forced = SpeculativeParams(method="prompt_lookup", min_draft_tokens=3)  # drafts every cycle
+        spec, _, last = run(eng, p, speculative=forced, max_tokens=40)
+        rows = [n for n, _ in calls]
+        assert last.stats.total.num_draft_tokens > 0
+        assert 1 in rows and 1 < max(rows) <= 8 and len(rows) % tiny.num_layers == 0
         calls.clear()
         plain, _, _ = run(eng, p, "off", max_tokens=40)
-        assert spec == plain and set(calls) == {1}
+        assert spec == plain and {n for n, _ in calls} == {1}
+        calls.clear()
+        q = [11, 12, 13, 14] * 15
+        with ThreadPoolExecutor(2) as pool:  # two decoding sequences share batched passes
+            both = list(pool.map(lambda prompt: run(eng, prompt, speculative=forced, max_tokens=40)[0], [p, q]))
+        assert both[0] == plain and both[1] == run(eng, q, "off", max_tokens=40)[0]
+        assert any(batched for _, batched in calls)
     finally:
         eng.stop()
