@@ -10,6 +10,12 @@ the next turn.
 Reported per turn: prompt tokens, cached tokens, time to first token (TTFT) off and on and
 their ratio, and the same for the whole request.
 
+``--shared N`` then sends N copies of the first turn's prompt at once (an ``n = N`` request, or
+N agents starting with one system prompt) to each engine, under a fresh ``cache_salt`` so no
+earlier entry helps: with the cache on, the copies that arrive during the first one's prefill
+wait for it and reuse its chunks. Reported: wall time until all N finish, TTFT median and
+maximum, cached tokens, and whether every copy equals the single-request output.
+
     python -m benchmarks.bench_prefix_cache --out benchmarks/results/prefix_cache_cpu.json
 """
 
@@ -54,9 +60,9 @@ def system_prompt(file: Path) -> str:
             f"\n\nThe user is working on `{file.relative_to(ROOT)}`:\n```python\n{source}\n```")
 
 
-def run_turn(eng: Engine, tokens: list[int], max_tokens: int, method: str) -> dict:
+def run_turn(eng: Engine, tokens: list[int], max_tokens: int, method: str, salt: str | None = None) -> dict:
     req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
-                            speculative=SpeculativeParams(method=method))
+                            speculative=SpeculativeParams(method=method), cache_salt=salt)
     start = time.perf_counter()
     ids, ttft, last = [], None, None
     for event in eng.generate(req, timeout=3600):
@@ -69,6 +75,19 @@ def run_turn(eng: Engine, tokens: list[int], max_tokens: int, method: str) -> di
     return {"ids": ids, "ttft": ttft, "total_s": time.perf_counter() - start, "cached": last.cached_tokens}
 
 
+def shared_prompt(eng: Engine, tokens: list[int], copies: int, max_tokens: int, method: str) -> dict:
+    """``copies`` identical requests at once (fresh cache salt); wall time, TTFTs, cached tokens."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    salt = f"shared-{time.time_ns()}"
+    start = time.perf_counter()
+    with ThreadPoolExecutor(copies) as pool:
+        res = list(pool.map(lambda _: run_turn(eng, tokens, max_tokens, method, salt), range(copies)))
+    ttfts = sorted(r["ttft"] for r in res)
+    return {"wall_s": time.perf_counter() - start, "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1],
+            "cached_tokens": sorted(r["cached"] for r in res), "ids": [r["ids"] for r in res]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default")
@@ -79,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-step", type=int, default=EngineConfig.prefill_step)
     ap.add_argument("--weights", default="auto", help="SPECSERVE_WEIGHTS")
     ap.add_argument("--kernels", default="off", choices=["auto", "off"], help="SPECSERVE_KERNELS")
+    ap.add_argument("--shared", type=int, default=0, help="then N copies of turn 1's prompt at once")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -105,15 +125,28 @@ def main(argv: list[str] | None = None) -> int:
             })
             print(json.dumps(turns[-1]), flush=True)
             messages.append({"role": "assistant", "content": tok.decode(res["on"]["ids"])})
+        shared = None
+        if args.shared:
+            first = list(tok.apply_chat_template(messages[:2], add_generation_prompt=True))
+            solo = run_turn(engines["off"], first, args.max_tokens, args.method)["ids"]
+            shared = {name: shared_prompt(engines[name], first, args.shared, args.max_tokens, args.method)
+                      for name in ("off", "on")}
+            for r in shared.values():
+                r["identical"] = all(ids == solo for ids in r.pop("ids"))
+            shared["wall_ratio"] = shared["off"]["wall_s"] / shared["on"]["wall_s"]
+            print(json.dumps({"shared": shared}), flush=True)
     finally:
         for eng in engines.values():
             eng.stop()
     report = {"machine": platform.platform(), "python": sys.version.split()[0], "model": loaded.name,
               "weights": loaded.weights, "prefill_step": args.prefill_step, "method": args.method,
-              "max_tokens": args.max_tokens, "prefix_cache": engines["on"].prefix_cache_info(), "turns": turns}
+              "max_tokens": args.max_tokens, "prefix_cache": engines["on"].prefix_cache_info(), "turns": turns,
+              "shared": shared}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     bad = [t["turn"] for t in turns if not t["identical"]]
+    if shared and not (shared["off"]["identical"] and shared["on"]["identical"]):
+        bad.append("shared")
     if bad:
         print(f"outputs differ with the prefix cache on turns {bad}", file=sys.stderr)
         return 1
