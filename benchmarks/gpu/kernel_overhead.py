@@ -56,34 +56,38 @@ def _weights(n, k, gs, count, dtype):
     return sets
 
 
+def _shapes(args):
+    """(dtype name, dtype, N, K, group size) per case: group 32 on the default model's shapes."""
+    for dtname in args.dtypes.split(","):
+        for n, k in SMOLLM + BIG:
+            yield dtname, getattr(mx, dtname), n, k, 32 if (n, k) in SMOLLM else 64
+
+
 def matmul_cases(args):
     rows = []
-    for dtname in args.dtypes.split(","):
-        dt = getattr(mx, dtname)
-        for n, k in SMOLLM + BIG:
-            gs = 32 if (n, k) in SMOLLM else 64
-            count = 1 if (n, k) in SMOLLM else 16  # big shapes: 16 weight sets, not in L2
-            sets = _weights(n, k, gs, count, dt)
-            for m in (1, 8, 16):
-                x = mx.random.normal((m, k)).astype(dt)
-                mx.eval(x)
-                for path in ("mlx", "kernel"):
-                    kern = "off" if path == "mlx" else "auto"
-                    calls = args.calls if count == 1 else count
+    for dtname, dt, n, k, gs in _shapes(args):
+        count = 1 if (n, k) in SMOLLM else 16  # big shapes: 16 weight sets, not in L2
+        sets = _weights(n, k, gs, count, dt)
+        for m in (1, 8, 16):
+            x = mx.random.normal((m, k)).astype(dt)
+            mx.eval(x)
+            for path in ("mlx", "kernel"):
+                kern = "off" if path == "mlx" else "auto"
+                calls = args.calls if count == 1 else count
 
-                    def build(x=x, kern=kern, calls=calls, sets=sets, gs=gs):
-                        return [qmv.quantized_matmul(x, *sets[i % len(sets)], gs, 4, kernels=kern)
-                                for i in range(calls)]
-                    b, e = _timed(build, args.reps)
-                    p = qmv.plan(m, n, k, 4, gs, dt) if path == "kernel" else None
-                    rows.append({"dtype": dtname, "shape": f"{n}x{k}", "m": m, "path": path,
-                                 "kind": p.kind if p else "mlx", "calls": calls,
-                                 "build_us": b / calls * 1e6, "eval_us": e / calls * 1e6})
-                    r = rows[-1]
-                    print(f"{dtname:9} {r['shape']:>11} m={m:<2} {path:6} {r['kind']:4} "
-                          f"build {r['build_us']:7.2f} us  eval {r['eval_us']:7.2f} us", flush=True)
-            del sets
-            mx.clear_cache()
+                def build(x=x, kern=kern, calls=calls, sets=sets, gs=gs):
+                    return [qmv.quantized_matmul(x, *sets[i % len(sets)], gs, 4, kernels=kern)
+                            for i in range(calls)]
+                b, e = _timed(build, args.reps)
+                p = qmv.plan(m, n, k, 4, gs, dt) if path == "kernel" else None
+                rows.append({"dtype": dtname, "shape": f"{n}x{k}", "m": m, "path": path,
+                             "kind": p.kind if p else "mlx", "calls": calls,
+                             "build_us": b / calls * 1e6, "eval_us": e / calls * 1e6})
+                r = rows[-1]
+                print(f"{dtname:9} {r['shape']:>11} m={m:<2} {path:6} {r['kind']:4} "
+                      f"build {r['build_us']:7.2f} us  eval {r['eval_us']:7.2f} us", flush=True)
+        del sets
+        mx.clear_cache()
     return rows
 
 
@@ -142,20 +146,17 @@ def trivial_cases(args):
 def ncu_run(args):
     """One launch per case after warm-up (device times come from ncu's CSV)."""
     order = []
-    for dtname in args.dtypes.split(","):
-        dt = getattr(mx, dtname)
-        for n, k in SMOLLM + BIG:
-            gs = 32 if (n, k) in SMOLLM else 64
-            w = _weights(n, k, gs, 1, dt)[0]
-            for m in (1, 2, 4, 8, 16):
-                x = mx.random.normal((m, k)).astype(dt)
-                mx.eval(x)
-                for path in ("mlx", "kernel"):
-                    kern = "off" if path == "mlx" else "auto"
-                    for _ in range(2):
-                        mx.eval(qmv.quantized_matmul(x, *w, gs, 4, kernels=kern))
-                    mx.synchronize()
-                    order.append(f"{dtname},{n}x{k},{m},{path}")
+    for dtname, dt, n, k, gs in _shapes(args):
+        w = _weights(n, k, gs, 1, dt)[0]
+        for m in (1, 2, 4, 8, 16):
+            x = mx.random.normal((m, k)).astype(dt)
+            mx.eval(x)
+            for path in ("mlx", "kernel"):
+                kern = "off" if path == "mlx" else "auto"
+                for _ in range(2):
+                    mx.eval(qmv.quantized_matmul(x, *w, gs, 4, kernels=kern))
+                mx.synchronize()
+                order.append(f"{dtname},{n}x{k},{m},{path}")
     print("NCU_ORDER " + json.dumps(order), flush=True)
 
 
