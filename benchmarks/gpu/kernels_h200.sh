@@ -9,6 +9,8 @@
 #   kernels_h200.sh verify   # benchmarks/verify_cost.py: matrices, 8B-shaped stack, default model
 #   kernels_h200.sh check    # benchmarks/kernel_check.py: the GPU correctness tests
 #   kernels_h200.sh overhead # benchmarks/gpu/kernel_overhead.py (+ ncu device times)
+#   kernels_h200.sh probe    # benchmarks/identity_probe.py: first position/row/layer where verify rows
+#                            # and decode steps part (WEIGHTS, KERNELS, EXACT, WIDTHS, TOKENS)
 # Staging: ../shared/tools/stage-for-gpu.sh --pip transformers==5.24.0 \
 #   "$SPECSERVE_CACHE_DIR"/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # Results go to $OUT.
@@ -40,5 +42,9 @@ case "$1" in
     python3 benchmarks/gpu/kernel_overhead.py --out "$out/kernel_overhead.json" 2>&1 | tail -90
     timeout 200 ncu --clock-control none --metrics gpu__time_duration.sum --csv --log-file "$out/ncu.csv" \
       python3 benchmarks/gpu/kernel_overhead.py --ncu > "$out/ncu_stdout.txt" 2>&1 || true ;;
-  *) echo "usage: $0 cal|spec|verify|check|overhead" >&2; exit 2 ;;
+  probe) python3 -m benchmarks.identity_probe --prompt-file benchmarks/workloads/agent_turn.json \
+           --weights "${WEIGHTS:-quantized-bfloat16}" --kernels "${KERNELS:-auto}" --exact-verify "${EXACT:-row}" \
+           --widths "${WIDTHS:-2,4,8,10,16}" --tokens "${TOKENS:-128}" --out "$out/identity_probe.json" 2>&1 \
+           | grep -v "^INFO" | tail -8 ;;
+  *) echo "usage: $0 cal|spec|verify|check|overhead|probe" >&2; exit 2 ;;
 esac
