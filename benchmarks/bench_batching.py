@@ -3,7 +3,9 @@
 Two engines share one loaded model: continuous batching off (one sequence per target pass,
 round-robin) and on (decoding sequences share a pass, up to the calibrated exact row count).
 Each concurrency level runs the same requests on both engines, with speculation off and auto
-per request, back to back (order alternating by level, so machine noise hits all alike). Every
+per request, back to back (order alternating by level, so machine noise hits all alike), after
+an unmeasured 4-token warm-up of every configuration at that level (first-use costs such as
+MLX-CUDA compiling kernels for a new batch shape stay out of the numbers). Every
 output must equal the same request served alone with speculation off: greedy output may not
 depend on batching, neighbours or drafting.
 
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             configs = [(b, m) for b in ("off", "on") for m in ("off", "auto")]
             if li % 2:
                 configs.reverse()
+            for batching, method in configs:  # warm-up: first-use costs (GPU kernel JIT) stay out
+                level(engines[batching], counters[batching], prompts[:conc], 4, method)
             row = {"concurrency": conc}
             for batching, method in configs:
                 res = level(engines[batching], counters[batching], prompts[:conc], args.max_tokens, method)
