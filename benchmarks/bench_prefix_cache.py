@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -84,7 +85,7 @@ def shared_prompt(eng: Engine, tokens: list[int], copies: int, max_tokens: int, 
     with ThreadPoolExecutor(copies) as pool:
         res = list(pool.map(lambda _: run_turn(eng, tokens, max_tokens, method, salt), range(copies)))
     ttfts = sorted(r["ttft"] for r in res)
-    return {"wall_s": time.perf_counter() - start, "ttft_p50_s": ttfts[len(ttfts) // 2], "ttft_max_s": ttfts[-1],
+    return {"wall_s": time.perf_counter() - start, "ttft_p50_s": statistics.median(ttfts), "ttft_max_s": ttfts[-1],
             "cached_tokens": sorted(r["cached"] for r in res), "ids": [r["ids"] for r in res]}
 
 

@@ -10,8 +10,9 @@ real run still diverges (the bf16 run in docs/benchmarks.md), this finds where:
 2. for each width ``w``, verify ``w`` of those same tokens in one pass from successive start
    positions (cache rolled back to the start each time) and compare every row's layer outputs
    and logits with the decode step at the same position, bit for bit;
-3. report, per width, the first mismatching position and row, the first layer whose output
-   differs there and by how much.
+3. report, per width, the first mismatching position and row, the first layer whose K/V rows
+   or output differ there (or the logits only) and by how much. Every pass starts from
+   decode's own KV cache; the prompt is prefilled in the engine's chunks.
 
 The passes run as the engine runs them: ``--exact-verify`` ``row`` (one attention call per row,
 the default), ``kernel`` (metal_kernels' row-attention kernel, CUDA) or ``batched`` (MLX's
@@ -86,47 +87,77 @@ def _pass(runner, tokens, cache, sink):
     sink.clear()
     logits = runner.verify(tokens, cache)[0]
     outs = [o for _, o in sorted(sink, key=lambda p: p[0])]
+    if len(outs) != len(runner.model.layers):
+        raise RuntimeError(f"recorded {len(outs)} layer outputs for {len(runner.model.layers)} layers")
     mx.eval(logits, *outs)
     return logits, outs
 
 
+def _restore(cache, snapshot) -> None:
+    """Put decode's own KV back (copies: a pass writes into the cache's buffers in place)."""
+    for c, (k, v, off) in zip(cache, snapshot):
+        c.keys, c.values, c.offset = mx.array(k), mx.array(v), off
+
+
+def _differs(a: mx.array, b: mx.array) -> float | None:
+    """None when bit-identical, else the largest absolute difference."""
+    if mx.array_equal(a, b).item():
+        return None
+    return mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+
+
 def probe(runner: TargetRunner, sink: list, prompt: list[int], n_tokens: int, widths: list[int],
-          stride: int = 1) -> dict:
-    """Decode ``n_tokens`` greedily after ``prompt``, then verify them ``w`` at a time.
+          stride: int = 1, prefill_step: int = 256, forced: list[int] | None = None) -> dict:
+    """Decode ``n_tokens`` greedily after ``prompt`` (or feed ``forced``, e.g. a failing run's
+    output tokens), then verify them ``w`` at a time.
+
+    The prompt is prefilled in the engine's chunks (``prefill_step``, all but its last token).
+    Every verify pass starts from decode's own KV cache, rolled back to the pass's start. Per
+    row and layer, in order, it compares the K/V rows the pass writes and the layer's output
+    with the decode step's, then the logits.
 
     Returns ``{"tokens": [...], "widths": {w: {"probes": n, "first_mismatch": None | {...}}}}``;
-    a mismatch gives ``position`` (decode step index), ``row`` (in the pass), ``layer`` (first
-    differing layer output, or ``"logits"`` when only the LM head differs) and ``max_abs_diff``.
+    a mismatch gives ``position`` (decode step index), ``row`` (in the pass), ``layer``,
+    ``what`` (``"kv"``, ``"output"`` or ``"logits"``) and ``max_abs_diff``.
     """
     cache = runner.make_cache()
-    mx.eval(runner.prefill(prompt[:-1], cache)[0])
+    for i in range(0, len(prompt) - 1, prefill_step):
+        runner.prefill(prompt[i:min(i + prefill_step, len(prompt) - 1)], cache)
+        mx.eval(runner.cache_arrays(cache))
     base = len(prompt) - 1
     inputs, steps = [prompt[-1]], []
     for _ in range(n_tokens):
         logits, outs = _pass(runner, [inputs[-1]], cache, sink)
         steps.append((logits[0], [o[0, 0] for o in outs]))
-        inputs.append(int(mx.argmax(logits[0]).item()))
+        inputs.append(forced[len(steps) - 1] if forced else int(mx.argmax(logits[0]).item()))
     snapshot = [(mx.array(c.keys), mx.array(c.values), c.offset) for c in cache]
+    mx.eval([a for k, v, _ in snapshot for a in (k, v)])
     report = {"tokens": inputs[1:], "widths": {}}
     for w in widths:
-        for c, (k, v, off) in zip(cache, snapshot):  # decode's own KV, for every width
-            c.keys, c.values, c.offset = mx.array(k), mx.array(v), off
         first, probes = None, 0
         for start in range(0, n_tokens - w + 1, stride):
+            _restore(cache, snapshot)
             runner.trim(cache, cache[0].offset - (base + start))
             logits, outs = _pass(runner, inputs[start:start + w], cache, sink)
             probes += 1
             for i in range(w):
+                pos = base + start + i
                 ref_logits, ref_outs = steps[start + i]
-                layer = next((j for j, (o, r) in enumerate(zip(outs, ref_outs))
-                              if not mx.array_equal(o[0, i], r).item()), None)
-                if layer is None and mx.array_equal(logits[i], ref_logits).item():
-                    continue
-                a, b = (logits[i], ref_logits) if layer is None else (outs[layer][0, i], ref_outs[layer])
-                diff = mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
-                first = {"position": start + i, "row": i, "layer": "logits" if layer is None else layer,
-                         "max_abs_diff": diff}
-                break
+                for j, (c, (k, v, _)) in enumerate(zip(cache, snapshot)):
+                    for what, diff in (("kv", _differs(c.keys[..., pos, :], k[..., pos, :])),
+                                       ("kv", _differs(c.values[..., pos, :], v[..., pos, :])),
+                                       ("output", _differs(outs[j][0, i], ref_outs[j]))):
+                        if diff is not None:
+                            first = {"position": start + i, "row": i, "layer": j, "what": what,
+                                     "max_abs_diff": diff}
+                            break
+                    if first is not None:
+                        break
+                if first is None and (diff := _differs(logits[i], ref_logits)) is not None:
+                    first = {"position": start + i, "row": i, "layer": None, "what": "logits",
+                             "max_abs_diff": diff}
+                if first is not None:
+                    break
             if first is not None:
                 break
         report["widths"][w] = {"probes": probes, "first_mismatch": first}
@@ -143,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--widths", default="2,4,8")
     ap.add_argument("--stride", type=int, default=1)
+    ap.add_argument("--prefill-step", type=int, default=256, help="the engine's SPECSERVE_PREFILL_STEP")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -164,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         prompt = loaded.tokenizer.apply_chat_template([{"role": "user", "content": text}],
                                                       add_generation_prompt=True)
     widths = [int(w) for w in args.widths.split(",")]
-    report = probe(runner, sink, list(prompt), args.tokens, widths, args.stride)
+    report = probe(runner, sink, list(prompt), args.tokens, widths, args.stride, args.prefill_step)
     report.update({"model": loaded.name, "weights": loaded.weights, "kernels": patch.summary(),
                    "exact_verify": args.exact_verify, "device": str(mx.default_device()),
                    "prompt_tokens": len(prompt)})

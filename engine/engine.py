@@ -29,7 +29,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -90,6 +90,7 @@ class _Handle:
     emit: Callable[[TokenEvent], None]
     done: bool = False
     deadline: float | None = None  # time.monotonic() past which the request times out
+    shared: dict = field(default_factory=dict)  # owner request id -> whole prompt chunks in common
 
 
 class Engine:
@@ -504,10 +505,10 @@ class Engine:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
-        deferred = []
-        while self._waiting and len(self._active) < self.config.max_active:
+        deferred = []  # they keep their slots: later requests do not overtake them
+        while self._waiting and len(self._active) + len(deferred) < self.config.max_active:
             handle = self._waiting.popleft()
-            if self._awaits_prefill(handle.request):
+            if self._awaits_prefill(handle):
                 deferred.append(handle)
                 continue
             with self._lock:
@@ -521,30 +522,56 @@ class Engine:
                                        error=_as_engine_error(exc)))
         self._waiting.extendleft(reversed(deferred))
 
-    def _awaits_prefill(self, request: GenerationRequest) -> bool:
-        """Whether ``request`` should wait for a prompt now being prefilled: one that will store
-        whole chunks of ``request``'s own prompt in the prefix cache that the cache does not hold
-        yet (identical prompts of an ``n > 1`` request, agents sharing a system prompt). Admitted
-        once that prefill ends, it reuses those chunks instead of computing them a second time,
-        with the same output (warm equals cold)."""
+    def _awaits_prefill(self, handle: _Handle) -> bool:
+        """Whether a waiting request should wait for a prompt now being prefilled instead of
+        starting its own prefill: one that will store whole chunks of this request's prompt in
+        the prefix cache that the cache does not hold yet (identical prompts of an ``n > 1``
+        request, agents sharing a system prompt). Admitted once that prefill is stored, it reuses
+        those chunks instead of computing them a second time, with the same output (warm equals
+        cold).
+
+        It waits only when that finishes sooner: prefilling now interleaves chunk by chunk with
+        the owner's remaining ``R`` rows, so its own ``P`` rows are done after about
+        ``P + min(R, P)`` rows of work; waiting costs ``R + P - S`` for ``S`` shared rows not yet
+        cached, which is less exactly when ``S > 0`` and ``R < P + S``. Only an owner that stores
+        into the namespace this request reads (same ``cache_salt``, same DSpark-taps setting) and
+        only what fits the cache's budget count."""
+        request = handle.request
         if self.prefix_cache is None or request.prompt_logprobs:
             return False
         prompt = request.prompt_tokens
         usable = self.prefix_cache.cacheable(len(prompt))
-        if usable <= 0:
-            return False
         block = self.config.prefill_step
+        if usable < block:
+            return False
+        taps = self._wants_taps(request)
         for _, seq in self._active:
             other = seq.request
-            if seq.prefilled or seq.finished or other.prompt_logprobs or other.cache_salt != request.cache_salt:
+            if (seq.prefilled or seq.finished or other.prompt_logprobs or other.cache_salt != request.cache_salt
+                    or (seq.taps is not None) != taps or seq.cache is None):  # stores nothing it could use
                 continue
-            limit = min(usable, self.prefix_cache.cacheable(len(other.prompt_tokens)))
-            shared = 0  # whole chunks in common, compared a chunk at a time
-            while shared + block <= limit and prompt[shared:shared + block] == other.prompt_tokens[shared:shared + block]:
-                shared += block
-            if shared > seq.cached_tokens:
+            shared = handle.shared.get(other.request_id)
+            if shared is None:  # whole chunks in common, computed once per (waiter, owner)
+                limit = min(usable, self.prefix_cache.cacheable(len(other.prompt_tokens)))
+                limit -= limit % block
+                if prompt[:limit] == other.prompt_tokens[:limit]:  # one C-level comparison
+                    shared = limit
+                else:
+                    shared = 0
+                    while prompt[shared:shared + block] == other.prompt_tokens[shared:shared + block]:
+                        shared += block
+                handle.shared[other.request_id] = shared
+            shared = min(shared, self.prefix_cache.storable(len(other.prompt_tokens), seq.cache))
+            saved = shared - seq.cached_tokens
+            remaining = max(0, len(other.prompt_tokens) - 1 - seq.num_prefilled)
+            if saved > 0 and remaining < len(prompt) - 1 + saved:
                 return True
         return False
+
+    def _wants_taps(self, request: GenerationRequest) -> bool:
+        """Whether ``request``'s sequence will run DSpark, hence read the taps' prefix namespace."""
+        method = request.speculative.method or self.config.speculation
+        return self.cost.max_rows > 1 and method in ("dspark", "auto") and self.dspark is not None
 
     def _step_all(self) -> None:
         with self._lock:

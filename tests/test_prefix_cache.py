@@ -300,3 +300,74 @@ def test_identical_prompts_arriving_together_prefill_once(engines):
     assert sorted(events[-1].cached_tokens for events in results) == [0, usable, usable, usable]
     # the last prompt token is the first anchor, never prefilled
     assert sum(rows) == (len(prompt) - 1) + 3 * (len(prompt) - 1 - usable), rows
+
+
+def _first_tokens_in_order(eng, requests):
+    """Submit every request at once; returns (request ids in order of first token, last events)."""
+    import asyncio
+
+    async def go():
+        order, lasts = [], {}
+
+        async def drain(req, stream):
+            async for e in stream:
+                if e.token_ids and req.request_id not in order:
+                    order.append(req.request_id)
+                lasts[req.request_id] = e
+
+        streams = [(r, eng.submit(r)) for r in requests]
+        await asyncio.gather(*(drain(r, s) for r, s in streams))
+        return order, lasts
+
+    return asyncio.run(go())
+
+
+def _req(rid, prompt, max_tokens=8):
+    return GenerationRequest(prompt_tokens=list(prompt), max_tokens=max_tokens, request_id=rid,
+                             sampling=SamplingParams(temperature=0.0), speculative=SpeculativeParams(method="off"))
+
+
+def test_waiting_pays_only_when_it_ends_sooner(engines):
+    """The deferral rule on an owner caught mid-prefill (white-box: the worker is idle while the
+    test builds the state): a prompt sharing the owner's whole prefix waits; one sharing a single
+    chunk of a much longer prompt starts at once; a salted or prompt-logprobs request never waits."""
+    import dataclasses
+
+    from engine.engine import _Handle
+
+    _, warm = engines
+    rng = random.Random(1011)  # not a seed of session_prompts (their prefixes are cached)
+    long_prompt = [rng.randrange(3, 259) for _ in range(60 * BLOCK + 3)]
+    owner = warm._make_sequence(_req("owner", long_prompt))
+    owner.cache[0].keys = None  # nothing prefilled yet
+    saved_active = warm._active
+    warm._active = [(None, owner)]
+    try:
+        def waits(prompt, **kw):
+            return warm._awaits_prefill(_Handle(dataclasses.replace(_req("w", prompt), **kw), lambda e: None))
+
+        short = long_prompt[:BLOCK] + [rng.randrange(3, 259) for _ in range(BLOCK)]
+        assert waits(long_prompt) and waits(long_prompt[:40 * BLOCK])
+        assert not waits(short)
+        assert not waits(long_prompt, cache_salt="tenant-b") and not waits(long_prompt, prompt_logprobs=1)
+        owner.num_prefilled = 60 * BLOCK  # the owner is nearly done: now even the short one waits
+        assert waits(short)
+    finally:
+        warm._active = saved_active
+
+
+def test_waiting_requests_keep_their_place_in_the_queue(tiny):
+    """A request waiting for a shared prefill holds its slot: a later request does not start
+    ahead of it (max_active 2: the owner, the waiter; the third starts when one ends)."""
+    eng = Engine(EngineConfig(speculation="off", prefill_step=BLOCK, max_active=2, calibration_contexts=(40,)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    try:
+        rng = random.Random(1012)
+        prompt = [rng.randrange(3, 259) for _ in range(20 * BLOCK + 1)]
+        other = [rng.randrange(3, 259) for _ in range(2 * BLOCK)]
+        order, lasts = _first_tokens_in_order(
+            eng, [_req("owner", prompt), _req("same", prompt), _req("later", other, max_tokens=4)])
+        assert order.index("same") < order.index("later")
+        assert lasts["same"].cached_tokens == eng.prefix_cache.cacheable(len(prompt))
+    finally:
+        eng.stop()
