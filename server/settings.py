@@ -57,8 +57,8 @@ class Settings(BaseSettings):
         "off",
         description="Small-batch quantized matmul kernels (metal_kernels/) for quantized targets on "
         "Metal/CUDA: `auto` patches them in (rows stay bit-identical for 1..16 rows), `off` keeps "
-        "MLX's own. Off by default: on the H200 they let 16 rows verify exactly but made the "
-        "default model's one-token step 2x slower (docs/benchmarks.md).",
+        "MLX's own. Off by default: on the H200 the default model's one-token forward is ~12% slower "
+        "with them in float32 (their flat cost needs fp16/bf16 activations; docs/kernels.md).",
     )
     compile: Literal["auto", "on", "off"] = Field(
         "auto",
