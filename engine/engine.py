@@ -353,8 +353,7 @@ class Engine:
 
         self.kernels = patch_model(self.loaded.model, mode=cfg.kernels)
         log.info("%s", self.kernels.summary())
-        if self.loaded.weights != "quantized" and self.loaded.weights.endswith(("float16", "bfloat16")) \
-                and cfg.speculation != "off" and self.kernels.backend != "cpu":
+        if self.loaded.weights.endswith("float16") and cfg.speculation != "off" and self.kernels.backend != "cpu":
             log.warning("weights=%s with speculation: half-precision activations (with the kernels on) "
                         "once broke greedy identity on an H200 although start-up calibration passed "
                         "(docs/benchmarks.md, 'Engine calibration per activation dtype'); use "
@@ -425,7 +424,7 @@ class Engine:
             if method in ("prompt_lookup", "auto"):
                 drafters["prompt_lookup"] = PromptLookupDrafter(cfg.prompt_lookup_min_ngram,
                                                                 cfg.prompt_lookup_max_ngram)
-            if method in ("dspark", "auto") and self.dspark is not None:
+            if self._runs_dspark(request):
                 drafters["dspark"] = self._dspark_drafter(self.dspark, self.target_taps.embed,
                                                           self.target_taps.lm_head)
         seed = request.sampling.seed
@@ -544,7 +543,7 @@ class Engine:
         block = self.config.prefill_step
         if usable < block:
             return False
-        taps = self._wants_taps(request)
+        taps = self._runs_dspark(request)
         for _, seq in self._active:
             other = seq.request
             if (seq.prefilled or seq.finished or other.prompt_logprobs or other.cache_salt != request.cache_salt
@@ -552,8 +551,7 @@ class Engine:
                 continue
             shared = handle.shared.get(other.request_id)
             if shared is None:  # whole chunks in common, computed once per (waiter, owner)
-                limit = min(usable, self.prefix_cache.cacheable(len(other.prompt_tokens)))
-                limit -= limit % block
+                limit = min(usable, self.prefix_cache.cacheable(len(other.prompt_tokens)))  # whole chunks
                 if prompt[:limit] == other.prompt_tokens[:limit]:  # one C-level comparison
                     shared = limit
                 else:
@@ -568,7 +566,7 @@ class Engine:
                 return True
         return False
 
-    def _wants_taps(self, request: GenerationRequest) -> bool:
+    def _runs_dspark(self, request: GenerationRequest) -> bool:
         """Whether ``request``'s sequence will run DSpark, hence read the taps' prefix namespace."""
         method = request.speculative.method or self.config.speculation
         return self.cost.max_rows > 1 and method in ("dspark", "auto") and self.dspark is not None

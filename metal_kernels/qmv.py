@@ -275,6 +275,7 @@ def layer_matmul(layer, x: mx.array) -> mx.array:
     then it keeps the replaced arrays alive). Same results as :func:`quantized_matmul`.
     """
     w, s, b = layer["weight"], layer["scales"], layer.get("biases")
+    mode = getattr(layer, "mode", "affine")
     k = x.shape[-1]
     rows = x.size // k if k else 0
     state = layer.__dict__.get("_ssk_launch")
@@ -286,18 +287,21 @@ def layer_matmul(layer, x: mx.array) -> mx.array:
     launch = state[3].get(key, _MISSING)
     if launch is _MISSING:
         launch = None
-        mode = getattr(layer, "mode", "affine")
         if mode == "affine" and b is not None and x.ndim >= 1 and w.ndim == 2:
             launch = _launcher(rows, w.shape[0], k, w.shape[1], s.shape, b.shape, x.dtype,
                                w.dtype, s.dtype, b.dtype, layer.bits, layer.group_size, be)
         state[3][key] = launch
     if launch is None:
-        return reference_matmul(x, w, s, b, layer.group_size, layer.bits,
-                                getattr(layer, "mode", "affine"))
+        return reference_matmul(x, w, s, b, layer.group_size, layer.bits, mode)
+    return _run(launch, x, w, s, b, rows)
+
+
+def _run(launch, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, rows: int) -> mx.array:
+    """Launch a :func:`_launcher` decision on ``x`` flattened to ``rows`` rows; (..., N)."""
     kernel, template, grid, tg = launch
     n = w.shape[0]
-    y = kernel(inputs=[x.reshape(rows, k), w, s, b], template=template, grid=grid,
-               threadgroup=tg, output_shapes=[(rows, n)], output_dtypes=[x.dtype])[0]
+    y = kernel(inputs=[x.reshape(rows, x.shape[-1]), w, scales, biases], template=template,
+               grid=grid, threadgroup=tg, output_shapes=[(rows, n)], output_dtypes=[x.dtype])[0]
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -326,9 +330,5 @@ def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.arra
         launch = _launcher(rows, n, k, w.shape[1], scales.shape, biases.shape, x.dtype, w.dtype,
                            scales.dtype, biases.dtype, bits, group_size, backend())
         if launch is not None:
-            kernel, template, grid, tg = launch
-            y = kernel(inputs=[x.reshape(rows, k), w, scales, biases], template=template,
-                       grid=grid, threadgroup=tg, output_shapes=[(rows, n)],
-                       output_dtypes=[x.dtype])[0]
-            return y.reshape(*x.shape[:-1], n)
+            return _run(launch, x, w, scales, biases, rows)
     return reference_matmul(x, w, scales, biases, group_size, bits, mode)
