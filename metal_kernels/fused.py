@@ -1,0 +1,298 @@
+"""One-launch decode and verify passes for small Llama-family targets (CUDA).
+
+A small target's decode step is bound by kernel launches and host work, not by its weights:
+on an H200 the default model (30 layers, 135M parameters) spends ~6 ms per step in ~20 MLX
+ops per layer while reading its 4-bit weights takes ~0.02 ms. :class:`FusedPass` runs a
+whole decode or verify pass (every decoder layer and the LM head, for 1..16 rows) as one
+``mx.fast.cuda_kernel`` launch: one block per multiprocessor, phases separated by a grid-wide
+barrier (``sources/fused_body.cu``). Each row's arithmetic depends on that row alone, so row
+``i`` of a ``k``-row verify pass is bit-identical to the one-row decode step at its position,
+for every ``k`` up to :data:`MAX_ROWS`.
+
+What is supported (:func:`unsupported_reason` says why not otherwise): mlx-lm's ``llama``
+architecture with full attention, no projection biases, non-traditional RoPE without scaling,
+head dim 64 or 128, affine-quantized projections (4 or 8 bits, one bit width for all of them,
+power-of-two group sizes), a quantized LM head (tied embedding or ``lm_head``), float32
+activations, and a hidden size small enough that 16 normalized rows fit in shared memory
+(<= 640). Prefill stays on mlx-lm's modules; decode/verify passes read the KV cache those
+write and append their own keys and values through mlx-lm's ``KVCache.update_and_fetch``.
+
+The algorithm is a persistent "megakernel" as in Spector et al. 2025, "Look Ma, No Bubbles!
+Designing a Low-Latency Megakernel for Llama-1B" (Hazy Research), here without their
+instruction interpreter: a fixed phase order with grid barriers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from metal_kernels.qmv import _minify, backend
+
+log = logging.getLogger("specserve.fused")
+
+MAX_ROWS = 16
+WARPS = 8
+SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_BITS = (4, 8)
+_SHARED_BYTES = 40 * 1024  # the normalized rows kept in shared memory, per block
+_SOURCES = Path(__file__).parent / "sources"
+
+
+class FusedPassError(RuntimeError):
+    """A fused pass did not complete (a grid barrier timed out); its outputs are garbage."""
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
+@functools.cache
+def multiprocessors() -> int:
+    """Streaming multiprocessors of CUDA device 0 (the driver API), or 16 if it cannot be asked."""
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        dev, value = ctypes.c_int(), ctypes.c_int()
+        if lib.cuInit(0) or lib.cuDeviceGet(ctypes.byref(dev), 0):
+            return 16
+        if lib.cuDeviceGetAttribute(ctypes.byref(value), 16, dev):  # MULTIPROCESSOR_COUNT
+            return 16
+        return max(1, value.value)
+    except OSError:
+        return 16
+
+
+def _linears(layer) -> dict[str, nn.Module]:
+    a, m = layer.self_attn, layer.mlp
+    return {"q_proj": a.q_proj, "k_proj": a.k_proj, "v_proj": a.v_proj, "o_proj": a.o_proj,
+            "gate_proj": m.gate_proj, "up_proj": m.up_proj, "down_proj": m.down_proj}
+
+
+def _head(model) -> nn.Module:
+    inner = model.model
+    if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
+        return inner.embed_tokens
+    return model.lm_head
+
+
+def structure_reason(model) -> str:
+    """Empty when :class:`FusedPass` can run ``model`` (backend aside), else why not."""
+    if type(model).__module__ != "mlx_lm.models.llama":
+        return f"architecture {type(model).__module__} (only mlx_lm.models.llama)"
+    args = model.args
+    inner = model.model
+    if getattr(inner, "swa_idx", None) is not None or getattr(args, "sliding_window", None):
+        return "sliding-window attention"
+    if args.attention_bias or args.mlp_bias:
+        return "projection biases"
+    heads, kv = args.num_attention_heads, args.num_key_value_heads
+    hd = args.head_dim or args.hidden_size // heads
+    if hd not in SUPPORTED_HEAD_DIMS or heads % kv:
+        return f"head dim {hd} / heads {heads}:{kv}"
+    dm, di = args.hidden_size, args.intermediate_size
+    if dm % 8 or di % 8 or dm * MAX_ROWS * 4 > _SHARED_BYTES:
+        return f"hidden size {dm} / intermediate {di} (hidden <= {_SHARED_BYTES // (4 * MAX_ROWS)}, multiples of 8)"
+    bits = set()
+    for layer in inner.layers:
+        rope = layer.self_attn.rope
+        if type(rope) is not nn.RoPE or rope.traditional or rope.dims != hd:
+            return f"RoPE {type(rope).__name__} (only nn.RoPE, non-traditional, full head dim)"
+        for name, lin in _linears(layer).items():
+            if not isinstance(lin, nn.QuantizedLinear) or getattr(lin, "mode", "affine") != "affine":
+                return f"{name} is {type(lin).__name__} (needs affine-quantized weights)"
+            if "bias" in lin:
+                return f"{name} has a bias"
+            gs = lin.group_size
+            if gs & (gs - 1) or gs < 32 // lin.bits:
+                return f"{name} group size {gs}"
+            if lin.scales.dtype != mx.float32:
+                return f"{name} scales {lin.scales.dtype} (float32 only)"
+            bits.add(lin.bits)
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if norm.weight.dtype != mx.float32:
+                return f"activations {norm.weight.dtype} (float32 only)"
+    if len(bits) != 1 or not bits <= set(SUPPORTED_BITS):
+        return f"projection bits {sorted(bits)} (one of {SUPPORTED_BITS} for all)"
+    head = _head(model)
+    if not isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)) or head.bits not in SUPPORTED_BITS:
+        return f"LM head {type(head).__name__} (needs a 4/8-bit quantized head)"
+    if getattr(head, "mode", "affine") != "affine" or "bias" in head:
+        return "LM head mode or bias"
+    if inner.embed_tokens.weight.dtype != mx.uint32 or getattr(inner.embed_tokens, "scales", None) is None:
+        return "embedding not quantized"
+    if inner.embed_tokens.scales.dtype != mx.float32 or head.scales.dtype != mx.float32:
+        return "embedding or LM head scales not float32 (float32 activations only)"
+    return ""
+
+
+def unsupported_reason(model) -> str:
+    """Empty when :class:`FusedPass` runs ``model`` on this machine, else why not."""
+    if backend() != "cuda":
+        return f"backend {backend()} (the fused pass is CUDA only)"
+    return structure_reason(model)
+
+
+@dataclass
+class FusedOutput:
+    """One fused pass (all lazy).
+
+    ``logits``: ``[M, V]`` float32; ``hidden``: ``[L, M, d]`` float32, decoder layer ``l``'s
+    output (what mlx-lm's layer ``l`` returns); ``embeddings``: ``[M, d]``, the pass's input;
+    ``errors``: ``[blocks]`` int32, nonzero where a block gave up at a grid barrier.
+    """
+
+    logits: mx.array
+    hidden: mx.array
+    embeddings: mx.array
+    errors: mx.array
+
+
+class FusedPass:
+    """Decode/verify passes of ``model`` in one kernel launch each.
+
+    Args:
+        model: an mlx-lm Llama model that :func:`unsupported_reason` accepts.
+        blocks: blocks in the launch (at most one per multiprocessor, so all are resident for
+            the grid barrier); default: the device's multiprocessor count.
+        warps: warps per block (8 or 16).
+        skip: phases to leave out (bit mask, see ``sources/fused_body.cu``), for profiling
+            only: the outputs are then meaningless.
+
+    Raises:
+        ValueError: the model or backend is not supported (the message says why).
+    """
+
+    def __init__(self, model: nn.Module, blocks: int | None = None, warps: int = WARPS, skip: int = 0):
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(f"fused pass unsupported: {reason}")
+        self.model = model
+        args, inner = model.args, model.model
+        self.layers = len(inner.layers)
+        self.hidden_size = args.hidden_size
+        self.heads, self.kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim or args.hidden_size // self.heads
+        self.intermediate = args.intermediate_size
+        self.blocks = min(blocks or multiprocessors(), multiprocessors())
+        if warps not in (8, 16):
+            raise ValueError(f"warps must be 8 or 16, got {warps}")
+        self.warps, self.skip = warps, skip
+        lins = [_linears(layer) for layer in inner.layers]
+
+        def stack(names, part):
+            return mx.stack([mx.concatenate([getattr(li[n], part) for n in names], axis=0) for li in lins])
+
+        w = {}
+        for key, names in (("qkv", ("q_proj", "k_proj", "v_proj")), ("o", ("o_proj",)),
+                           ("gu", ("gate_proj", "up_proj")), ("d", ("down_proj",))):
+            w["w" + key], w["s" + key], w["b" + key] = (stack(names, p) for p in ("weight", "scales", "biases"))
+        self.bits = lins[0]["q_proj"].bits
+        head = _head(model)
+        self.head_bits = head.bits
+        w["we"], w["se"], w["bee"] = head.weight, head.scales, head.biases
+        w["norms"] = mx.stack([mx.stack([layer.input_layernorm.weight, layer.post_attention_layernorm.weight])
+                               for layer in inner.layers])
+        w["fnorm"] = inner.norm.weight
+        rope = inner.layers[0].self_attn.rope
+        half = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim
+        w["inv_freq"] = mx.array((rope.scale * rope.base ** -half).astype(np.float32))
+        self.eps = inner.layers[0].input_layernorm.eps
+        self.scale = inner.layers[0].self_attn.scale
+        self.weights = w
+        mx.eval(list(w.values()))
+        self._bar = self._new_barrier()
+        self._zero = mx.zeros((1,), dtype=mx.uint8)
+        self.passes = 0
+
+    def _new_barrier(self) -> mx.array:
+        # one 128-byte line per block (and more than 8 bytes: MLX-CUDA's managed small pool,
+        # see fused_cuda.cuh)
+        bar = mx.zeros((self.blocks * 32,), dtype=mx.uint32)
+        mx.eval(bar)
+        return bar
+
+    _WEIGHT_NAMES = ("inv_freq", "norms", "fnorm", "wqkv", "sqkv", "bqkv", "wo", "so", "bo",
+                     "wgu", "sgu", "bgu", "wd", "sd", "bd", "we", "se", "bee")
+
+    @functools.cached_property
+    def _kernel(self):
+        n = self.layers
+        tables = (f"const float* KC[NL] = {{{', '.join(f'kc{i}' for i in range(n))}}};\n"
+                  f"const float* VC[NL] = {{{', '.join(f'vc{i}' for i in range(n))}}};\n")
+        header = _minify((_SOURCES / "fused_cuda.cuh").read_text())
+        body = tables + _minify((_SOURCES / "fused_body.cu").read_text())
+        digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
+        return mx.fast.cuda_kernel(
+            name=f"specserve_fused_pass_{digest}",
+            input_names=["x0", "pos", *self._WEIGHT_NAMES, *(f"kc{i}" for i in range(n)),
+                         *(f"vc{i}" for i in range(n)), "bar"],
+            output_names=["logits", "hidden", "kn", "vn", "qkv", "att", "hmid", "act", "err"],
+            source=body, header=header, ensure_row_contiguous=False)
+
+    def supports_cache(self, cache: list, rows: int) -> bool:
+        """Whether a pass of ``rows`` rows can append to ``cache`` (mlx-lm ``KVCache`` layers,
+        already holding a prefill, same buffer shapes, float32). The buffers may be views (a
+        prefix-cache hit restores slices of stored arrays): the kernel reads their strides."""
+        if not 1 <= rows <= MAX_ROWS or len(cache) != self.layers:
+            return False
+        first = cache[0]
+        keys = getattr(first, "keys", None)
+        if keys is None or keys.dtype != mx.float32 or first.offset < 1 or type(first).__name__ not in (
+                "KVCache", "ExactKVCache"):
+            return False
+        shape = keys.shape
+        return all(type(c) is type(first) and c.keys is not None and c.keys.shape == shape
+                   and c.values.shape == shape and c.offset == first.offset for c in cache)
+
+    def __call__(self, tokens: list[int], cache: list) -> FusedOutput:
+        """Run ``tokens`` (one decode token, or the anchor plus drafts) through the target at
+        the cache's current length, appending their keys and values to ``cache``.
+
+        Args:
+            tokens: 1..16 token ids.
+            cache: the sequence's per-layer mlx-lm ``KVCache`` list (see :meth:`supports_cache`).
+
+        Returns:
+            :class:`FusedOutput`, lazy. Call :meth:`check` after evaluating it.
+        """
+        m = len(tokens)
+        inner = self.model.model
+        x0 = inner.embed_tokens(mx.array(tokens, dtype=mx.uint32))
+        start = cache[0].offset
+        nqkv = (self.heads + 2 * self.kv_heads) * self.head_dim
+        d, nl, kv, hd = self.hidden_size, self.layers, self.kv_heads, self.head_dim
+        pos = mx.broadcast_to(self._zero, (start,))  # its length tells the kernel the cached length
+        inputs = [x0, pos, *(self.weights[k] for k in self._WEIGHT_NAMES),
+                  *(c.keys for c in cache), *(c.values for c in cache), self._bar]
+        outs = self._kernel(
+            inputs=inputs,
+            template=[("ST", self.weights["sqkv"].dtype), ("NL", nl), ("DM", d), ("NH", self.heads),
+                      ("NKV", kv), ("HD", hd), ("DI", self.intermediate), ("MB", MAX_ROWS), ("W", self.warps),
+                      ("BITS", self.bits), ("HBITS", self.head_bits), ("EPS_BITS", _float_bits(self.eps)),
+                      ("SCALE_BITS", _float_bits(self.scale)), ("SKIP", self.skip)],
+            grid=(self.blocks * 32 * self.warps, 1, 1), threadgroup=(32 * self.warps, 1, 1),
+            output_shapes=[(m, self.weights["we"].shape[0]), (nl, m, d), (nl, kv, m, hd), (nl, kv, m, hd),
+                           (m, nqkv), (m, self.heads * hd), (m, d), (m, self.intermediate), (self.blocks,)],
+            output_dtypes=[mx.float32] * 8 + [mx.int32])
+        logits, hidden, kn, vn = outs[:4]
+        for layer, c in enumerate(cache):
+            c.update_and_fetch(kn[layer][None], vn[layer][None])
+        self.passes += 1
+        return FusedOutput(logits, hidden, x0, outs[8])
+
+    def check(self, out: FusedOutput) -> None:
+        """Raise :class:`FusedPassError` if ``out``'s pass gave up at a grid barrier (blocks not
+        all resident, or a fault); the barrier state is reset for the next pass."""
+        if mx.any(out.errors).item():
+            self._bar = self._new_barrier()
+            raise FusedPassError(f"fused pass: {int(mx.sum(out.errors != 0).item())} of {self.blocks} blocks "
+                                 "timed out at a grid barrier")

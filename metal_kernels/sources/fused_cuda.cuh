@@ -1,0 +1,160 @@
+// specserve fused decode/verify pass, CUDA: device helpers (the `header` of the kernel).
+//
+// See fused_body.cu for the pass itself. Everything here computes one output row's value with
+// an arithmetic order that depends only on that row (never on how many rows share the launch,
+// nor on which block or warp computes it).
+
+// Global-memory load that bypasses L1: buffers written by other blocks earlier in the same
+// launch (the scratch activations) must not be served from a stale L1 line.
+__device__ __forceinline__ float4 ss_ldcg4(const float* p) {
+  return __ldcg(reinterpret_cast<const float4*>(p));
+}
+
+// A grid-wide barrier for a launch whose blocks are all resident (the launcher starts at most
+// one block per multiprocessor). Block b publishes its barrier count ("epoch") in bar[32 b]
+// (one 128-byte line each, no atomics), then one warp of every block polls all blocks' slots
+// until each has reached its own epoch. All slots are equal between launches (every launch
+// passes the same barriers), so a block starts from its own slot. Returns false after ~1 s
+// of waiting (a block that never arrived), so a bad launch ends with an error flag instead of
+// hanging the device. `bar` must live in device memory: MLX-CUDA keeps arrays of at most 8
+// bytes in a managed-memory pool the host also touches, where a 2-word atomic barrier cost
+// ~1 ms on an H200 (a one-counter atomic barrier in device memory still cost ~9 us).
+__device__ __forceinline__ bool ss_grid_sync(unsigned int* bar, unsigned int& epoch) {
+  __shared__ int ss_ok;
+  __syncthreads();
+  ++epoch;
+  if (threadIdx.x < 32) {
+    if (threadIdx.x == 0) {
+      __threadfence();
+      *reinterpret_cast<volatile unsigned int*>(bar + blockIdx.x * 32) = epoch;
+    }
+    __syncwarp();
+    const long long t0 = clock64();
+    int ok = 1;
+    while (true) {
+      bool arrived = true;
+      for (int b = threadIdx.x; b < static_cast<int>(gridDim.x); b += 32) {
+        const unsigned int f = *reinterpret_cast<volatile const unsigned int*>(bar + b * 32);
+        arrived = arrived && static_cast<int>(f - epoch) >= 0;
+      }
+      if (__all_sync(0xffffffffu, arrived)) {
+        break;
+      }
+      if (__any_sync(0xffffffffu, clock64() - t0 > 2000000000LL)) {
+        ok = 0;
+        break;
+      }
+    }
+    __threadfence();
+    if (threadIdx.x == 0) {
+      ss_ok = ok;
+    }
+  }
+  __syncthreads();
+  return ss_ok != 0;
+}
+
+// RoPE (non-traditional, as mlx's nn.RoPE with traditional=False): rotates the pair
+// (x[i], x[i + D/2]) by pos * inv_freq[i]. Explicitly rounded operations (no FMA contraction),
+// so every call site computes the same bits for the same (pair, position).
+__device__ __forceinline__ void ss_rope(float lo, float hi, int pos, float inv_freq, float& out_lo,
+                                        float& out_hi) {
+  const float ang = __fmul_rn(static_cast<float>(pos), inv_freq);
+  float sn, cs;
+  sincosf(ang, &sn, &cs);
+  out_lo = __fsub_rn(__fmul_rn(lo, cs), __fmul_rn(hi, sn));
+  out_hi = __fadd_rn(__fmul_rn(hi, cs), __fmul_rn(lo, sn));
+}
+
+// One warp's partial dot products of a quantized weight row with M <= MB activation rows.
+// Lane l takes packed words l, l + 32, ... in increasing order, dequantizes each (fp32
+// scale * q + bias) and accumulates x * w with fp32 FMAs; ss_warp_sum then adds the 32 lane
+// sums by a fixed xor butterfly. x rows are K floats apart, in shared memory (SMEM) or in
+// global memory written earlier in this launch (read through L2).
+template <int BITS, int MB, bool SMEM, typename S>
+__device__ __forceinline__ void ss_qdot(const uint32_t* __restrict__ wrow, const S* __restrict__ srow,
+                                        const S* __restrict__ brow, int K, int gshift, const float* x,
+                                        int M, int lane, float* acc) {
+  constexpr int PACK = 32 / BITS;
+  constexpr uint32_t MASK = (1u << BITS) - 1u;
+  const int KW = K / PACK;
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+    acc[m] = 0.0f;
+  }
+#pragma unroll 4
+  for (int i = lane; i < KW; i += 32) {
+    const int k0 = i * PACK;
+    const int gi = k0 >> gshift;
+    const uint32_t word = wrow[i];
+    const float s = static_cast<float>(srow[gi]);
+    const float b = static_cast<float>(brow[gi]);
+    float wv[PACK];
+#pragma unroll
+    for (int p = 0; p < PACK; ++p) {
+      const float q = __uint_as_float(0x4B000000u | ((word >> (BITS * p)) & MASK)) - 8388608.0f;
+      wv[p] = fmaf(q, s, b);
+    }
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+      if (m < M) {
+#pragma unroll
+        for (int p4 = 0; p4 < PACK; p4 += 4) {
+          const float* xp = x + m * K + k0 + p4;
+          const float4 xv = SMEM ? *reinterpret_cast<const float4*>(xp) : ss_ldcg4(xp);
+          acc[m] = fmaf(xv.x, wv[p4 + 0], acc[m]);
+          acc[m] = fmaf(xv.y, wv[p4 + 1], acc[m]);
+          acc[m] = fmaf(xv.z, wv[p4 + 2], acc[m]);
+          acc[m] = fmaf(xv.w, wv[p4 + 3], acc[m]);
+        }
+      }
+    }
+  }
+}
+
+// Copy M rows of K floats (global, written earlier in this launch) into shared memory, all
+// threads of the block (float4 steps; K a multiple of 4). Ends with __syncthreads.
+__device__ __forceinline__ void ss_stage(const float* src, int n, float* dst) {
+  for (int i = threadIdx.x * 4; i < n; i += blockDim.x * 4) {
+    *reinterpret_cast<float4*>(dst + i) = ss_ldcg4(src + i);
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ float ss_warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    v += __shfl_xor_sync(0xffffffffu, v, o);
+  }
+  return v;
+}
+
+// RMSNorm of M rows of `src` (global, [M, DM]) into shared `xs`: xs[m, k] = src[m, k] *
+// rsqrt(mean_k(src[m, k]^2) + eps) * g[k]. Warp w normalizes rows w, w + W, ...; the sum of
+// squares runs lane-strided in increasing k, then the butterfly.
+template <int DM, int W>
+__device__ __forceinline__ void ss_rmsnorm(const float* src, const float* __restrict__ g, float eps, int M,
+                                           float* xs) {
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  for (int m = warp; m < M; m += W) {
+    float ss = 0.0f;
+    for (int k = lane * 4; k < DM; k += 128) {
+      const float4 v = ss_ldcg4(src + m * DM + k);
+      ss = fmaf(v.x, v.x, ss);
+      ss = fmaf(v.y, v.y, ss);
+      ss = fmaf(v.z, v.z, ss);
+      ss = fmaf(v.w, v.w, ss);
+    }
+    ss = ss_warp_sum(ss);
+    const float inv = rsqrtf(ss / static_cast<float>(DM) + eps);
+    for (int k = lane * 4; k < DM; k += 128) {
+      const float4 v = ss_ldcg4(src + m * DM + k);
+      xs[m * DM + k + 0] = v.x * inv * g[k + 0];
+      xs[m * DM + k + 1] = v.y * inv * g[k + 1];
+      xs[m * DM + k + 2] = v.z * inv * g[k + 2];
+      xs[m * DM + k + 3] = v.w * inv * g[k + 3];
+    }
+  }
+  __syncthreads();
+}
