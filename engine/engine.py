@@ -67,6 +67,7 @@ class EngineConfig:
     speculation: str = "auto"  # off | prompt_lookup | dspark | auto
     kernels: str = "off"  # metal_kernels small-batch quantized matmuls: auto | off
     compile: str = "auto"  # compiled decode/verify over a static KV cache: auto (= off, measured) | on | off
+    fused: str = "auto"  # one-launch decode/verify passes (metal_kernels.fused, CUDA): auto | on | off
     dspark: bool = False  # load the DSpark drafter
     dspark_drafter: str | None = None  # its directory (default: the one shipped for the default model)
     prompt_lookup_min_ngram: int = 2
@@ -386,14 +387,31 @@ class Engine:
         """Make the target runner (eager or compiled passes) and run the start-up calibration."""
         cfg = self.config
         self.runner = TargetRunner(self.loaded.model, prefill_step=cfg.prefill_step, compile=compiled,
-                                   max_context=self.loaded.context_length)
-        log.info("target passes: %s", "compiled (static KV cache)" if compiled else "eager")
+                                   max_context=self.loaded.context_length, fused=self._fused_pass(compiled))
+        log.info("target passes: %s", "compiled (static KV cache)" if compiled
+                 else "fused (one launch per pass)" if self.runner.fused is not None else "eager")
         rows = cfg.max_verify_rows if cfg.speculation != "off" else 1
         vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
         self.calibration = self.runner.calibrate(
             vocab, max_rows=max(1, rows), mode=cfg.exact_verify,
             contexts=cfg.calibration_contexts, max_context=self.loaded.context_length,
         )
+
+    def _fused_pass(self, compiled: bool):
+        """The fused decode/verify pass for the target, or None (``fused`` off, unsupported, or
+        compiled passes asked for)."""
+        mode = self.config.fused
+        if mode not in ("auto", "on", "off"):
+            raise ValueError(f"fused must be auto, on or off, got {mode!r}")
+        if mode == "off":
+            return None
+        from metal_kernels import fused
+
+        reason = "compiled passes asked for (compile=on)" if compiled else fused.unsupported_reason(self.loaded.model)
+        if reason:
+            (log.warning if mode == "on" else log.info)("fused passes off: %s", reason)
+            return None
+        return fused.FusedPass(self.loaded.model)
 
     def _load_dspark(self) -> None:
         from drafters.dspark import DSparkDrafter, TargetTaps, load_dspark

@@ -32,6 +32,7 @@ class Calibration:
     probed_rows: int  # the width asked for
     batched_rows: int = 0  # widest pass exact with MLX's batched attention
     attention_kernel: bool = False  # decode/verify passes attend through metal_kernels.attention
+    fused_pass: bool = False  # decode/verify passes run as one launch (metal_kernels.fused)
 
     def summary(self) -> dict:
         base = self.verify_cost[0]
@@ -40,6 +41,7 @@ class Calibration:
             "batched_attention_rows": self.batched_rows,
             "row_exact_attention": self.row_exact_attention,
             "attention_kernel": self.attention_kernel,
+            "fused_pass": self.fused_pass,
             "verify_cost_ms": [round(t * 1e3, 3) for t in self.verify_cost],
             "verify_cost_relative": [round(t / base, 3) for t in self.verify_cost],
         }
@@ -54,10 +56,13 @@ class TargetRunner:
         compile: run decode/verify passes as ``mx.compile``d graphs over a static KV cache
             (:mod:`engine.static_cache`); caches are then :class:`StaticCache` objects.
         max_context: the context window (largest static cache capacity needed).
+        fused: ``metal_kernels.fused.FusedPass`` for ``model``, or None: decode/verify passes
+            of 1..16 rows then run as one kernel launch each (eager caches only; prefill and
+            batched passes keep mlx-lm's modules).
     """
 
     def __init__(self, model: nn.Module, prefill_step: int = 512, compile: bool = False,
-                 max_context: int | None = None):
+                 max_context: int | None = None, fused=None):
         self.model = model
         self.prefill_step = prefill_step
         self.row_exact_attention = False
@@ -71,6 +76,7 @@ class TargetRunner:
         self._kv_layout = None  # (layers, kv_heads, head_dim, dtype) of the static cache
         self._passes: dict[int, CompiledPasses] = {}  # id(taps) (0: none) -> compiled passes
         self._taps_alive: dict[int, object] = {}
+        self.fused = None if compile else fused
 
     def make_cache(self, positions: int | None = None):
         """A new empty KV cache (mlx-lm per-layer caches, or a :class:`StaticCache` when compiled).
@@ -155,6 +161,8 @@ class TargetRunner:
         Returns:
             ``(logits [len(tokens), V] float32, hidden [len(tokens), m*d] float32 or None)``, lazy.
         """
+        if self.fused is not None and self.fused.supports_cache(cache, len(tokens)):
+            return self._fused_pass(tokens, cache, taps)
         row_exact = self._row_exact(len(tokens))
         if isinstance(cache, StaticCache):
             return self.passes(taps).run(tokens, cache, row_exact)
@@ -164,6 +172,20 @@ class TargetRunner:
             return logits.astype(mx.float32), hidden
         finally:
             exact_attention.set_row_exact(cache, False)
+
+    def _fused_pass(self, tokens: list[int], cache, taps):
+        out = self.fused(tokens, cache)
+        mx.eval(out.logits)
+        try:
+            self.fused.check(out)
+        except Exception:
+            log.error("fused pass failed; later passes use mlx-lm's modules", exc_info=True)
+            self.fused = None
+            raise
+        if taps is None:
+            return out.logits, None
+        layers = [out.embeddings if i < 0 else out.hidden[i] for i in taps.layer_ids]  # each [n, d]
+        return out.logits, mx.concatenate(layers, axis=-1).astype(mx.float32)
 
     def _row_exact(self, rows: int) -> bool:
         """Whether a pass of ``rows`` rows attends row by row (calibration's choice)."""
@@ -203,8 +225,8 @@ class TargetRunner:
         batched pass attends sequence by sequence with the calls each sequence's own pass makes,
         so only the batched projections and RoPE's per-sequence offsets are under test here: a
         few short contexts suffice."""
-        if self.compiled or max_rows < 2:
-            return 0
+        if self.compiled or self.fused is not None or max_rows < 2:
+            return 0  # (fused passes take one sequence: a batched pass would not match them)
         ids = mx.random.randint(3, vocab_size, (context + 4 * max_rows + max_rows,), key=mx.random.key(99)).tolist()
 
         caches = []  # sequence i: a cache holding context + 3 i tokens, reused by every check
@@ -305,6 +327,8 @@ class TargetRunner:
             max_context: the model's context window (probes are clipped to it).
         """
         self.row_kernel, launched = None, []
+        if self.fused is not None:
+            mode = "row"  # attention runs inside the fused pass; these flags only matter for prefill-free fallbacks
         kernel_mode = mode == "kernel"
         if kernel_mode:
             from metal_kernels import attention
@@ -357,7 +381,8 @@ class TargetRunner:
         ctx = min(256, need - max_rows)
         costs = self._measure_cost(ids[:ctx], ids[ctx : ctx + width], width, repeats)
         return Calibration(width, row > batched, costs, max_rows, batched_rows=self.batched_rows,
-                           attention_kernel=self.row_kernel is not None and self.row_exact_attention)
+                           attention_kernel=self.row_kernel is not None and self.row_exact_attention,
+                           fused_pass=self.fused is not None)
 
 def cost_model(cal: Calibration) -> CostModel:
     return CostModel(list(cal.verify_cost))

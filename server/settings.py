@@ -182,6 +182,16 @@ class Settings(BaseSettings):
             raise ValueError("api_key is set but empty; unset it to disable authentication")
         return v
 
+    fused: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Fused decode/verify passes (CUDA): every decode and verify pass of a supported "
+        "target (mlx-lm Llama, quantized weights, float32 activations, hidden size <= 640, e.g. the "
+        "default model) runs as one kernel launch (metal_kernels/fused.py) instead of ~20 MLX ops per "
+        "layer; rows stay bit-identical for 1..16 rows. `auto` and `on` use it where supported (`on` "
+        "logs why not elsewhere), `off` keeps mlx-lm's modules. Prefill and batched passes always "
+        "use mlx-lm's modules; with it on, sequences are not batched into one pass.",
+    )
+
     def engine_config(self):
         from engine import EngineConfig
 
@@ -192,6 +202,7 @@ class Settings(BaseSettings):
             speculation=self.speculation,
             kernels=self.kernels,
             compile=self.compile,
+            fused=self.fused,
             dspark=self.dspark,
             dspark_drafter=self.dspark_drafter,
             prompt_lookup_min_ngram=self.prompt_lookup_min_ngram,
