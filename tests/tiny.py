@@ -38,14 +38,16 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return tok
 
 
-def tiny_model(seed: int = 0, vocab: int = 259, layers: int = 2, hidden: int = 320, scale: float = 1.0):
-    """A 2-layer Llama (GQA: 8 query heads, 4 KV heads of 80). Matrices are at least 320 wide:
-    OpenBLAS's small-matrix kernels (used below ~64^3 multiply-adds) give row results that
-    depend on the row count, which calibration would answer with a narrow verify width."""
+def tiny_model(seed: int = 0, vocab: int = 259, layers: int = 2, hidden: int = 320, scale: float = 1.0,
+               head_dim: int = 80):
+    """A 2-layer Llama (GQA: 8 query heads, 4 KV heads of ``head_dim`` = 80). Matrices are at
+    least 320 wide: OpenBLAS's small-matrix kernels (used below ~64^3 multiply-adds) give row
+    results that depend on the row count, which calibration would answer with a narrow verify
+    width."""
     mx.random.seed(seed)
     args = llama.ModelArgs(
         model_type="llama", hidden_size=hidden, num_hidden_layers=layers, intermediate_size=2 * hidden,
-        num_attention_heads=8, num_key_value_heads=4, head_dim=80, rms_norm_eps=1e-5, vocab_size=vocab,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=head_dim, rms_norm_eps=1e-5, vocab_size=vocab,
         rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=2048,
     )
     model = llama.Model(args)
@@ -55,8 +57,19 @@ def tiny_model(seed: int = 0, vocab: int = 259, layers: int = 2, hidden: int = 3
     return model, args
 
 
-def tiny_loaded(seed: int = 0, weights: str = "float32", context: int = 2048, scale: float = 1.0) -> LoadedModel:
-    model, args = tiny_model(seed, scale=scale)
+def tiny_loaded(seed: int = 0, weights: str = "float32", context: int = 2048, scale: float = 1.0,
+                head_dim: int = 80, quantize_bits: int | None = None) -> LoadedModel:
+    """The tiny model as the engine loads a target; ``quantize_bits`` quantizes its projections
+    (group 32; the tied embedding in 8 bits) as the default model's GGUF is."""
+    model, args = tiny_model(seed, scale=scale, head_dim=head_dim)
+    if quantize_bits:
+        import mlx.nn as nn
+
+        nn.quantize(model, class_predicate=lambda _, m: (
+            {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
+            else {"group_size": 32, "bits": quantize_bits} if isinstance(m, nn.Linear) else False))
+        mx.eval(model.parameters())
+        weights = "quantized"
     applied = apply_weight_policy(model, weights)
     hf = byte_tokenizer()
     wrapper = TokenizerWrapper(hf, eos_token_ids=[2])

@@ -1,0 +1,322 @@
+"""Fused decode/verify passes (metal_kernels/fused.py): support checks, the launcher, the engine.
+
+CPU tier: which models are supported and why not; the launcher (weight stacking, RoPE
+frequencies, KV-cache appends, hidden-state taps) and the engine's use of it, with
+:func:`reference_pass` standing in for the CUDA kernel (the same contract, in MLX ops).
+GPU tier (CUDA): the kernel against :func:`reference_pass`, rows bit-identical for every width
+1..16, and greedy speculative output equal to plain output through the engine.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from helpers import run
+from tiny import tiny_loaded, tiny_model
+
+from engine import Engine, EngineConfig
+from engine.runner import TargetRunner
+from metal_kernels import fused
+from metal_kernels.fused import FusedPass, structure_reason, unsupported_reason
+
+ON_CUDA = fused.backend() == "cuda"
+needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="the fused pass is CUDA only; this MLX has no CUDA backend")
+
+
+def _unbits(i: int) -> float:
+    return struct.unpack("<f", struct.pack("<i", i))[0]
+
+
+def reference_pass(inputs, template, output_shapes, **_):
+    """What the kernel computes, in MLX ops: same inputs (as FusedPass hands them to
+    ``mx.fast.cuda_kernel``) and the four outputs that matter (logits, hidden, kn, vn); the
+    scratch outputs are zeros. Attention runs row by row, so rows do not depend on the width."""
+    t = dict(template)
+    names = ["x0", "pos", *FusedPass._WEIGHT_NAMES]
+    w = dict(zip(names, inputs))
+    nl, nh, nkv, hd, di = t["NL"], t["NH"], t["NKV"], t["HD"], t["DI"]
+    eps, scale = _unbits(t["EPS_BITS"]), _unbits(t["SCALE_BITS"])
+    kc, vc = inputs[len(names):len(names) + nl], inputs[len(names) + nl:len(names) + 2 * nl]
+    start, h = w["pos"].shape[0], w["x0"]
+    m = h.shape[0]
+
+    def qmm(a, wq, s, b, bits):
+        return mx.quantized_matmul(a, wq, s, b, transpose=True, group_size=a.shape[-1] // s.shape[-1], bits=bits)
+
+    def proj(a, key, layer):
+        return qmm(a, w["w" + key][layer], w["s" + key][layer], w["b" + key][layer], t["BITS"])
+
+    angle = mx.arange(start, start + m).astype(mx.float32)[:, None] * w["inv_freq"][None]
+    cos, sin = mx.cos(angle)[:, None], mx.sin(angle)[:, None]
+
+    def rope(v):  # [m, heads, hd], non-traditional: pairs (i, i + hd / 2)
+        lo, hi = v[..., : hd // 2], v[..., hd // 2:]
+        return mx.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
+
+    hidden, kns, vns = [], [], []
+    for layer in range(nl):
+        qkv = proj(mx.fast.rms_norm(h, w["norms"][layer, 0], eps), "qkv", layer)
+        q = rope(qkv[:, : nh * hd].reshape(m, nh, hd)).transpose(1, 0, 2)[None]
+        kn = rope(qkv[:, nh * hd:(nh + nkv) * hd].reshape(m, nkv, hd)).transpose(1, 0, 2)
+        vn = qkv[:, (nh + nkv) * hd:].reshape(m, nkv, hd).transpose(1, 0, 2)
+        keys = mx.concatenate([kc[layer][0, :, :start], kn], axis=1)[None]
+        values = mx.concatenate([vc[layer][0, :, :start], vn], axis=1)[None]
+        att = mx.concatenate([mx.fast.scaled_dot_product_attention(
+            q[:, :, i:i + 1], keys[:, :, :start + i + 1], values[:, :, :start + i + 1], scale=scale)
+            for i in range(m)], axis=2)
+        hmid = h + proj(att[0].transpose(1, 0, 2).reshape(m, nh * hd), "o", layer)
+        gu = proj(mx.fast.rms_norm(hmid, w["norms"][layer, 1], eps), "gu", layer)
+        h = hmid + proj(nn.silu(gu[:, :di]) * gu[:, di:], "d", layer)
+        hidden.append(h)
+        kns.append(kn)
+        vns.append(vn)
+    logits = qmm(mx.fast.rms_norm(h, w["fnorm"], eps), w["we"], w["se"], w["bee"], t["HBITS"])
+    scratch = [mx.zeros(s) for s in output_shapes[4:8]]
+    return [logits, mx.stack(hidden), mx.stack(kns), mx.stack(vns), *scratch,
+            mx.zeros(output_shapes[8], dtype=mx.int32)]
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    """Off CUDA: FusedPass launches reference_pass instead of the kernel."""
+    if not ON_CUDA:
+        monkeypatch.setattr(fused, "backend", lambda: "cuda")
+        monkeypatch.setattr(fused, "multiprocessors", lambda: 4)
+        monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: reference_pass))
+
+
+def _quantized_model(seed=0, bits=4, head_dim=64, dtype=mx.float32):
+    model, _ = tiny_model(seed, head_dim=head_dim)
+    model.set_dtype(dtype)
+    nn.quantize(model, class_predicate=lambda _, m: (
+        {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
+        else {"group_size": 32, "bits": bits} if isinstance(m, nn.Linear) else False))
+    mx.eval(model.parameters())
+    return model
+
+
+# ---------------------------------------------------------------- CPU: what is supported
+
+
+def test_structure_reason_accepts_the_default_layout_and_names_what_it_rejects():
+    assert structure_reason(_quantized_model()) == ""
+    assert structure_reason(_quantized_model(bits=8)) == ""
+    assert "head dim 80" in structure_reason(_quantized_model(head_dim=80))
+    assert "float32 only" in structure_reason(_quantized_model(dtype=mx.bfloat16))
+    plain, _ = tiny_model(0, head_dim=64)
+    assert "affine-quantized" in structure_reason(plain)
+    traditional = _quantized_model()
+    for layer in traditional.model.layers:
+        layer.self_attn.rope = nn.RoPE(64, traditional=True, base=10000.0)
+    assert "RoPE" in structure_reason(traditional)
+    if not ON_CUDA:
+        assert "CUDA only" in unsupported_reason(_quantized_model())
+        with pytest.raises(ValueError, match="CUDA only"):
+            FusedPass(_quantized_model())
+
+
+# ---------------------------------------------------------------- the launcher (stand-in off CUDA)
+
+
+def _prefilled(model, tokens):
+    runner = TargetRunner(model)
+    cache = runner.make_cache()
+    mx.eval(runner.prefill(tokens, cache)[0])
+    return runner, cache
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fused_pass_matches_mlx_lm_and_appends_the_cache(stand_in, bits):
+    """Logits, every layer's output and the appended keys/values agree with mlx-lm's own
+    forward of the same rows (to rounding: the kernel's reductions differ from MLX's)."""
+    model = _quantized_model(seed=1, bits=bits)
+    prompt = mx.random.randint(3, 259, (37,), key=mx.random.key(5)).tolist()
+    rows = [17, 250, 3, 99, 42]
+    _, eager_cache = _prefilled(model, prompt)
+    taps_h = []
+    h = model.model.embed_tokens(mx.array(rows)[None])
+    from mlx_lm.models.base import create_attention_mask
+
+    mask = create_attention_mask(h, eager_cache[0])
+    for layer, c in zip(model.model.layers, eager_cache):
+        h = layer(h, mask, cache=c)
+        taps_h.append(h[0])
+    eager = model.model.embed_tokens.as_linear(model.model.norm(h))[0]
+
+    _, cache = _prefilled(model, prompt)
+    fp = FusedPass(model)
+    out = fp(rows, cache)
+    mx.eval(out.logits, out.hidden)
+    fp.check(out)
+    scale = mx.abs(eager).max().item()
+    assert mx.abs(out.logits - eager).max().item() < 1e-4 * scale
+    for layer, want in enumerate(taps_h):
+        assert mx.allclose(out.hidden[layer], want, rtol=1e-4, atol=1e-4).item(), layer
+    assert cache[0].offset == eager_cache[0].offset == len(prompt) + len(rows)
+    for c, e in zip(cache, eager_cache):
+        n = e.offset
+        assert mx.allclose(c.keys[..., :n, :], e.keys[..., :n, :], rtol=1e-4, atol=1e-4).item()
+        assert mx.allclose(c.values[..., :n, :], e.values[..., :n, :], rtol=1e-4, atol=1e-4).item()
+
+
+def test_runner_routes_decode_and_verify_through_the_fused_pass(stand_in):
+    model = _quantized_model(seed=2)
+    fp = FusedPass(model)
+    runner = TargetRunner(model, fused=fp)
+    cache = runner.make_cache()
+    prompt = list(range(3, 40))
+    mx.eval(runner.prefill(prompt, cache)[0])
+    assert fp.passes == 0  # prefill stays on mlx-lm's modules
+
+    class Taps:
+        layer_ids = [-1, 1]
+
+    logits, hidden = runner.verify([5, 6, 7], cache, taps=Taps())
+    assert fp.passes == 1 and logits.shape == (3, 259) and hidden.shape == (3, 2 * 320)
+    emb = model.model.embed_tokens(mx.array([5, 6, 7]))
+    assert mx.array_equal(hidden[:, :320], emb).item()
+    runner.trim(cache, 3)
+    assert cache[0].offset == len(prompt)
+    assert runner.calibrate_batch(259, 4, 4) == 0  # one sequence per pass with fused passes
+
+
+def _engine(loaded, **cfg):
+    base = dict(speculation="prompt_lookup", max_verify_rows=16, calibration_contexts=(40, 300), warmup=False)
+    return Engine(EngineConfig(**{**base, **cfg}), loaded=loaded).start(wait=True, timeout=600)
+
+
+def _greedy(eng, prompt, speculation, max_tokens=48):
+    return run(eng, prompt, speculation, max_tokens=max_tokens)[0]
+
+
+@pytest.mark.parametrize("mode", ["auto", "on", "off"])
+def test_engine_fused_modes(stand_in, mode):
+    """`auto`/`on` run every decode/verify pass fused where supported (calibration finds all 16
+    rows exact), greedy speculative output equals plain output; `off` keeps mlx-lm's modules."""
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    eng = _engine(loaded, fused=mode, max_active=2)
+    try:
+        fp = eng.runner.fused
+        assert (fp is not None) == (mode != "off") and eng.calibration.fused_pass == (mode != "off")
+        if fp is None:
+            return
+        assert eng.calibration.max_rows == 16 and eng.batch_rows == 0
+        prompt = [5, 6, 7, 8, 9, 10] * 10
+        before = fp.passes
+        spec = _greedy(eng, prompt, "prompt_lookup")
+        plain = _greedy(eng, prompt, "off")
+        assert spec == plain and len(plain) == 48 and fp.passes > before
+    finally:
+        eng.stop()
+
+
+def test_engine_fused_off_where_unsupported(caplog):
+    loaded = tiny_loaded(seed=4)  # head dim 80, float32 weights
+    eng = _engine(loaded, fused="on", calibration_contexts=(40,), max_verify_rows=4)
+    try:
+        assert eng.runner.fused is None and not eng.calibration.fused_pass
+    finally:
+        eng.stop()
+    assert any("fused passes off" in r.getMessage() for r in caplog.records)
+
+
+def test_engine_rejects_a_bad_fused_mode():
+    with pytest.raises(RuntimeError, match="fused must be"):
+        _engine(tiny_loaded(seed=4), fused="maybe", calibration_contexts=(40,), max_verify_rows=2)
+
+
+# ---------------------------------------------------------------- GPU: the CUDA kernel
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("bits", [4, 8])
+def test_kernel_matches_reference_pass(bits):
+    model = _quantized_model(seed=3, bits=bits)
+    prompt = mx.random.randint(3, 259, (300,), key=mx.random.key(6)).tolist()
+    rows = [11, 12, 13, 200, 7, 7, 7, 9, 100]
+    _, cache = _prefilled(model, prompt)
+    _, ref_cache = _prefilled(model, prompt)
+    fp = FusedPass(model)
+    out = fp(rows, cache)
+    mx.eval(out.logits, out.hidden)
+    fp.check(out)
+    ref = FusedPass(model)
+    ref.__dict__["_kernel"] = reference_pass
+    want = ref(rows, ref_cache)
+    scale = mx.abs(want.logits).max().item()
+    assert mx.abs(out.logits - want.logits).max().item() < 1e-4 * scale
+    assert mx.allclose(out.hidden, want.hidden, rtol=1e-4, atol=1e-4).item()
+    for c, r in zip(cache, ref_cache):
+        n = r.offset
+        assert mx.allclose(c.keys[..., :n, :], r.keys[..., :n, :], rtol=1e-4, atol=1e-4).item()
+        assert mx.allclose(c.values[..., :n, :], r.values[..., :n, :], rtol=1e-4, atol=1e-4).item()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("context", [1, 45, 700])
+def test_kernel_rows_bit_identical_for_every_width(context):
+    """Row i of a k-row pass equals the one-row decode step at its position, bit for bit, for
+    k = 2..16 (and the keys/values each appends are the same bits)."""
+    model = _quantized_model(seed=5)
+    fp = FusedPass(model)
+    prompt = mx.random.randint(3, 259, (context,), key=mx.random.key(7)).tolist()
+    probe = mx.random.randint(3, 259, (16,), key=mx.random.key(8)).tolist()
+    runner, cache = _prefilled(model, prompt)
+    decoded, keys = [], []
+    for t in probe:
+        out = fp([t], cache)
+        mx.eval(out.logits)
+        fp.check(out)
+        decoded.append(out.logits[0])
+    mx.eval([c.keys for c in cache])
+    keys = [c.keys[..., : context + 16, :] for c in cache]
+    for width in range(2, 17):
+        runner.trim(cache, cache[0].offset - context)
+        out = fp(probe[:width], cache)
+        mx.eval(out.logits)
+        fp.check(out)
+        for i in range(width):
+            assert mx.array_equal(out.logits[i], decoded[i]).item(), (width, i)
+        n = context + width
+        for c, k in zip(cache, keys):
+            assert mx.array_equal(c.keys[..., :n, :], k[..., :n, :]).item(), width
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kernel_engine_greedy_identity_and_speed_counters():
+    loaded = tiny_loaded(seed=6, head_dim=64, quantize_bits=4)
+    eng = _engine(loaded, fused="on")
+    try:
+        assert eng.runner.fused is not None and eng.calibration.max_rows == 16
+        for prompt in ([5, 6, 7, 8, 9, 10] * 10, list(range(3, 200)), [40, 41] * 30):
+            assert _greedy(eng, prompt, "prompt_lookup") == _greedy(eng, prompt, "off")
+    finally:
+        eng.stop()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kernel_reads_cache_views_like_whole_buffers():
+    """A prefix-cache hit restores each layer as slices of stored arrays (views whose head
+    stride is not the cached length): the kernel must read them through their strides."""
+    model = _quantized_model(seed=9)
+    prompt = mx.random.randint(3, 259, (70,), key=mx.random.key(10)).tolist()
+    _, whole = _prefilled(model, prompt)
+    _, viewed = _prefilled(model, prompt)
+    for c in viewed:
+        pad = mx.zeros((1, c.keys.shape[1], 50, c.keys.shape[3]))
+        n = c.offset
+        c.state = (mx.concatenate([c.keys[..., :n, :], pad], axis=2)[..., :n, :],
+                   mx.concatenate([c.values[..., :n, :], pad], axis=2)[..., :n, :], n)
+    fp = FusedPass(model)
+    a, b = fp([5, 9, 200], whole), fp([5, 9, 200], viewed)
+    mx.eval(a.logits, b.logits)
+    fp.check(a)
+    fp.check(b)
+    assert mx.array_equal(a.logits, b.logits).item()
