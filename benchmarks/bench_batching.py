@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workloads", nargs="*", default=None)
     ap.add_argument("--weights", default="auto", help="SPECSERVE_WEIGHTS")
     ap.add_argument("--kernels", default="off", choices=["auto", "off"], help="SPECSERVE_KERNELS")
+    ap.add_argument("--fused", default="off", choices=["auto", "on", "off"],
+                    help="SPECSERVE_FUSED (on: one-launch passes, which never batch sequences)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -100,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = bench_prompts(loaded.tokenizer, args.workloads, top)
     counters = {"off": BatchCounter(), "on": BatchCounter()}
     engines = {name: Engine(EngineConfig(speculation="auto", batching=mode, max_active=top,
-                                              kernels=args.kernels), loaded=loaded,
+                                              kernels=args.kernels, fused=args.fused), loaded=loaded,
                             sink=counters[name]).start(wait=True)
                for name, mode in (("off", "off"), ("on", "auto"))}
     levels, mismatches = [], 0
@@ -130,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         for eng in engines.values():
             eng.stop()
     report = {"machine": platform.platform(), "python": sys.version.split()[0], "model": loaded.name,
-              "weights": loaded.weights, "kernels": args.kernels, "max_tokens": args.max_tokens, "batch_rows": batch_rows, "levels": levels}
+              "weights": loaded.weights, "kernels": args.kernels, "fused": args.fused, "max_tokens": args.max_tokens, "batch_rows": batch_rows, "levels": levels}
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if mismatches:

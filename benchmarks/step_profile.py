@@ -1,8 +1,10 @@
-"""Step profile: where one target step's time goes, eager vs compiled (issue 11, scope 1 and 4).
+"""Step profile: where one target step's time goes, eager vs compiled vs fused (issue 11, scope 1 and 4).
 
-For each model and each mode (``eager``: mlx-lm's modules on mlx-lm KV caches, the engine's
-``SPECSERVE_COMPILE=off`` path; ``compiled``: ``mx.compile``d passes over the static KV cache,
-:mod:`engine.static_cache`), after a prefill of ``--context`` tokens:
+For each model and each mode of ``--modes`` (``eager``: mlx-lm's modules on mlx-lm KV caches,
+the engine's ``SPECSERVE_COMPILE=off SPECSERVE_FUSED=off`` path; ``compiled``: ``mx.compile``d
+passes over the static KV cache, :mod:`engine.static_cache`; ``fused``: one kernel launch per
+pass, :mod:`metal_kernels.fused`, CUDA and supported models only), after a prefill of
+``--context`` tokens:
 
 - ``step_ms[k]`` for k = 1..16 rows (T(k)): the median of ``build`` (host: building the graph,
   or for compiled passes calling the recorded graph), ``eval`` (``mx.eval``: kernel launches and
@@ -12,14 +14,16 @@ For each model and each mode (``eager``: mlx-lm's modules on mlx-lm KV caches, t
   tokens/s and the per-token build / eval split.
 - ``engine_decode_tps`` (models with a tokenizer): the engine end to end with speculation off
   (sampling pipeline, detokenizer, stop checks included), tokens/s over ``--engine-tokens``.
-- ``same_tokens``: the compiled decode produced the eager decode's tokens.
+- ``same_tokens``: per mode, whether its greedy decode produced the eager decode's tokens
+  (different arithmetic may flip a near-tie; each mode is exact against itself, which the
+  engine's calibration and tests check), and ``decode_speedup`` against eager.
 
 Models: ``default`` (engine.loader.load_target, or ``--model`` a .gguf path) and, with
 ``--llama8b``, the 8B-shaped random-weight 4-bit Llama of benchmarks/verify_cost.py
 (``--smoke`` shrinks it to 2 layers for a CPU check of the harness). JSON goes to ``--out``
 (rewritten after every part, so a timeout keeps what finished); a table is printed.
 
-    python -m benchmarks.step_profile --out step_profile.json [--llama8b] [--smoke]
+    python -m benchmarks.step_profile --out step_profile.json [--modes eager,fused] [--llama8b] [--smoke]
 """
 
 from __future__ import annotations
@@ -97,13 +101,14 @@ def time_decode(runner: TargetRunner, cache, first: int, steps: int) -> dict:
             "eval_ms": round(statistics.median(ev) * 1e3, 4), "tokens": tokens}
 
 
-def engine_decode(loaded, compile_mode: str, prompt: list[int], max_tokens: int) -> float:
-    """Tokens/s of the engine with speculation off (greedy, EOS ignored), after warm-up."""
+def engine_decode(loaded, mode: str, prompt: list[int], max_tokens: int) -> float:
+    """Tokens/s of the engine in ``mode`` with speculation off (greedy, EOS ignored), after warm-up."""
     from engine import Engine, EngineConfig
     from engine.request import GenerationRequest, SamplingParams
 
-    eng = Engine(EngineConfig(speculation="off", compile=compile_mode, max_verify_rows=1),
-                 loaded=loaded).start(wait=True, timeout=600)
+    cfg = EngineConfig(speculation="off", compile="on" if mode == "compiled" else "off",
+                       fused="on" if mode == "fused" else "off", max_verify_rows=1)
+    eng = Engine(cfg, loaded=loaded).start(wait=True, timeout=600)
     try:
         def run(n):  # tokens/s between the first and the last event (prefill excluded)
             req = GenerationRequest(prompt_tokens=list(prompt), max_tokens=n, ignore_eos=True,
@@ -117,9 +122,20 @@ def engine_decode(loaded, compile_mode: str, prompt: list[int], max_tokens: int)
         eng.stop()
 
 
-def profile_mode(model, compiled: bool, ids: list[int], vocab: int, args, context_limit) -> dict:
+def make_runner(model, mode: str, context_limit=None) -> TargetRunner:
+    """A runner for ``mode`` (eager, compiled or fused); ValueError if fused is unsupported."""
+    fused = None
+    if mode == "fused":
+        from metal_kernels.fused import FusedPass
+
+        fused = FusedPass(model)
+    return TargetRunner(model, compile=mode == "compiled", max_context=context_limit, fused=fused)
+
+
+def profile_mode(model, mode: str, ids: list[int], vocab: int, args, context_limit) -> dict:
     """One model in one mode: T(k) split and greedy decode (fresh runner and caches)."""
-    runner = TargetRunner(model, compile=compiled, max_context=context_limit)
+    compiled = mode == "compiled"
+    runner = make_runner(model, mode, context_limit)
     started = time.perf_counter()
     cache = _prefill(runner, ids[:-1])
     widths = time_widths(runner, cache, vocab, args.reps, KS[: args.max_k])
@@ -132,28 +148,38 @@ def profile_mode(model, compiled: bool, ids: list[int], vocab: int, args, contex
 
 
 def profile_model(name: str, model, vocab: int, args, result: dict, loaded=None, context_limit=None):
-    """Eager then compiled; fills ``result["models"][name]`` as it goes."""
+    """Each of ``args.modes`` in turn; fills ``result["models"][name]`` as it goes."""
     ids = mx.random.randint(3, vocab, (args.context,), key=mx.random.key(7)).tolist()
     entry = result["models"][name] = {"context": args.context}
-    for mode, compiled in (("eager", False), ("compiled", True)):
-        entry[mode] = profile_mode(model, compiled, ids, vocab, args, context_limit)
+    modes = args.modes.split(",")
+    for mode in modes:
+        try:
+            entry[mode] = profile_mode(model, mode, ids, vocab, args, context_limit)
+        except ValueError as e:  # fused pass unsupported for this model or backend
+            entry[mode] = {"skipped": str(e)}
+            yield
+            continue
         if loaded is not None and args.engine_tokens:
-            entry[mode]["engine_decode_tps"] = engine_decode(
-                loaded, "on" if compiled else "off", ids[:64], args.engine_tokens)
+            entry[mode]["engine_decode_tps"] = engine_decode(loaded, mode, ids[:64], args.engine_tokens)
         yield
-    eager, comp = entry["eager"], entry["compiled"]
-    entry["same_tokens"] = eager["decode"]["tokens"] == comp["decode"]["tokens"]
-    entry["decode_speedup"] = round(comp["decode"]["tokens_per_s"] / eager["decode"]["tokens_per_s"], 3)
-    for mode in ("eager", "compiled"):
+    ran = [m for m in modes if "decode" in entry[m]]
+    if "eager" in ran:
+        base = entry["eager"]["decode"]
+        entry["same_tokens"] = {m: entry[m]["decode"]["tokens"] == base["tokens"] for m in ran if m != "eager"}
+        entry["decode_speedup"] = {m: round(entry[m]["decode"]["tokens_per_s"] / base["tokens_per_s"], 3)
+                                   for m in ran if m != "eager"}
+    for mode in ran:
         entry[mode]["decode"]["tokens"] = entry[mode]["decode"]["tokens"][:16]
 
 
 def _table(result: dict) -> str:
     lines = []
     for name, entry in result["models"].items():
-        for mode in ("eager", "compiled"):
+        for mode in ("eager", "compiled", "fused"):
             m = entry.get(mode)
-            if not m:
+            if not m or "skipped" in m:
+                if m:
+                    lines.append(f"== {name} {mode}: skipped ({m['skipped']})")
                 continue
             ks = sorted(m["step_ms"], key=int)
             d = m["decode"]
@@ -163,15 +189,20 @@ def _table(result: dict) -> str:
             for key in ("build", "eval", "total", "ratio"):
                 lines.append(f"  {key:<6}" + "".join(f"{m['step_ms'][k][key]:8.2f}" for k in ks))
         if "same_tokens" in entry:
-            lines.append(f"  same tokens: {entry['same_tokens']}, decode speed-up {entry['decode_speedup']}x")
+            lines.append(f"  same tokens as eager: {entry['same_tokens']}, decode speed-up vs eager: "
+                         f"{entry['decode_speedup']}")
     return "\n".join(lines)
 
 
-def calibrations(model, vocab: int, context_limit, max_rows: int, result: dict):
+def calibrations(model, vocab: int, context_limit, max_rows: int, result: dict, modes: list[str]):
     """The engine's start-up calibration (exact verify width, T(k)) on each path."""
     entry = result["calibration"] = {}
-    for mode, compiled in (("eager", False), ("compiled", True)):
-        runner = TargetRunner(model, compile=compiled, max_context=context_limit)
+    for mode in modes:
+        try:
+            runner = make_runner(model, mode, context_limit)
+        except ValueError as e:
+            entry[mode] = {"skipped": str(e)}
+            continue
         started = time.perf_counter()
         cal = runner.calibrate(vocab, max_rows=max_rows, contexts=(48, 1100), max_context=context_limit)
         entry[mode] = {**cal.summary(), "seconds": round(time.perf_counter() - started, 2)}
@@ -205,6 +236,7 @@ def main(argv=None):
     ap.add_argument("--llama8b", action="store_true", help="also the 8B-shaped random 4-bit Llama")
     ap.add_argument("--dtype", default="bfloat16", help="activation dtype of the 8B-shaped model")
     ap.add_argument("--smoke", action="store_true", help="2-layer 8B-shaped model (CPU harness check)")
+    ap.add_argument("--modes", default="eager,compiled,fused", help="comma-separated: eager, compiled, fused")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--max-k", type=int, default=16)
@@ -238,7 +270,8 @@ def main(argv=None):
             yield from profile_model("llama8b-4bit", model, vocab8, args, result)
         guarded("llama8b-4bit", parts())
     if args.calibrate:
-        guarded("calibration", calibrations(loaded.model, vocab, loaded.context_length, args.calibrate, result))
+        guarded("calibration", calibrations(loaded.model, vocab, loaded.context_length, args.calibrate, result,
+                                                      args.modes.split(",")))
     print(_table(result), flush=True)
     for mode, cal in result.get("calibration", {}).items():
         print(f"== calibration {mode}: {json.dumps(cal)}", flush=True)

@@ -11,6 +11,8 @@
 #   kernels_h200.sh overhead # benchmarks/gpu/kernel_overhead.py (+ ncu device times)
 #   kernels_h200.sh probe    # benchmarks/identity_probe.py: first position/row/layer where verify rows
 #                            # and decode steps part (WEIGHTS, KERNELS, EXACT, WIDTHS, TOKENS)
+#   kernels_h200.sh fused    # tests/test_fused.py (GPU tier included), then benchmarks/step_profile.py
+#                            # eager vs fused passes on the default model (MODES, STEP_ARGS)
 # Staging: ../shared/tools/stage-for-gpu.sh --pip transformers==5.24.0 \
 #   "$SPECSERVE_CACHE_DIR"/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # Results go to $OUT.
@@ -46,5 +48,12 @@ case "$1" in
            --weights "${WEIGHTS:-quantized-bfloat16}" --kernels "${KERNELS:-auto}" --exact-verify "${EXACT:-row}" \
            --widths "${WIDTHS:-2,4,8,10,16}" --tokens "${TOKENS:-128}" --out "$out/identity_probe.json" 2>&1 \
            | grep -v "^INFO" | tail -8 ;;
-  *) echo "usage: $0 cal|spec|verify|check|overhead|probe" >&2; exit 2 ;;
+  fused)
+    timeout -k 5 "${TEST_LIMIT:-240}" python3 -m pytest -q -x -p no:cacheprovider tests/test_fused.py ${CHECK_K:+-k "$CHECK_K"} \
+      2>&1 | tail -40 || true
+    gguf=$stage/files/SmolLM2-135M-Instruct.Q4_1.gguf
+    timeout -k 5 "${STEP_LIMIT:-240}" python3 -m benchmarks.step_profile --model "$gguf" --modes "${MODES:-eager,fused}" \
+      --out "$out/step_profile_fused_h200.json" ${STEP_ARGS:---reps 10 --decode-tokens 128 --engine-tokens 128 --context 512 --calibrate 16} \
+      2>&1 | grep -v "^INFO" | tail -40 ;;
+  *) echo "usage: $0 cal|spec|verify|check|overhead|probe|fused" >&2; exit 2 ;;
 esac

@@ -1,0 +1,80 @@
+"""Where a fused pass's time goes (metal_kernels/fused.py), on a CUDA machine.
+
+Times, for the default model after a prefill of ``--context`` tokens: building one pass (host,
+no evaluation), evaluating it, and the whole pass, for 1, 4 and 16 rows and a few block counts;
+``--ncu`` runs a few passes only (for ``ncu --metrics gpu__time_duration.sum``). JSON to
+``--out``.
+
+    python benchmarks/gpu/fused_probe.py --model /root/s/files/SmolLM2-135M-Instruct.Q4_1.gguf --out f.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import engine  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
+import mlx.core as mx
+
+from engine.loader import load_target
+from engine.runner import TargetRunner
+from metal_kernels.fused import FusedPass
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--blocks", default="0,32,8", help="comma-separated block counts (0: one per SM)")
+    ap.add_argument("--warps", default="8", help="comma-separated warps per block (8, 16)")
+    ap.add_argument("--skip", default="0", help="comma-separated phase masks to leave out (profiling: "
+                    "1 A, 2 B attention, 4 C, 8 D, 16 E, 32 LM head; 63 = barriers only)")
+    ap.add_argument("--ncu", action="store_true")
+    args = ap.parse_args(argv)
+    loaded = load_target(args.model, "quantized")
+    model = loaded.model
+    runner = TargetRunner(model)
+    ids = mx.random.randint(3, 4000, (args.context + 16,), key=mx.random.key(1)).tolist()
+    cache = runner.make_cache()
+    mx.eval(runner.prefill(ids[: args.context], cache)[0])
+    result = {"context": args.context, "runs": []}
+    configs = [(int(b), int(w), int(k)) for b in args.blocks.split(",") for w in args.warps.split(",")
+               for k in args.skip.split(",")]
+    for blocks, warps, skip in configs:
+        fp = FusedPass(model, blocks=blocks or None, warps=warps, skip=skip)
+        for rows in (1, 4, 16):
+            toks = ids[args.context: args.context + rows]
+            build, ev, total = [], [], []
+            for i in range(2 if args.ncu else args.reps + 2):
+                mx.synchronize()
+                t0 = time.perf_counter()
+                out = fp(toks, cache)
+                t1 = time.perf_counter()
+                mx.eval(out.logits, out.errors)
+                mx.synchronize()
+                t2 = time.perf_counter()
+                fp.check(out)
+                runner.trim(cache, rows)
+                if i >= 2:
+                    build.append(t1 - t0)
+                    ev.append(t2 - t1)
+                    total.append(t2 - t0)
+            if args.ncu:
+                continue
+            entry = {"blocks": fp.blocks, "warps": warps, "skip": skip, "rows": rows,
+                     **{k: round(statistics.median(v) * 1e3, 4) for k, v in
+                        (("build_ms", build), ("eval_ms", ev), ("total_ms", total))}}
+            result["runs"].append(entry)
+            print(json.dumps(entry), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
