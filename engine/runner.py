@@ -328,7 +328,9 @@ class TargetRunner:
         """
         self.row_kernel, launched = None, []
         if self.fused is not None:
-            mode = "row"  # attention runs inside the fused pass; these flags only matter for prefill-free fallbacks
+            mode = "row"  # attention runs inside the fused pass
+            # wider passes would leave the fused pass for mlx-lm's modules: never mix the two
+            max_rows = min(max_rows, self.fused.max_rows)
         kernel_mode = mode == "kernel"
         if kernel_mode:
             from metal_kernels import attention

@@ -220,6 +220,8 @@ class FusedPass:
         mx.eval(bar)
         return bar
 
+    max_rows = MAX_ROWS  # widest pass (rows) it runs
+
     _WEIGHT_NAMES = ("inv_freq", "norms", "fnorm", "wqkv", "sqkv", "bqkv", "wo", "so", "bo",
                      "wgu", "sgu", "bgu", "wd", "sd", "bd", "we", "se", "bee")
 

@@ -197,7 +197,7 @@ def test_engine_fused_modes(stand_in, mode):
     """`auto`/`on` run every decode/verify pass fused where supported (calibration finds all 16
     rows exact), greedy speculative output equals plain output; `off` keeps mlx-lm's modules."""
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
-    eng = _engine(loaded, fused=mode, max_active=2)
+    eng = _engine(loaded, fused=mode, max_active=2, max_verify_rows=24)  # fused: capped at 16
     try:
         fp = eng.runner.fused
         assert (fp is not None) == (mode != "off") and eng.calibration.fused_pass == (mode != "off")
