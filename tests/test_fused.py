@@ -163,21 +163,23 @@ def test_fused_pass_matches_mlx_lm_and_appends_the_cache(stand_in, bits):
 
 
 def test_runner_routes_decode_and_verify_through_the_fused_pass(stand_in):
+    """Decode/verify passes go through the fused pass (prefill does not), and DSpark's tapped
+    hidden states come from its per-layer outputs: the same as mlx-lm's modules give."""
+    from drafters.dspark import TargetTaps
+
     model = _quantized_model(seed=2)
+    taps = TargetTaps(model, [-1, 1])
     fp = FusedPass(model)
-    runner = TargetRunner(model, fused=fp)
-    cache = runner.make_cache()
+    runner, eager = TargetRunner(model, fused=fp), TargetRunner(model)
     prompt = list(range(3, 40))
-    mx.eval(runner.prefill(prompt, cache)[0])
+    cache, eager_cache = runner.make_cache(), eager.make_cache()
+    mx.eval(runner.prefill(prompt, cache)[0], eager.prefill(prompt, eager_cache)[0])
     assert fp.passes == 0  # prefill stays on mlx-lm's modules
-
-    class Taps:
-        layer_ids = [-1, 1]
-
-    logits, hidden = runner.verify([5, 6, 7], cache, taps=Taps())
-    assert fp.passes == 1 and logits.shape == (3, 259) and hidden.shape == (3, 2 * 320)
-    emb = model.model.embed_tokens(mx.array([5, 6, 7]))
-    assert mx.array_equal(hidden[:, :320], emb).item()
+    logits, hidden = runner.verify([5, 6, 7], cache, taps=taps)
+    want_logits, want_hidden = eager.verify([5, 6, 7], eager_cache, taps=taps)
+    assert fp.passes == 1 and logits.shape == (3, 259) and hidden.shape == want_hidden.shape == (3, 2 * 320)
+    assert mx.allclose(hidden, want_hidden, rtol=1e-4, atol=1e-4).item()
+    assert mx.allclose(logits, want_logits, rtol=1e-4, atol=1e-4 * mx.abs(want_logits).max().item()).item()
     runner.trim(cache, 3)
     assert cache[0].offset == len(prompt)
     assert runner.calibrate_batch(259, 4, 4) == 0  # one sequence per pass with fused passes
@@ -320,3 +322,27 @@ def test_kernel_reads_cache_views_like_whole_buffers():
     fp.check(a)
     fp.check(b)
     assert mx.array_equal(a.logits, b.logits).item()
+
+
+def test_engine_fused_passes_feed_dspark_its_hidden_states(stand_in, tmp_path):
+    """DSpark reads the target's tapped hidden states from every verify pass: with fused passes
+    they come from the pass's per-layer outputs, and greedy output stays identical to plain."""
+    from test_engine_dspark import FORCE, make_drafter
+
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    path = make_drafter(loaded, tmp_path / "drafter", {77: 12.0})
+    eng = _engine(loaded, fused="on", dspark=True, dspark_drafter=str(path), speculation="auto")
+    try:
+        fp = eng.runner.fused
+        assert fp is not None
+        bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}  # the target's argmax is 77: drafts pass
+        accepted = 0
+        for prompt in ([5, 6, 7, 8] * 6, list(range(30, 70))):
+            plain = run(eng, prompt, "off", max_tokens=32, **bias)[0]
+            before = fp.passes
+            ids, _, last = run(eng, prompt, "x", max_tokens=32, speculative=FORCE, **bias)
+            assert ids == plain and fp.passes > before
+            accepted += last.stats.by_drafter["dspark"].num_accepted_tokens
+        assert accepted > 10
+    finally:
+        eng.stop()
