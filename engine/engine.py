@@ -407,11 +407,25 @@ class Engine:
             return None
         from metal_kernels import fused
 
-        reason = "compiled passes asked for (compile=on)" if compiled else fused.unsupported_reason(self.loaded.model)
+        model = self.loaded.model
+        reason = "compiled passes asked for (compile=on)" if compiled else fused.unsupported_reason(model)
         if reason:
             (log.warning if mode == "on" else log.info)("fused passes off: %s", reason)
             return None
-        return fused.FusedPass(self.loaded.model)
+        try:  # build, compile and run it once on a short prefill before calibrating on it
+            fp = fused.FusedPass(model)
+            probe = TargetRunner(model)
+            cache = probe.make_cache()
+            mx.eval(probe.prefill([1, 2, 3], cache)[0])
+            out = fp([4, 5], cache)
+            mx.eval(out.logits)
+            fp.check(out)
+        except Exception:
+            if mode == "on":
+                raise
+            log.warning("fused passes off: the probe pass failed", exc_info=True)
+            return None
+        return fp
 
     def _load_dspark(self) -> None:
         from drafters.dspark import DSparkDrafter, TargetTaps, load_dspark

@@ -174,14 +174,12 @@ class TargetRunner:
             exact_attention.set_row_exact(cache, False)
 
     def _fused_pass(self, tokens: list[int], cache, taps):
+        """One fused pass, evaluated (its completion flags are checked before the logits are
+        used). A failed pass raises: that sequence ends, later ones keep the fused pass (their
+        verify width was calibrated on it, so switching to mlx-lm's modules would not be exact)."""
         out = self.fused(tokens, cache)
         mx.eval(out.logits)
-        try:
-            self.fused.check(out)
-        except Exception:
-            log.error("fused pass failed; later passes use mlx-lm's modules", exc_info=True)
-            self.fused = None
-            raise
+        self.fused.check(out)
         if taps is None:
             return out.logits, None
         layers = [out.embeddings if i < 0 else out.hidden[i] for i in taps.layer_ids]  # each [n, d]

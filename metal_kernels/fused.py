@@ -58,7 +58,8 @@ def _float_bits(x: float) -> int:
 
 @functools.cache
 def multiprocessors() -> int:
-    """Streaming multiprocessors of CUDA device 0 (the driver API), or 16 if it cannot be asked."""
+    """Streaming multiprocessors of CUDA device 0 (MLX's default GPU; the driver API), or 16 if
+    it cannot be asked."""
     try:
         lib = ctypes.CDLL("libcuda.so.1")
         dev, value = ctypes.c_int(), ctypes.c_int()
@@ -114,8 +115,8 @@ def structure_reason(model) -> str:
             gs = lin.group_size
             if gs & (gs - 1) or gs < 32 // lin.bits:
                 return f"{name} group size {gs}"
-            if lin.scales.dtype != mx.float32:
-                return f"{name} scales {lin.scales.dtype} (float32 only)"
+            if lin.scales.dtype != mx.float32 or lin.biases.dtype != mx.float32:
+                return f"{name} scales/biases {lin.scales.dtype} (float32 only)"
             bits.add(lin.bits)
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if norm.weight.dtype != mx.float32:
@@ -127,6 +128,9 @@ def structure_reason(model) -> str:
         return f"LM head {type(head).__name__} (needs a 4/8-bit quantized head)"
     if getattr(head, "mode", "affine") != "affine" or "bias" in head:
         return "LM head mode or bias"
+    hgs = head.group_size
+    if hgs & (hgs - 1) or hgs < 32 // head.bits or head.biases.dtype != mx.float32:
+        return f"LM head group size {hgs} or biases dtype {head.biases.dtype}"
     if inner.embed_tokens.weight.dtype != mx.uint32 or getattr(inner.embed_tokens, "scales", None) is None:
         return "embedding not quantized"
     if inner.embed_tokens.scales.dtype != mx.float32 or head.scales.dtype != mx.float32:
@@ -185,6 +189,9 @@ class FusedPass:
         self.blocks = min(blocks or multiprocessors(), multiprocessors())
         if warps not in (8, 16):
             raise ValueError(f"warps must be 8 or 16, got {warps}")
+        shared = 4 * (MAX_ROWS * self.hidden_size + self.head_dim * (1 + warps) + 2 * warps)
+        if shared > 48 * 1024:
+            raise ValueError(f"{warps} warps need {shared} bytes of static shared memory (48 KiB at most)")
         self.warps, self.skip = warps, skip
         lins = [_linears(layer) for layer in inner.layers]
 
@@ -207,18 +214,10 @@ class FusedPass:
         w["inv_freq"] = mx.array((rope.scale * rope.base ** -half).astype(np.float32))
         self.eps = inner.layers[0].input_layernorm.eps
         self.scale = inner.layers[0].self_attn.scale
-        self.weights = w
-        mx.eval(list(w.values()))
-        self._bar = self._new_barrier()
+        self.weights = {k: mx.contiguous(v) for k, v in w.items()}  # the kernel indexes them densely
+        mx.eval(list(self.weights.values()))
         self._zero = mx.zeros((1,), dtype=mx.uint8)
         self.passes = 0
-
-    def _new_barrier(self) -> mx.array:
-        # one 128-byte line per block (and more than 8 bytes: MLX-CUDA's managed small pool,
-        # see fused_cuda.cuh)
-        bar = mx.zeros((self.blocks * 32,), dtype=mx.uint32)
-        mx.eval(bar)
-        return bar
 
     max_rows = MAX_ROWS  # widest pass (rows) it runs
 
@@ -265,16 +264,27 @@ class FusedPass:
 
         Returns:
             :class:`FusedOutput`, lazy. Call :meth:`check` after evaluating it.
+
+        Raises:
+            ValueError: more than 16 or no tokens, or a cache :meth:`supports_cache` rejects.
         """
         m = len(tokens)
+        if not self.supports_cache(cache, m):
+            raise ValueError(f"fused pass takes 1..{MAX_ROWS} rows over a prefilled float32 KVCache list "
+                             f"of {self.layers} layers with equal shapes; got {m} rows")
         inner = self.model.model
         x0 = inner.embed_tokens(mx.array(tokens, dtype=mx.uint32))
         start = cache[0].offset
         nqkv = (self.heads + 2 * self.kv_heads) * self.head_dim
         d, nl, kv, hd = self.hidden_size, self.layers, self.kv_heads, self.head_dim
         pos = mx.broadcast_to(self._zero, (start,))  # its length tells the kernel the cached length
+        # Each launch gets its own zeroed barrier slots: no state carries over between launches
+        # (a failed one cannot poison the next) and the fill orders two launches in one graph.
+        bar = mx.zeros((self.blocks * 32,), dtype=mx.uint32)
+        # The kernel reads layer 0's cache strides for every layer: mlx-lm grows all layers'
+        # buffers in lockstep, and supports_cache checked that their shapes agree.
         inputs = [x0, pos, *(self.weights[k] for k in self._WEIGHT_NAMES),
-                  *(c.keys for c in cache), *(c.values for c in cache), self._bar]
+                  *(c.keys for c in cache), *(c.values for c in cache), bar]
         outs = self._kernel(
             inputs=inputs,
             template=[("ST", self.weights["sqkv"].dtype), ("NL", nl), ("DM", d), ("NH", self.heads),
@@ -293,8 +303,8 @@ class FusedPass:
 
     def check(self, out: FusedOutput) -> None:
         """Raise :class:`FusedPassError` if ``out``'s pass gave up at a grid barrier (blocks not
-        all resident, or a fault); the barrier state is reset for the next pass."""
+        all resident, or a fault). Its outputs, including the keys and values it appended to the
+        cache, are then garbage: the sequence cannot continue."""
         if mx.any(out.errors).item():
-            self._bar = self._new_barrier()
             raise FusedPassError(f"fused pass: {int(mx.sum(out.errors != 0).item())} of {self.blocks} blocks "
                                  "timed out at a grid barrier")

@@ -208,21 +208,88 @@ def test_engine_fused_modes(stand_in, mode):
         assert eng.calibration.max_rows == 16 and eng.batch_rows == 0
         prompt = [5, 6, 7, 8, 9, 10] * 10
         before = fp.passes
-        spec = _greedy(eng, prompt, "prompt_lookup")
+        spec, _, last = run(eng, prompt, "prompt_lookup", max_tokens=48)
         plain = _greedy(eng, prompt, "off")
         assert spec == plain and len(plain) == 48 and fp.passes > before
+        assert last.stats.total.num_accepted_tokens > 0  # wide verify passes did run
     finally:
         eng.stop()
 
 
-def test_engine_fused_off_where_unsupported(caplog):
-    loaded = tiny_loaded(seed=4)  # head dim 80, float32 weights
+def test_engine_fused_off_where_unsupported(stand_in, caplog):
+    loaded = tiny_loaded(seed=4, quantize_bits=4)  # head dim 80
     eng = _engine(loaded, fused="on", calibration_contexts=(40,), max_verify_rows=4)
     try:
         assert eng.runner.fused is None and not eng.calibration.fused_pass
     finally:
         eng.stop()
-    assert any("fused passes off" in r.getMessage() for r in caplog.records)
+    assert any("fused passes off" in r.getMessage() and "head dim 80" in r.getMessage() for r in caplog.records)
+
+
+def test_engine_falls_back_when_the_probe_pass_fails_in_auto_only(stand_in, monkeypatch):
+    """A kernel that fails to compile or launch: `auto` serves with mlx-lm's modules, `on` does
+    not start."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("nvrtc: compilation failed")
+
+    monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: broken))
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    eng = _engine(loaded, fused="auto", calibration_contexts=(40,), max_verify_rows=4)
+    try:
+        assert eng.runner.fused is None
+        assert run(eng, [5, 6, 7], "off", max_tokens=4)[0]
+    finally:
+        eng.stop()
+    with pytest.raises(RuntimeError, match="compilation failed"):
+        _engine(loaded, fused="on", calibration_contexts=(40,), max_verify_rows=4)
+
+
+def test_failed_pass_raises_and_the_runner_keeps_the_fused_pass(stand_in, monkeypatch):
+    """Blocks that time out at a grid barrier set their error flags: the pass raises (that
+    sequence ends) and later passes still go through the fused pass (never mixing paths)."""
+    model = _quantized_model(seed=2)
+    fp = FusedPass(model)
+    runner = TargetRunner(model, fused=fp)
+    cache = runner.make_cache()
+    mx.eval(runner.prefill(list(range(3, 30)), cache)[0])
+    good = fp._kernel
+
+    def timed_out(*args, **kwargs):
+        outs = good(*args, **kwargs)
+        return outs[:8] + [mx.ones_like(outs[8])]
+
+    monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: timed_out))
+    with pytest.raises(fused.FusedPassError, match="timed out"):
+        runner.verify([5], cache)
+    assert runner.fused is fp
+    monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: good))
+    before = fp.passes
+    runner.verify([6], cache)
+    assert fp.passes == before + 1
+
+
+def test_supports_cache_and_call_reject_what_the_kernel_cannot_take(stand_in):
+    model = _quantized_model(seed=2)
+    fp = FusedPass(model)
+    runner = TargetRunner(model)
+    empty = runner.make_cache()
+    assert not fp.supports_cache(empty, 1)  # nothing prefilled yet
+    cache = runner.make_cache()
+    mx.eval(runner.prefill(list(range(3, 30)), cache)[0])
+    assert fp.supports_cache(cache, 1) and fp.supports_cache(cache, 16)
+    assert not fp.supports_cache(cache, 0) and not fp.supports_cache(cache, 17)
+    assert not fp.supports_cache(cache[:-1], 1)
+    with pytest.raises(ValueError, match="1..16 rows"):
+        fp(list(range(3, 20)), cache)
+    odd = runner.make_cache()
+    mx.eval(runner.prefill(list(range(3, 30)), odd)[0])
+    odd[1].state = (odd[1].keys[..., :20, :], odd[1].values[..., :20, :], 20)  # layers out of step
+    assert not fp.supports_cache(odd, 1)
+    half = runner.make_cache()
+    mx.eval(runner.prefill(list(range(3, 30)), half)[0])
+    for c in half:
+        c.state = (c.keys.astype(mx.float16), c.values.astype(mx.float16), c.offset)
+    assert not fp.supports_cache(half, 1)
 
 
 def test_engine_rejects_a_bad_fused_mode():
@@ -317,11 +384,32 @@ def test_kernel_reads_cache_views_like_whole_buffers():
         c.state = (mx.concatenate([c.keys[..., :n, :], pad], axis=2)[..., :n, :],
                    mx.concatenate([c.values[..., :n, :], pad], axis=2)[..., :n, :], n)
     fp = FusedPass(model)
-    a, b = fp([5, 9, 200], whole), fp([5, 9, 200], viewed)
-    mx.eval(a.logits, b.logits)
+    a = fp([5, 9, 200], whole)
+    mx.eval(a.logits)
+    b = fp([5, 9, 200], viewed)
+    mx.eval(b.logits)
     fp.check(a)
     fp.check(b)
     assert mx.array_equal(a.logits, b.logits).item()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_kernel_rows_do_not_depend_on_the_block_count():
+    """Which block or warp computes a row must not change its bits (8 blocks vs one per SM)."""
+    model = _quantized_model(seed=11)
+    prompt = mx.random.randint(3, 259, (90,), key=mx.random.key(12)).tolist()
+    outs = []
+    for blocks in (None, 8):
+        _, cache = _prefilled(model, prompt)
+        fp = FusedPass(model, blocks=blocks)
+        out = fp([7, 8, 9, 10, 11], cache)
+        mx.eval(out.logits, out.hidden)
+        fp.check(out)
+        outs.append(out)
+    assert outs[0].logits.shape == outs[1].logits.shape
+    assert mx.array_equal(outs[0].logits, outs[1].logits).item()
+    assert mx.array_equal(outs[0].hidden, outs[1].hidden).item()
 
 
 def test_engine_fused_passes_feed_dspark_its_hidden_states(stand_in, tmp_path):

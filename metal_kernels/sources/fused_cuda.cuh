@@ -13,8 +13,8 @@ __device__ __forceinline__ float4 ss_ldcg4(const float* p) {
 // A grid-wide barrier for a launch whose blocks are all resident (the launcher starts at most
 // one block per multiprocessor). Block b publishes its barrier count ("epoch") in bar[32 b]
 // (one 128-byte line each, no atomics), then one warp of every block polls all blocks' slots
-// until each has reached its own epoch. All slots are equal between launches (every launch
-// passes the same barriers), so a block starts from its own slot. Returns false after ~1 s
+// until each has reached its own epoch. Every launch gets freshly zeroed slots, so a block
+// starts from its own slot (0). Returns false after ~1 s
 // of waiting (a block that never arrived), so a bad launch ends with an error flag instead of
 // hanging the device. `bar` must live in device memory: MLX-CUDA keeps arrays of at most 8
 // bytes in a managed-memory pool the host also touches, where a 2-word atomic barrier cost
