@@ -224,20 +224,30 @@ class FusedPass:
     _WEIGHT_NAMES = ("inv_freq", "norms", "fnorm", "wqkv", "sqkv", "bqkv", "wo", "so", "bo",
                      "wgu", "sgu", "bgu", "wd", "sd", "bd", "we", "se", "bee")
 
-    @functools.cached_property
-    def _kernel(self):
+    def kernel_source(self) -> tuple[str, str, list[str], list[str]]:
+        """``(header, body, input_names, output_names)`` exactly as handed to
+        ``mx.fast.cuda_kernel`` (the body starts with this model's per-layer cache tables)."""
         n = self.layers
         tables = (f"const float* KC[NL] = {{{', '.join(f'kc{i}' for i in range(n))}}};\n"
                   f"const float* VC[NL] = {{{', '.join(f'vc{i}' for i in range(n))}}};\n")
         header = _minify((_SOURCES / "fused_cuda.cuh").read_text())
         body = tables + _minify((_SOURCES / "fused_body.cu").read_text())
+        inputs = ["x0", "pos", *self._WEIGHT_NAMES, *(f"kc{i}" for i in range(n)), *(f"vc{i}" for i in range(n)), "bar"]
+        return header, body, inputs, ["logits", "hidden", "kn", "vn", "qkv", "att", "hmid", "act", "err"]
+
+    def template(self) -> list[tuple[str, object]]:
+        """The kernel's template arguments (type ``ST`` and integer constants)."""
+        return [("ST", self.weights["sqkv"].dtype), ("NL", self.layers), ("DM", self.hidden_size),
+                ("NH", self.heads), ("NKV", self.kv_heads), ("HD", self.head_dim), ("DI", self.intermediate),
+                ("MB", MAX_ROWS), ("W", self.warps), ("BITS", self.bits), ("HBITS", self.head_bits),
+                ("EPS_BITS", _float_bits(self.eps)), ("SCALE_BITS", _float_bits(self.scale)), ("SKIP", self.skip)]
+
+    @functools.cached_property
+    def _kernel(self):
+        header, body, inputs, outputs = self.kernel_source()
         digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-        return mx.fast.cuda_kernel(
-            name=f"specserve_fused_pass_{digest}",
-            input_names=["x0", "pos", *self._WEIGHT_NAMES, *(f"kc{i}" for i in range(n)),
-                         *(f"vc{i}" for i in range(n)), "bar"],
-            output_names=["logits", "hidden", "kn", "vn", "qkv", "att", "hmid", "act", "err"],
-            source=body, header=header, ensure_row_contiguous=False)
+        return mx.fast.cuda_kernel(name=f"specserve_fused_pass_{digest}", input_names=inputs, output_names=outputs,
+                                   source=body, header=header, ensure_row_contiguous=False)
 
     def supports_cache(self, cache: list, rows: int) -> bool:
         """Whether a pass of ``rows`` rows can append to ``cache`` (mlx-lm ``KVCache`` layers,
@@ -287,10 +297,7 @@ class FusedPass:
                   *(c.keys for c in cache), *(c.values for c in cache), bar]
         outs = self._kernel(
             inputs=inputs,
-            template=[("ST", self.weights["sqkv"].dtype), ("NL", nl), ("DM", d), ("NH", self.heads),
-                      ("NKV", kv), ("HD", hd), ("DI", self.intermediate), ("MB", MAX_ROWS), ("W", self.warps),
-                      ("BITS", self.bits), ("HBITS", self.head_bits), ("EPS_BITS", _float_bits(self.eps)),
-                      ("SCALE_BITS", _float_bits(self.scale)), ("SKIP", self.skip)],
+            template=self.template(),
             grid=(self.blocks * 32 * self.warps, 1, 1), threadgroup=(32 * self.warps, 1, 1),
             output_shapes=[(m, self.weights["we"].shape[0]), (nl, m, d), (nl, kv, m, hd), (nl, kv, m, hd),
                            (m, nqkv), (m, self.heads * hd), (m, d), (m, self.intermediate), (self.blocks,)],

@@ -297,6 +297,94 @@ def test_engine_rejects_a_bad_fused_mode():
         _engine(tiny_loaded(seed=4), fused="maybe", calibration_contexts=(40,), max_verify_rows=2)
 
 
+# ---------------------------------------------------------------- CPU: the CUDA source compiles
+
+
+def _nvrtc():
+    """NVRTC (libnvrtc.so, CUDA 12 or 13) through ctypes, or None: ``SPECSERVE_NVRTC`` (the
+    library's path), the ``nvidia-cuda-nvrtc`` pip wheels, or the system library."""
+    import ctypes
+    import ctypes.util
+    import glob
+    import os
+
+    candidates = [os.environ.get("SPECSERVE_NVRTC", "")]
+    try:
+        import nvidia
+
+        for root in nvidia.__path__:
+            candidates += sorted(glob.glob(os.path.join(root, "*", "lib", "libnvrtc.so.1*")))
+    except ImportError:
+        pass
+    candidates.append(ctypes.util.find_library("nvrtc") or "")
+    for path in filter(None, candidates):
+        try:
+            for builtins in glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so.*")):
+                if ".alt." not in builtins:
+                    ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
+
+
+_C_TYPES = {mx.float32: "float", mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int32: "int32_t"}
+_NVRTC_PRELUDE = """typedef unsigned int uint32_t; typedef int int32_t; typedef unsigned char uint8_t;
+typedef long long int64_t;
+struct Shape { int d[10]; __device__ int operator[](int i) const { return d[i]; } };
+struct Strides { int64_t d[10]; __device__ int64_t operator[](int i) const { return d[i]; } };
+"""
+
+
+def _render_fused(fp: FusedPass, name: str) -> str:
+    """The fused kernel as mx.fast.cuda_kernel builds it (mlx/backend/cuda/custom_kernel.cpp):
+    inputs as const pointers, with ``<name>_shape`` / ``<name>_strides`` parameters where the
+    body uses them, outputs as pointers, template arguments as constants."""
+    header, body, inputs, outputs = fp.kernel_source()
+    dtypes = {"x0": mx.float32, "pos": mx.uint8, "bar": mx.uint32, **{k: v.dtype for k, v in fp.weights.items()}}
+    sig = []
+    for n in inputs:
+        sig.append(f"const {_C_TYPES[dtypes.get(n, mx.float32)]}* {n}")
+        if f"{n}_shape" in body:
+            sig.append(f"const __grid_constant__ Shape {n}_shape")
+        if f"{n}_strides" in body:
+            sig.append(f"const __grid_constant__ Strides {n}_strides")
+    sig += [f"float* {n}" for n in outputs[:-1]] + ["int32_t* err"]
+    consts = "".join(f"using {k} = {_C_TYPES[v]};\n" if isinstance(v, mx.Dtype) else f"constexpr int {k} = {v};\n"
+                     for k, v in fp.template())
+    return f"extern \"C\" __global__ void {name}({', '.join(sig)}) {{\n{consts}{body}}}\n"
+
+
+@pytest.mark.skipif(_nvrtc() is None, reason="NVRTC not found (pip nvidia-cuda-nvrtc, or SPECSERVE_NVRTC=<libnvrtc.so>)")
+def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
+    """The kernel source, rendered as MLX renders it, compiles for sm_90 (H100/H200) with NVRTC
+    and no register spills, for the default model's shapes and the test model's (more query
+    dims than hidden), 4- and 8-bit, 8 and 16 warps. No GPU needed."""
+    import ctypes
+
+    lib = _nvrtc()
+    default_like, _ = tiny_model(0, hidden=576, head_dim=64)  # 8 heads of 64: 512 query dims
+    cases = [(_quantized_model(bits=b), w) for b in (4, 8) for w in (8, 16)]
+    nn.quantize(default_like, class_predicate=lambda _, m: (
+        {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
+        else {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
+    cases.append((default_like, 8))
+    src = _NVRTC_PRELUDE + FusedPass(cases[0][0]).kernel_source()[0]  # the header, once
+    for i, (model, warps) in enumerate(cases):
+        src += _render_fused(FusedPass(model, warps=warps), f"fused{i}")
+    prog = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"fused.cu", 0, None, None) == 0
+    opts = [b"--gpu-architecture=sm_90", b"-std=c++17", b"--ptxas-options=-v"]
+    rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+    size = ctypes.c_size_t()
+    lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    lib.nvrtcGetProgramLog(prog, log)
+    text = log.value.decode()
+    assert rc == 0, text[-4000:]
+    assert text.count("0 bytes spill stores") == len(cases), text[-4000:]
+
+
 # ---------------------------------------------------------------- GPU: the CUDA kernel
 
 
