@@ -412,14 +412,19 @@ class Engine:
         if reason:
             (log.warning if mode == "on" else log.info)("fused passes off: %s", reason)
             return None
-        try:  # build, compile and run it once on a short prefill before calibrating on it
+        try:  # build, compile and run it once, against mlx-lm's modules, before calibrating on it
             fp = fused.FusedPass(model)
             probe = TargetRunner(model)
-            cache = probe.make_cache()
-            mx.eval(probe.prefill([1, 2, 3], cache)[0])
+            cache, reference = probe.make_cache(), probe.make_cache()
+            mx.eval(probe.prefill([1, 2, 3], cache)[0], probe.prefill([1, 2, 3], reference)[0])
             out = fp([4, 5], cache)
             mx.eval(out.logits)
             fp.check(out)
+            want = probe.verify([4, 5], reference)[0]
+            scale = mx.abs(want).max().item()
+            err = mx.abs(out.logits - want).max().item()
+            if not err <= 1e-3 * scale:
+                raise fused.FusedPassError(f"probe logits differ from mlx-lm's by {err:.3g} (scale {scale:.3g})")
         except Exception:
             if mode == "on":
                 raise

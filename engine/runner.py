@@ -161,8 +161,21 @@ class TargetRunner:
         Returns:
             ``(logits [len(tokens), V] float32, hidden [len(tokens), m*d] float32 or None)``, lazy.
         """
-        if self.fused is not None and self.fused.supports_cache(cache, len(tokens)):
-            return self._fused_pass(tokens, cache, taps)
+        if self.fused is not None:
+            if self.cache_length(cache) > 0:
+                return self._fused_pass(tokens, cache, taps)
+            # An empty cache (a one-token prompt): position 0 goes through mlx-lm's modules, as
+            # in plain decoding, and the rest through the fused pass, as in plain decoding.
+            first = self._module_pass(tokens[:1], cache, taps)
+            if len(tokens) == 1:
+                return first
+            rest = self._fused_pass(tokens[1:], cache, taps)
+            return (mx.concatenate([first[0], rest[0]]),
+                    None if first[1] is None else mx.concatenate([first[1], rest[1]]))
+        return self._module_pass(tokens, cache, taps)
+
+    def _module_pass(self, tokens: list[int], cache, taps):
+        """A decode/verify pass through mlx-lm's modules (eager or compiled)."""
         row_exact = self._row_exact(len(tokens))
         if isinstance(cache, StaticCache):
             return self.passes(taps).run(tokens, cache, row_exact)

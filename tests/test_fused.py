@@ -9,6 +9,7 @@ GPU tier (CUDA): the kernel against :func:`reference_pass`, rows bit-identical f
 
 from __future__ import annotations
 
+import re
 import struct
 
 import mlx.core as mx
@@ -206,6 +207,7 @@ def test_engine_fused_modes(stand_in, mode):
         if fp is None:
             return
         assert eng.calibration.max_rows == 16 and eng.batch_rows == 0
+        assert eng.calibration.probed_rows == 16  # 24 asked for: capped at the fused pass's width
         prompt = [5, 6, 7, 8, 9, 10] * 10
         before = fp.passes
         spec, _, last = run(eng, prompt, "prompt_lookup", max_tokens=48)
@@ -297,6 +299,59 @@ def test_engine_rejects_a_bad_fused_mode():
         _engine(tiny_loaded(seed=4), fused="maybe", calibration_contexts=(40,), max_verify_rows=2)
 
 
+def test_empty_cache_runs_position_zero_as_plain_decoding_does(stand_in):
+    """A one-token prompt leaves the cache empty: position 0 goes through mlx-lm's modules (as
+    plain decoding's first step does) and later rows through the fused pass, so a k-row first
+    pass equals k one-row steps bit for bit."""
+    model = _quantized_model(seed=2)
+    fp = FusedPass(model)
+    runner = TargetRunner(model, fused=fp)
+    tokens = [7, 100, 42, 9]
+    wide = runner.make_cache()
+    logits, _ = runner.verify(tokens, wide)
+    mx.eval(logits)
+    assert fp.passes == 1 and wide[0].offset == 4
+    steps = runner.make_cache()
+    rows = [runner.verify([t], steps)[0] for t in tokens]
+    mx.eval(rows)
+    assert fp.passes == 4  # the three steps after position 0
+    for i, row in enumerate(rows):
+        assert mx.array_equal(logits[i], row[0]).item(), i
+
+
+def test_every_launch_gets_fresh_zeroed_barrier_slots(stand_in, monkeypatch):
+    model = _quantized_model(seed=2)
+    fp = FusedPass(model)
+    runner = TargetRunner(model, fused=fp)
+    cache = runner.make_cache()
+    mx.eval(runner.prefill(list(range(3, 30)), cache)[0])
+    inner, seen = fp._kernel, []
+
+    def recording(inputs, **kwargs):
+        seen.append(inputs[-1])
+        return inner(inputs=inputs, **kwargs)
+
+    monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: recording))
+    runner.verify([5], cache)
+    runner.verify([6, 7], cache)
+    assert len(seen) == 2 and seen[0] is not seen[1]
+    for bar in seen:
+        assert bar.shape == (fp.blocks * 32,) and bar.dtype == mx.uint32 and not mx.any(bar).item()
+
+
+def test_lm_head_and_shared_memory_limits_are_checked(stand_in):
+    odd_head = _quantized_model()
+    odd_head.model.embed_tokens.group_size = 48
+    assert "LM head group size 48" in structure_reason(odd_head)
+    wide, _ = tiny_model(0, hidden=640, head_dim=128)
+    nn.quantize(wide, class_predicate=lambda _, m: (
+        {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
+        else {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
+    FusedPass(wide, warps=8)
+    with pytest.raises(ValueError, match="static shared memory"):
+        FusedPass(wide, warps=16)
+
+
 # ---------------------------------------------------------------- CPU: the CUDA source compiles
 
 
@@ -363,12 +418,17 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
     import ctypes
 
     lib = _nvrtc()
-    default_like, _ = tiny_model(0, hidden=576, head_dim=64)  # 8 heads of 64: 512 query dims
-    cases = [(_quantized_model(bits=b), w) for b in (4, 8) for w in (8, 16)]
+    from mlx_lm.models import llama
+
+    # The default model's shapes (SmolLM2-135M: 30 layers, 9:3 heads of 64, 576 / 1536), small vocab.
+    default_like = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, vocab_size=512,
+        rope_theta=100000.0, tie_word_embeddings=True))
     nn.quantize(default_like, class_predicate=lambda _, m: (
         {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
         else {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
-    cases.append((default_like, 8))
+    cases = [(_quantized_model(bits=b), w) for b in (4, 8) for w in (8, 16)] + [(default_like, 8)]
     src = _NVRTC_PRELUDE + FusedPass(cases[0][0]).kernel_source()[0]  # the header, once
     for i, (model, warps) in enumerate(cases):
         src += _render_fused(FusedPass(model, warps=warps), f"fused{i}")
@@ -382,7 +442,8 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
     lib.nvrtcGetProgramLog(prog, log)
     text = log.value.decode()
     assert rc == 0, text[-4000:]
-    assert text.count("0 bytes spill stores") == len(cases), text[-4000:]
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", text)
+    assert len(spills) == 2 * len(cases) and set(spills) == {"0"}, text[-4000:]
 
 
 # ---------------------------------------------------------------- GPU: the CUDA kernel
