@@ -387,7 +387,7 @@ class Engine:
         """Make the target runner (eager or compiled passes) and run the start-up calibration."""
         cfg = self.config
         self.runner = TargetRunner(self.loaded.model, prefill_step=cfg.prefill_step, compile=compiled,
-                                   max_context=self.loaded.context_length, fused=self._fused_pass(compiled))
+                                   max_context=self.loaded.context_length, fused=self._make_fused_pass(compiled))
         log.info("target passes: %s", "compiled (static KV cache)" if compiled
                  else "fused (one launch per pass)" if self.runner.fused is not None else "eager")
         rows = cfg.max_verify_rows if cfg.speculation != "off" else 1
@@ -397,7 +397,7 @@ class Engine:
             contexts=cfg.calibration_contexts, max_context=self.loaded.context_length,
         )
 
-    def _fused_pass(self, compiled: bool):
+    def _make_fused_pass(self, compiled: bool):
         """The fused decode/verify pass for the target, or None (``fused`` off, unsupported, or
         compiled passes asked for)."""
         mode = self.config.fused
