@@ -191,7 +191,7 @@ class TargetRunner:
         used). A failed pass raises: that sequence ends, later ones keep the fused pass (their
         verify width was calibrated on it, so switching to mlx-lm's modules would not be exact)."""
         out = self.fused(tokens, cache)
-        mx.eval(out.logits)
+        mx.eval(out.logits, out.errors)
         self.fused.check(out)
         if taps is None:
             return out.logits, None

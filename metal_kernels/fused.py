@@ -15,7 +15,8 @@ head dim 64 or 128, affine-quantized projections (4 or 8 bits, one bit width for
 power-of-two group sizes), a quantized LM head (tied embedding or ``lm_head``), float32
 activations, and a hidden size small enough that 16 normalized rows fit in shared memory
 (<= 640). Prefill stays on mlx-lm's modules; decode/verify passes read the KV cache those
-write and append their own keys and values through mlx-lm's ``KVCache.update_and_fetch``.
+write and append their own keys and values into the cache's buffers in place (no extra ops):
+the launcher first gives each layer a buffer of its own with room for the rows.
 
 The algorithm is a persistent "megakernel" as in Spector et al. 2025, "Look Ma, No Bubbles!
 Designing a Low-Latency Megakernel for Llama-1B" (Hazy Research), here without their
@@ -100,8 +101,10 @@ def structure_reason(model) -> str:
     if hd not in SUPPORTED_HEAD_DIMS or heads % kv:
         return f"head dim {hd} / heads {heads}:{kv}"
     dm, di = args.hidden_size, args.intermediate_size
-    if dm % 8 or di % 8 or dm * MAX_ROWS * 4 > _SHARED_BYTES:
-        return f"hidden size {dm} / intermediate {di} (hidden <= {_SHARED_BYTES // (4 * MAX_ROWS)}, multiples of 8)"
+    if dm % 8 or di % 8 or not 256 <= dm <= _SHARED_BYTES // (4 * MAX_ROWS):
+        # (>= 256: a column tile of o_proj/down_proj inputs then holds 32 packed words per row)
+        return (f"hidden size {dm} / intermediate {di} "
+                f"(hidden 256..{_SHARED_BYTES // (4 * MAX_ROWS)}, multiples of 8)")
     bits = set()
     for layer in inner.layers:
         rope = layer.self_attn.rope
@@ -151,13 +154,17 @@ class FusedOutput:
 
     ``logits``: ``[M, V]`` float32; ``hidden``: ``[L, M, d]`` float32, decoder layer ``l``'s
     output (what mlx-lm's layer ``l`` returns); ``embeddings``: ``[M, d]``, the pass's input;
-    ``errors``: ``[blocks]`` int32, nonzero where a block gave up at a grid barrier.
+    ``errors``: ``[blocks]`` int32, nonzero where a block gave up at a grid barrier;
+    ``profile``: with ``profile=True``, ``[blocks, 5 L + 1, 2]`` uint32 SM cycles per block and
+    barrier slot (layer ``l``'s phase ``p`` at ``5 l + p``, the LM head last): ``[.., 0]`` the
+    block's work since the previous barrier, ``[.., 1]`` its wait at this one; else None.
     """
 
     logits: mx.array
     hidden: mx.array
     embeddings: mx.array
     errors: mx.array
+    profile: mx.array | None = None
 
 
 class FusedPass:
@@ -170,12 +177,14 @@ class FusedPass:
         warps: warps per block (8 or 16).
         skip: phases to leave out (bit mask, see ``sources/fused_body.cu``), for profiling
             only: the outputs are then meaningless.
+        profile: record per-phase cycle counts (:attr:`FusedOutput.profile`); profiling only.
 
     Raises:
         ValueError: the model or backend is not supported (the message says why).
     """
 
-    def __init__(self, model: nn.Module, blocks: int | None = None, warps: int = WARPS, skip: int = 0):
+    def __init__(self, model: nn.Module, blocks: int | None = None, warps: int = WARPS, skip: int = 0,
+                 profile: bool = False):
         reason = unsupported_reason(model)
         if reason:
             raise ValueError(f"fused pass unsupported: {reason}")
@@ -192,7 +201,8 @@ class FusedPass:
         shared = 4 * (MAX_ROWS * self.hidden_size + self.head_dim * (1 + warps) + 2 * warps)
         if shared > 48 * 1024:
             raise ValueError(f"{warps} warps need {shared} bytes of static shared memory (48 KiB at most)")
-        self.warps, self.skip = warps, skip
+        self.warps, self.skip, self.profile = warps, skip, profile
+        self.segment = 32 * warps  # keys per attention work unit (sources/fused_body.cu, phase B)
         lins = [_linears(layer) for layer in inner.layers]
 
         def stack(names, part):
@@ -233,14 +243,15 @@ class FusedPass:
         header = _minify((_SOURCES / "fused_cuda.cuh").read_text())
         body = tables + _minify((_SOURCES / "fused_body.cu").read_text())
         inputs = ["x0", "pos", *self._WEIGHT_NAMES, *(f"kc{i}" for i in range(n)), *(f"vc{i}" for i in range(n)), "bar"]
-        return header, body, inputs, ["logits", "hidden", "kn", "vn", "qkv", "att", "hmid", "act", "err"]
+        return header, body, inputs, ["logits", "hidden", "qkv", "att", "hmid", "act", "part", "prof", "err"]
 
     def template(self) -> list[tuple[str, object]]:
         """The kernel's template arguments (type ``ST`` and integer constants)."""
         return [("ST", self.weights["sqkv"].dtype), ("NL", self.layers), ("DM", self.hidden_size),
                 ("NH", self.heads), ("NKV", self.kv_heads), ("HD", self.head_dim), ("DI", self.intermediate),
                 ("MB", MAX_ROWS), ("W", self.warps), ("BITS", self.bits), ("HBITS", self.head_bits),
-                ("EPS_BITS", _float_bits(self.eps)), ("SCALE_BITS", _float_bits(self.scale)), ("SKIP", self.skip)]
+                ("EPS_BITS", _float_bits(self.eps)), ("SCALE_BITS", _float_bits(self.scale)), ("SKIP", self.skip),
+                ("PROF", int(self.profile))]
 
     @functools.cached_property
     def _kernel(self):
@@ -252,7 +263,8 @@ class FusedPass:
     def supports_cache(self, cache: list, rows: int) -> bool:
         """Whether a pass of ``rows`` rows can append to ``cache`` (mlx-lm ``KVCache`` layers,
         already holding a prefill, same buffer shapes, float32). The buffers may be views (a
-        prefix-cache hit restores slices of stored arrays): the kernel reads their strides."""
+        prefix-cache hit restores slices of stored arrays): :meth:`__call__` copies them into
+        buffers of the cache's own first."""
         if not 1 <= rows <= MAX_ROWS or len(cache) != self.layers:
             return False
         first = cache[0]
@@ -264,6 +276,23 @@ class FusedPass:
         return all(type(c) is type(first) and c.keys is not None and c.keys.shape == shape
                    and c.values.shape == shape and c.offset == first.offset for c in cache)
 
+    def _writable(self, cache: list, rows: int) -> None:
+        """Give every layer buffers the pass may write in place: allocated here (so no other
+        array shares them: a prefix-cache hit leaves views of stored arrays), contiguous, with
+        room for ``rows`` more positions (grown in mlx-lm's steps of ``KVCache.step``). Costs
+        two ops per layer when it allocates: once per sequence and per step of growth."""
+        for c in cache:
+            n = c.offset
+            if c.__dict__.get("_fused_buffer") is c.keys and n + rows <= c.keys.shape[2]:
+                continue
+            capacity = -(-(n + rows) // c.step) * c.step
+            shape = (1, self.kv_heads, capacity, self.head_dim)
+            keys, values = mx.zeros(shape, mx.float32), mx.zeros(shape, mx.float32)
+            keys[..., :n, :] = c.keys[..., :n, :]
+            values[..., :n, :] = c.values[..., :n, :]
+            c.keys, c.values = keys, values
+            c._fused_buffer = keys
+
     def __call__(self, tokens: list[int], cache: list) -> FusedOutput:
         """Run ``tokens`` (one decode token, or the anchor plus drafts) through the target at
         the cache's current length, appending their keys and values to ``cache``.
@@ -273,7 +302,9 @@ class FusedPass:
             cache: the sequence's per-layer mlx-lm ``KVCache`` list (see :meth:`supports_cache`).
 
         Returns:
-            :class:`FusedOutput`, lazy. Call :meth:`check` after evaluating it.
+            :class:`FusedOutput`, lazy. The cache's offsets already count the new rows; their
+            keys and values are written when the pass is evaluated. Call :meth:`check` after
+            evaluating it.
 
         Raises:
             ValueError: more than 16 or no tokens, or a cache :meth:`supports_cache` rejects.
@@ -282,36 +313,37 @@ class FusedPass:
         if not self.supports_cache(cache, m):
             raise ValueError(f"fused pass takes 1..{MAX_ROWS} rows over a prefilled float32 KVCache list "
                              f"of {self.layers} layers with equal shapes; got {m} rows")
+        self._writable(cache, m)
         inner = self.model.model
         x0 = inner.embed_tokens(mx.array(tokens, dtype=mx.uint32))
         start = cache[0].offset
         nqkv = (self.heads + 2 * self.kv_heads) * self.head_dim
-        d, nl, kv, hd = self.hidden_size, self.layers, self.kv_heads, self.head_dim
+        d, nl, hd = self.hidden_size, self.layers, self.head_dim
         pos = mx.broadcast_to(self._zero, (start,))  # its length tells the kernel the cached length
-        # Each launch gets its own zeroed barrier slots: no state carries over between launches
-        # (a failed one cannot poison the next) and the fill orders two launches in one graph.
-        bar = mx.zeros((self.blocks * 32,), dtype=mx.uint32)
-        # The kernel reads layer 0's cache strides for every layer: mlx-lm grows all layers'
-        # buffers in lockstep, and supports_cache checked that their shapes agree.
+        # Each launch gets its own zeroed barrier slots and attention counters: no state carries
+        # over between launches (a failed one cannot poison the next) and the fill orders two
+        # launches in one graph.
+        bar = mx.zeros((self.blocks * 32 + nl * m * self.heads,), dtype=mx.uint32)
+        segments = (start + m - 1) // self.segment + 1  # of the last row, the one with most keys
         inputs = [x0, pos, *(self.weights[k] for k in self._WEIGHT_NAMES),
                   *(c.keys for c in cache), *(c.values for c in cache), bar]
         outs = self._kernel(
             inputs=inputs,
             template=self.template(),
             grid=(self.blocks * 32 * self.warps, 1, 1), threadgroup=(32 * self.warps, 1, 1),
-            output_shapes=[(m, self.weights["we"].shape[0]), (nl, m, d), (nl, kv, m, hd), (nl, kv, m, hd),
-                           (m, nqkv), (m, self.heads * hd), (m, d), (m, self.intermediate), (self.blocks,)],
-            output_dtypes=[mx.float32] * 8 + [mx.int32])
-        logits, hidden, kn, vn = outs[:4]
-        for layer, c in enumerate(cache):
-            c.update_and_fetch(kn[layer][None], vn[layer][None])
+            output_shapes=[(m, self.weights["we"].shape[0]), (nl, m, d), (m, nqkv), (m, self.heads * hd), (m, d),
+                           (m, self.intermediate), (m, self.heads, segments, hd + 2),
+                           (self.blocks, 5 * nl + 1, 2) if self.profile else (1,), (self.blocks,)],
+            output_dtypes=[mx.float32] * 7 + [mx.uint32, mx.int32])
+        for c in cache:
+            c.offset += m
         self.passes += 1
-        return FusedOutput(logits, hidden, x0, outs[8])
+        return FusedOutput(outs[0], outs[1], x0, outs[8], outs[7] if self.profile else None)
 
     def check(self, out: FusedOutput) -> None:
         """Raise :class:`FusedPassError` if ``out``'s pass gave up at a grid barrier (blocks not
         all resident, or a fault). Its outputs, including the keys and values it appended to the
         cache, are then garbage: the sequence cannot continue."""
-        if mx.any(out.errors).item():
-            raise FusedPassError(f"fused pass: {int(mx.sum(out.errors != 0).item())} of {self.blocks} blocks "
-                                 "timed out at a grid barrier")
+        failed = int(np.count_nonzero(np.asarray(out.errors)))  # no new op: reads the evaluated flags
+        if failed:
+            raise FusedPassError(f"fused pass: {failed} of {self.blocks} blocks timed out at a grid barrier")

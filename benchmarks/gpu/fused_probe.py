@@ -2,8 +2,10 @@
 
 Times, for the default model after a prefill of ``--context`` tokens: building one pass (host,
 no evaluation), evaluating it, and the whole pass, for 1, 4 and 16 rows and a few block counts;
-``--ncu`` runs a few passes only (for ``ncu --metrics gpu__time_duration.sum``). JSON to
-``--out``.
+``--ncu`` runs a few passes only (for ``ncu --metrics gpu__time_duration.sum``); ``--profile``
+adds, per row count, the kernel's own cycle counts per phase (``FusedPass(profile=True)``): for
+each phase summed over layers, the slowest block's work, the mean block's work and the mean
+wait at the barrier after it. JSON to ``--out``.
 
     python benchmarks/gpu/fused_probe.py --model /root/s/files/SmolLM2-135M-Instruct.Q4_1.gguf --out f.json
 """
@@ -36,6 +38,7 @@ def main(argv=None):
     ap.add_argument("--skip", default="0", help="comma-separated phase masks to leave out (profiling: "
                     "1 A, 2 B attention, 4 C, 8 D, 16 E, 32 LM head; 63 = barriers only)")
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="per-phase cycle counts from inside the kernel")
     args = ap.parse_args(argv)
     loaded = load_target(args.model, "quantized")
     model = loaded.model
@@ -72,8 +75,45 @@ def main(argv=None):
                         (("build_ms", build), ("eval_ms", ev), ("total_ms", total))}}
             result["runs"].append(entry)
             print(json.dumps(entry), flush=True)
+    if args.profile:
+        result["profile"] = {w: phase_profile(model, runner, cache, ids, args.context, int(w))
+                             for w in args.warps.split(",")}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+
+
+PHASES = ("A_norm_qkv", "B_attention", "C_o_proj", "D_norm_gate_up", "E_down")
+
+
+def phase_profile(model, runner, cache, ids, context, warps):
+    """Cycle counts per phase from the kernel's own clock64() marks (medians over 5 passes)."""
+    import numpy as np
+
+    fp = FusedPass(model, warps=warps, profile=True)
+    out = {}
+    for rows in (1, 4, 16):
+        toks = ids[context: context + rows]
+        samples = []
+        for i in range(7):
+            res = fp(toks, cache)
+            mx.eval(res.logits, res.errors, res.profile)
+            fp.check(res)
+            runner.trim(cache, rows)
+            if i >= 2:
+                samples.append(np.array(res.profile).astype(np.float64))  # [blocks, 5 L + 1, 2]
+        prof = np.median(np.stack(samples), axis=0)
+        layers = (prof.shape[1] - 1) // 5
+        body = prof[:, :-1].reshape(prof.shape[0], layers, 5, 2)
+        entry = {"total_cycles_block0": float(prof[0, :, :].sum()),
+                 "lm_head_work_max": float(prof[:, -1, 0].max())}
+        for p, name in enumerate(PHASES):
+            entry[name] = {"work_max": float(body[:, :, p, 0].max(axis=0).sum()),
+                           "wait_min": float(body[:, :, p, 1].min(axis=0).sum()),
+                           "work_mean": float(body[:, :, p, 0].mean(axis=0).sum()),
+                           "wait_mean": float(body[:, :, p, 1].mean(axis=0).sum())}
+        out[str(rows)] = entry
+        print(json.dumps({"warps": warps, "rows": rows, **entry}), flush=True)
+    return out
 
 
 if __name__ == "__main__":

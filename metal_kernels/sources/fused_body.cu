@@ -6,7 +6,8 @@
 // block per multiprocessor; phases are separated by a grid-wide barrier (fused_cuda.cuh),
 // five per layer:
 //   A  RMSNorm (every block, into shared memory) + q/k/v projections (rows over all warps)
-//   B  RoPE'd new keys and values into kn/vn, then causal attention, one (row, head) per block
+//   B  RoPE'd new keys and values appended to the KV cache; causal attention, split by
+//      (row, head, 256-key segment)
 //   C  o_proj + residual                      -> hmid
 //   D  RMSNorm + gate/up projections + SiLU   -> act
 //   E  down_proj + residual                   -> hidden[l] (the next layer's input)
@@ -20,11 +21,15 @@
 // (64 or 128), DI intermediate size, MB most rows, W warps per block, BITS (projections) and
 // HBITS (LM head) quantization bits, EPS_BITS / SCALE_BITS the float bit patterns of the
 // RMSNorm epsilon and the softmax scale; ST the scales/biases type; SKIP a bit mask of phases
-// to leave out (A 1, B 2, C 4, D 8, E 16, LM head 32), for profiling only: 0 in service. The launcher prepends the
-// per-layer KV-cache pointer tables KC / VC (inputs kc0.., vc0..: the caches' [1, NKV, P, HD]
-// arrays, possibly views with rows of HD contiguous; every layer's with the same strides). The
-// cached length S is the length of input `pos`, a stride-0 view: a kernel parameter rather
-// than device memory the host writes each step.
+// to leave out (A 1, B 2, C 4, D 8, E 16, LM head 32), for profiling only: 0 in service; PROF
+// 1 records per-block cycle counts per phase in `prof` (profiling only). The launcher prepends
+// the per-layer KV-cache pointer tables KC / VC (inputs kc0.., vc0..: the caches' [1, NKV, P,
+// HD] buffers, contiguous, every layer's the same shape). The pass reads keys/values 0..S-1
+// and WRITES its own rows S..S+M-1 into these buffers in place (the launcher gives it buffers
+// no other array shares, with room for the rows). The cached length S is the length of input
+// `pos`, a stride-0 view: a kernel parameter rather than device memory the host writes each
+// step. `bar` holds the barrier slots (32 words per block) and then one attention counter per
+// (layer, row, head); the launcher zeroes it for every launch.
 constexpr int NQKV = (NH + 2 * NKV) * HD;
 constexpr int NA = NH * HD;
 constexpr int HALF = HD / 2;
@@ -45,6 +50,23 @@ const float eps = __int_as_float(EPS_BITS);
 const float qscale = __int_as_float(SCALE_BITS) * 1.4426950408889634f;
 unsigned int* barp = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(bar));
 unsigned int epoch = *reinterpret_cast<volatile const unsigned int*>(barp + blockIdx.x * 32);
+unsigned int* cnt = barp + NB * 32;  // per (layer, row, head): attention segments done
+const int PSEG = (S + M - 1) / (W * 32) + 1;  // segments of the last row (the launcher sizes `part` so)
+long long tprof = PROF ? clock64() : 0;
+// A grid barrier; with PROF, block b records for slot k the cycles of its own work since the
+// previous barrier and of its wait here (prof[b, k] = (work, wait)).
+auto sync_ = [&](int slot) -> bool {
+  const long long ta = PROF ? clock64() : 0;
+  const bool r = ss_grid_sync(barp, epoch);
+  if (PROF && threadIdx.x == 0) {
+    const long long tb = clock64();
+    prof[((size_t)blockIdx.x * (NL * 5 + 1) + slot) * 2] = static_cast<unsigned int>(ta - tprof);
+    prof[((size_t)blockIdx.x * (NL * 5 + 1) + slot) * 2 + 1] = static_cast<unsigned int>(tb - ta);
+    tprof = tb;
+  }
+  return r;
+};
+constexpr int SEG = W * 32;
 
 auto gshift_of = [](int K, int NG) {
   int s = 0;
@@ -72,6 +94,21 @@ __shared__ float wm[W];
 __shared__ float wl[W];
 __shared__ float wacc[W][HD];
 
+// Attention work units (phase B): (row m, head h, key segment sg), rows in order, then heads.
+int units = 0;
+for (int m = 0; m < M; ++m) {
+  units += NH * ((S + m) / SEG + 1);
+}
+auto unit_of = [&](int u, int& m, int& h, int& sg) {
+  m = 0;
+  while (u >= NH * ((S + m) / SEG + 1)) {
+    u -= NH * ((S + m) / SEG + 1);
+    ++m;
+  }
+  const int nseg = (S + m) / SEG + 1;
+  h = u / nseg;
+  sg = u - h * nseg;
+};
 bool ok = true;
 for (int l = 0; l < NL; ++l) {
   const float* hin = l == 0 ? x0 : hidden + (size_t)(l - 1) * M * DM;
@@ -85,7 +122,7 @@ for (int l = 0; l < NL; ++l) {
     const ST* bi = bqkv + (size_t)l * NQKV * ng_qkv;
     for (int n = gw; n < NQKV; n += TW) {
       float acc[MB];
-      ss_qdot<BITS, MB, true, ST>(w + (size_t)n * (DM / PK), sc + (size_t)n * ng_qkv, bi + (size_t)n * ng_qkv, DM,
+      ss_qdot<BITS, MB, ST>(w + (size_t)n * (DM / PK), sc + (size_t)n * ng_qkv, bi + (size_t)n * ng_qkv, DM,
                                  gs_qkv, xs, M, lane, acc);
 #pragma unroll
       for (int m = 0; m < MB; ++m) {
@@ -98,11 +135,18 @@ for (int l = 0; l < NL; ++l) {
       }
     }
   }
-  if (!(ok = ss_grid_sync(barp, epoch))) {
+  if (!(ok = sync_(l * 5 + 0))) {
     break;
   }
 
-  // ---- B: new keys (RoPE'd) and values -> kn/vn [NL, NKV, M, HD]; attention -> att [M, NA]
+  // ---- B: the pass's keys (RoPE'd) and values appended to the cache at S..S+M-1; attention
+  // -> att [M, NA]. A row's keys are split into segments of SEG = 32 W absolute positions, one
+  // 32-key chunk per warp; a work unit is (row, head, segment). A row with one segment writes
+  // its output directly; otherwise each unit writes its partial (max, sum, weighted values) to
+  // `part` and the unit that finishes last (a per-(layer, row, head) counter) combines the
+  // partials in segment order. Segments depend on the row's position only, so the bits do not
+  // depend on M or on which block runs a unit. The new keys are read from qkv, never from the
+  // cache being written in this phase.
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < ((SKIP & 2) ? 0 : M * NKV * HALF);
        idx += NB * blockDim.x) {
     const int i = idx % HALF;
@@ -110,17 +154,19 @@ for (int l = 0; l < NL; ++l) {
     const int m = idx / (HALF * NKV);
     const float* kr = qkv + m * NQKV + NA + g * HD;
     const float* vr = kr + NKV * HD;
-    const size_t o = (((size_t)l * NKV + g) * M + m) * HD;
+    float* kd = const_cast<float*>(KC[l]) + g * KHS + (int64_t)(S + m) * HD;
+    float* vd = const_cast<float*>(VC[l]) + g * VHS + (int64_t)(S + m) * HD;
     float lo, hi;
     ss_rope(__ldcg(kr + i), __ldcg(kr + i + HALF), S + m, inv_freq[i], lo, hi);
-    kn[o + i] = lo;
-    kn[o + i + HALF] = hi;
-    vn[o + i] = __ldcg(vr + i);
-    vn[o + i + HALF] = __ldcg(vr + i + HALF);
+    kd[i] = lo;
+    kd[i + HALF] = hi;
+    vd[i] = __ldcg(vr + i);
+    vd[i + HALF] = __ldcg(vr + i + HALF);
   }
-  for (int u = blockIdx.x; u < ((SKIP & 2) ? 0 : M * NH); u += NB) {
-    const int m = u / NH;
-    const int h = u - m * NH;
+  for (int u = blockIdx.x; u < ((SKIP & 2) ? 0 : units); u += NB) {
+    int m, h, sg;
+    unit_of(u, m, h, sg);
+    const int nseg = (S + m) / SEG + 1;  // segments of keys 0..S+m
     const int g = h / (NH / NKV);
     const int nk = S + m + 1;
     const float* qr = qkv + m * NQKV + h * HD;
@@ -130,10 +176,23 @@ for (int l = 0; l < NL; ++l) {
       qs[i] = lo * qscale;
       qs[i + HALF] = hi * qscale;
     }
+    // this segment's new keys (positions S..S+m), RoPE'd once into shared memory (xs is free
+    // during phase B); the same bits as the cache copy appended above
+    const int c_lo = sg * SEG;
+    const int n_lo = max(c_lo, S);
+    const int n_hi = min(c_lo + SEG, nk);
+    for (int idx = threadIdx.x; idx < max(n_hi - n_lo, 0) * HALF; idx += blockDim.x) {
+      const int i = idx % HALF;
+      const int j = n_lo + idx / HALF;
+      const float* kr = qkv + (j - S) * NQKV + NA + g * HD;
+      float lo, hi;
+      ss_rope(__ldcg(kr + i), __ldcg(kr + i + HALF), j, inv_freq[i], lo, hi);
+      xs[(j - S) * HD + i] = lo;
+      xs[(j - S) * HD + i + HALF] = hi;
+    }
     __syncthreads();
     const float* kc = KC[l] + g * KHS;
     const float* vc = VC[l] + g * VHS;
-    const float* knew = qkv + NA + g * HD;           // new row r: knew + r * NQKV (pre-RoPE)
     const float* vnew = qkv + NA + NKV * HD + g * HD;  // new row r: vnew + r * NQKV
     float mx_ = NEG_INF;
     float sum = 0.0f;
@@ -142,49 +201,45 @@ for (int l = 0; l < NL; ++l) {
     for (int dd = 0; dd < DL; ++dd) {
       acc[dd] = 0.0f;
     }
-    // Keys in absolute chunks of 32; warp w takes chunks w, w + W, ... Lane t scores key
-    // c0 + t with a sequential HD-term dot product (cached or new keys alike: new keys are
-    // RoPE'd with the same bits kn gets), then online softmax in base 2.
-    for (int c0 = warp * 32; c0 < nk; c0 += W * 32) {
+    // Warp w takes the chunk of keys c0 = c_lo + 32 w; lane t scores key c0 + t with a
+    // sequential HD-term dot product, then online softmax in base 2.
+    const int c0 = c_lo + warp * 32;
+    if (c0 < nk) {
       const int j = c0 + lane;
+      // Values in two halves of 16 rows (this lane's DL dims; rows past the last key weigh 0,
+      // any valid row is read). The first half is loaded before the scores (it does not
+      // depend on them), so its loads overlap the keys'.
+      float vv[16][DL];
+      auto load_values = [&](int t0) {
+#pragma unroll
+        for (int t = 0; t < 16; ++t) {
+          const int jc = min(c0 + t0 + t, nk - 1);
+          const float* vr = jc < S ? vc + (int64_t)jc * HD : vnew + (size_t)(jc - S) * NQKV;
+#pragma unroll
+          for (int dd = 0; dd < DL; ++dd) {
+            vv[t][dd] = __ldcg(vr + lane * DL + dd);
+          }
+        }
+      };
+      load_values(0);
       float s = NEG_INF;
       if (j < nk) {
+        const float* kr = j < S ? kc + (int64_t)j * HD : xs + (j - S) * HD;
         float dot = 0.0f;
-        if (j < S) {
-          const float* kr = kc + (size_t)j * HD;
 #pragma unroll
-          for (int d0 = 0; d0 < HD; d0 += 16) {
-            float kk[16];
+        for (int d0 = 0; d0 < HD; d0 += 16) {
+          float kk[16];
 #pragma unroll
-            for (int t = 0; t < 16; t += 4) {
-              const float4 v4 = *reinterpret_cast<const float4*>(kr + d0 + t);
-              kk[t] = v4.x;
-              kk[t + 1] = v4.y;
-              kk[t + 2] = v4.z;
-              kk[t + 3] = v4.w;
-            }
-#pragma unroll
-            for (int t = 0; t < 16; ++t) {
-              dot = fmaf(qs[d0 + t], kk[t], dot);
-            }
+          for (int t = 0; t < 16; t += 4) {
+            const float4 v4 = *reinterpret_cast<const float4*>(kr + d0 + t);
+            kk[t] = v4.x;
+            kk[t + 1] = v4.y;
+            kk[t + 2] = v4.z;
+            kk[t + 3] = v4.w;
           }
-        } else {
-          const float* kr = knew + (size_t)(j - S) * NQKV;
 #pragma unroll
-          for (int d0 = 0; d0 < HD; d0 += 16) {
-            float kk[16];
-#pragma unroll
-            for (int t = 0; t < 16; ++t) {
-              const int d = d0 + t;
-              const int i = d < HALF ? d : d - HALF;
-              float lo, hi;
-              ss_rope(__ldcg(kr + i), __ldcg(kr + i + HALF), j, inv_freq[i], lo, hi);
-              kk[t] = d < HALF ? lo : hi;
-            }
-#pragma unroll
-            for (int t = 0; t < 16; ++t) {
-              dot = fmaf(qs[d0 + t], kk[t], dot);
-            }
+          for (int t = 0; t < 16; ++t) {
+            dot = fmaf(qs[d0 + t], kk[t], dot);
           }
         }
         s = dot;
@@ -194,30 +249,16 @@ for (int l = 0; l < NL; ++l) {
       for (int o = 16; o > 0; o >>= 1) {
         cm = fmaxf(cm, __shfl_xor_sync(FULL, cm, o));
       }
-      const float mn = fmaxf(mx_, cm);
-      const float p = j < nk ? exp2f(s - mn) : 0.0f;
+      const float p = j < nk ? exp2f(s - cm) : 0.0f;
       float ps = p;
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) {
         ps += __shfl_xor_sync(FULL, ps, o);
       }
-      const float corr = exp2f(mx_ - mn);
-      sum = sum * corr + ps;
-#pragma unroll
-      for (int dd = 0; dd < DL; ++dd) {
-        acc[dd] *= corr;
-      }
-      const int jn = min(32, nk - c0);
-      for (int t0 = 0; t0 < jn; t0 += 16) {
-        float vv[16][DL];
-#pragma unroll
-        for (int t = 0; t < 16; ++t) {
-          const int jc = min(c0 + t0 + t, nk - 1);  // past the last key: weight 0, any valid row
-          const float* vr = jc < S ? vc + (size_t)jc * HD : vnew + (size_t)(jc - S) * NQKV;
-#pragma unroll
-          for (int dd = 0; dd < DL; ++dd) {
-            vv[t][dd] = __ldcg(vr + lane * DL + dd);
-          }
+      sum = ps;
+      for (int t0 = 0; t0 < min(32, nk - c0); t0 += 16) {
+        if (t0 > 0) {
+          load_values(t0);
         }
 #pragma unroll
         for (int t = 0; t < 16; ++t) {
@@ -228,7 +269,7 @@ for (int l = 0; l < NL; ++l) {
           }
         }
       }
-      mx_ = mn;
+      mx_ = cm;
     }
     if (lane == 0) {
       wm[warp] = mx_;
@@ -239,6 +280,9 @@ for (int l = 0; l < NL; ++l) {
       wacc[warp][lane * DL + dd] = acc[dd];
     }
     __syncthreads();
+    // the segment's (max, sum, values) from its warps in warp order; warps past the last key
+    // hold (-inf, 0, 0) and weigh 0
+    float* pr = part + (((size_t)m * NH + h) * PSEG + sg) * (HD + 2);
     for (int d = threadIdx.x; d < HD; d += blockDim.x) {
       float mt = wm[0];
       for (int w2 = 1; w2 < W; ++w2) {
@@ -251,44 +295,56 @@ for (int l = 0; l < NL; ++l) {
         lt = fmaf(wl[w2], f, lt);
         ot = fmaf(wacc[w2][d], f, ot);
       }
-      att[m * NA + h * HD + d] = ot / lt;
+      if (nseg == 1) {
+        att[m * NA + h * HD + d] = ot / lt;
+      } else {
+        pr[2 + d] = ot;
+        if (d == 0) {
+          pr[0] = mt;
+          pr[1] = lt;
+        }
+      }
+    }
+    if (nseg > 1) {
+      __shared__ int last;
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        last = atomicAdd(cnt + ((size_t)l * M + m) * NH + h, 1u) == static_cast<unsigned int>(nseg - 1);
+      }
+      __syncthreads();
+      if (last) {
+        __threadfence();
+        const float* p0 = part + ((size_t)m * NH + h) * PSEG * (HD + 2);
+        for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+          float mt = __ldcg(p0);
+          for (int s2 = 1; s2 < nseg; ++s2) {
+            mt = fmaxf(mt, __ldcg(p0 + s2 * (HD + 2)));
+          }
+          float lt = 0.0f;
+          float ot = 0.0f;
+          for (int s2 = 0; s2 < nseg; ++s2) {
+            const float* q2 = p0 + s2 * (HD + 2);
+            const float f = exp2f(__ldcg(q2) - mt);
+            lt = fmaf(__ldcg(q2 + 1), f, lt);
+            ot = fmaf(__ldcg(q2 + 2 + d), f, ot);
+          }
+          att[m * NA + h * HD + d] = ot / lt;
+        }
+      }
     }
     __syncthreads();
   }
-  if (!(ok = ss_grid_sync(barp, epoch))) {
+  if (!(ok = sync_(l * 5 + 1))) {
     break;
   }
 
   // ---- C: o_proj + residual -> hmid [M, DM]
   if (!(SKIP & 4)) {
-    const bool staged = M * NA <= MB * DM;
-    if (staged) {
-      ss_stage(att, M * NA, xs);
-    }
-    const uint32_t* w = wo + (size_t)l * DM * (NA / PK);
-    const ST* sc = so + (size_t)l * DM * ng_o;
-    const ST* bi = bo + (size_t)l * DM * ng_o;
-    for (int n = gw; n < DM; n += TW) {
-      float acc[MB];
-      if (staged) {
-        ss_qdot<BITS, MB, true, ST>(w + (size_t)n * (NA / PK), sc + (size_t)n * ng_o, bi + (size_t)n * ng_o, NA, gs_o,
-                                    xs, M, lane, acc);
-      } else {
-        ss_qdot<BITS, MB, false, ST>(w + (size_t)n * (NA / PK), sc + (size_t)n * ng_o, bi + (size_t)n * ng_o, NA, gs_o,
-                                     att, M, lane, acc);
-      }
-#pragma unroll
-      for (int m = 0; m < MB; ++m) {
-        if (m < M) {
-          const float v = ss_warp_sum(acc[m]);
-          if (lane == 0) {
-            hmid[m * DM + n] = __ldcg(hin + m * DM + n) + v;
-          }
-        }
-      }
-    }
+    ss_proj_residual<BITS, MB, W, ST>(wo + (size_t)l * DM * (NA / PK), so + (size_t)l * DM * ng_o,
+                                      bo + (size_t)l * DM * ng_o, DM, NA, gs_o, ng_o, att, hin, hmid, M, xs, MB * DM);
   }
-  if (!(ok = ss_grid_sync(barp, epoch))) {
+  if (!(ok = sync_(l * 5 + 2))) {
     break;
   }
 
@@ -301,10 +357,10 @@ for (int l = 0; l < NL; ++l) {
     for (int n = gw; n < DI; n += TW) {
       float ag[MB];
       float au[MB];
-      ss_qdot<BITS, MB, true, ST>(w + (size_t)n * (DM / PK), sc + (size_t)n * ng_gu, bi + (size_t)n * ng_gu, DM,
+      ss_qdot<BITS, MB, ST>(w + (size_t)n * (DM / PK), sc + (size_t)n * ng_gu, bi + (size_t)n * ng_gu, DM,
                                  gs_gu, xs, M, lane, ag);
       const size_t nu = (size_t)(DI + n);
-      ss_qdot<BITS, MB, true, ST>(w + nu * (DM / PK), sc + nu * ng_gu, bi + nu * ng_gu, DM, gs_gu, xs, M, lane, au);
+      ss_qdot<BITS, MB, ST>(w + nu * (DM / PK), sc + nu * ng_gu, bi + nu * ng_gu, DM, gs_gu, xs, M, lane, au);
 #pragma unroll
       for (int m = 0; m < MB; ++m) {
         if (m < M) {
@@ -317,40 +373,16 @@ for (int l = 0; l < NL; ++l) {
       }
     }
   }
-  if (!(ok = ss_grid_sync(barp, epoch))) {
+  if (!(ok = sync_(l * 5 + 3))) {
     break;
   }
 
   // ---- E: down_proj + residual -> hidden[l]
   if (!(SKIP & 16)) {
-    const bool staged = M * DI <= MB * DM;
-    if (staged) {
-      ss_stage(act, M * DI, xs);
-    }
-    const uint32_t* w = wd + (size_t)l * DM * (DI / PK);
-    const ST* sc = sd + (size_t)l * DM * ng_d;
-    const ST* bi = bd + (size_t)l * DM * ng_d;
-    for (int n = gw; n < DM; n += TW) {
-      float acc[MB];
-      if (staged) {
-        ss_qdot<BITS, MB, true, ST>(w + (size_t)n * (DI / PK), sc + (size_t)n * ng_d, bi + (size_t)n * ng_d, DI, gs_d,
-                                    xs, M, lane, acc);
-      } else {
-        ss_qdot<BITS, MB, false, ST>(w + (size_t)n * (DI / PK), sc + (size_t)n * ng_d, bi + (size_t)n * ng_d, DI, gs_d,
-                                     act, M, lane, acc);
-      }
-#pragma unroll
-      for (int m = 0; m < MB; ++m) {
-        if (m < M) {
-          const float v = ss_warp_sum(acc[m]);
-          if (lane == 0) {
-            hout[m * DM + n] = __ldcg(hmid + m * DM + n) + v;
-          }
-        }
-      }
-    }
+    ss_proj_residual<BITS, MB, W, ST>(wd + (size_t)l * DM * (DI / PK), sd + (size_t)l * DM * ng_d,
+                                      bd + (size_t)l * DM * ng_d, DM, DI, gs_d, ng_d, act, hmid, hout, M, xs, MB * DM);
   }
-  if (!(ok = ss_grid_sync(barp, epoch))) {
+  if (!(ok = sync_(l * 5 + 4))) {
     break;
   }
 }
@@ -360,7 +392,7 @@ if (ok && !(SKIP & 32)) {
   ss_rmsnorm<DM, W>(hidden + (size_t)(NL - 1) * M * DM, fnorm, eps, M, xs);
   for (int n = gw; n < V; n += TW) {
     float acc[MB];
-    ss_qdot<HBITS, MB, true, ST>(we + (size_t)n * (DM / HPK), se + (size_t)n * ng_e, bee + (size_t)n * ng_e, DM, gs_e,
+    ss_qdot<HBITS, MB, ST>(we + (size_t)n * (DM / HPK), se + (size_t)n * ng_e, bee + (size_t)n * ng_e, DM, gs_e,
                                 xs, M, lane, acc);
 #pragma unroll
     for (int m = 0; m < MB; ++m) {
@@ -372,6 +404,9 @@ if (ok && !(SKIP & 32)) {
       }
     }
   }
+}
+if (PROF && threadIdx.x == 0) {
+  prof[((size_t)blockIdx.x * (NL * 5 + 1) + NL * 5) * 2] = static_cast<unsigned int>(clock64() - tprof);
 }
 if (threadIdx.x == 0) {
   err[blockIdx.x] = ok ? 0 : 1;

@@ -66,27 +66,25 @@ __device__ __forceinline__ void ss_rope(float lo, float hi, int pos, float inv_f
   out_hi = __fadd_rn(__fmul_rn(hi, cs), __fmul_rn(lo, sn));
 }
 
-// One warp's partial dot products of a quantized weight row with M <= MB activation rows.
-// Lane l takes packed words l, l + 32, ... in increasing order, dequantizes each (fp32
-// scale * q + bias) and accumulates x * w with fp32 FMAs; ss_warp_sum then adds the 32 lane
-// sums by a fixed xor butterfly. x rows are K floats apart, in shared memory (SMEM) or in
-// global memory written earlier in this launch (read through L2).
-template <int BITS, int MB, bool SMEM, typename S>
-__device__ __forceinline__ void ss_qdot(const uint32_t* __restrict__ wrow, const S* __restrict__ srow,
-                                        const S* __restrict__ brow, int K, int gshift, const float* x,
-                                        int M, int lane, float* acc) {
+// One warp's partial dot products of a quantized weight row with M <= MB activation rows,
+// accumulated into acc. The row's packed words from k_base / PACK on (K more inputs) meet x,
+// M rows of K floats in shared memory. Lane l takes words l, l + 32, ... in increasing order,
+// dequantizes each (fp32 scale * q + bias) and accumulates x * w with fp32 FMAs; ss_warp_sum
+// then adds the 32 lane sums by a fixed xor butterfly. Splitting a row into pieces whose word
+// counts are multiples of 32 keeps every lane's words and their order: the same bits.
+template <int BITS, int MB, typename S>
+__device__ __forceinline__ void ss_qdot_acc(const uint32_t* __restrict__ wrow, const S* __restrict__ srow,
+                                            const S* __restrict__ brow, int K, int k_base, int gshift, const float* x,
+                                            int M, int lane, float* acc) {
   constexpr int PACK = 32 / BITS;
   constexpr uint32_t MASK = (1u << BITS) - 1u;
   const int KW = K / PACK;
-#pragma unroll
-  for (int m = 0; m < MB; ++m) {
-    acc[m] = 0.0f;
-  }
+  const uint32_t* wp = wrow + k_base / PACK;
 #pragma unroll 4
   for (int i = lane; i < KW; i += 32) {
     const int k0 = i * PACK;
-    const int gi = k0 >> gshift;
-    const uint32_t word = wrow[i];
+    const int gi = (k_base + k0) >> gshift;
+    const uint32_t word = wp[i];
     const float s = static_cast<float>(srow[gi]);
     const float b = static_cast<float>(brow[gi]);
     float wv[PACK];
@@ -100,8 +98,7 @@ __device__ __forceinline__ void ss_qdot(const uint32_t* __restrict__ wrow, const
       if (m < M) {
 #pragma unroll
         for (int p4 = 0; p4 < PACK; p4 += 4) {
-          const float* xp = x + m * K + k0 + p4;
-          const float4 xv = SMEM ? *reinterpret_cast<const float4*>(xp) : ss_ldcg4(xp);
+          const float4 xv = *reinterpret_cast<const float4*>(x + m * K + k0 + p4);
           acc[m] = fmaf(xv.x, wv[p4 + 0], acc[m]);
           acc[m] = fmaf(xv.y, wv[p4 + 1], acc[m]);
           acc[m] = fmaf(xv.z, wv[p4 + 2], acc[m]);
@@ -110,6 +107,18 @@ __device__ __forceinline__ void ss_qdot(const uint32_t* __restrict__ wrow, const
       }
     }
   }
+}
+
+// The whole row (K inputs) against x in shared memory, acc reset first.
+template <int BITS, int MB, typename S>
+__device__ __forceinline__ void ss_qdot(const uint32_t* __restrict__ wrow, const S* __restrict__ srow,
+                                        const S* __restrict__ brow, int K, int gshift, const float* x, int M, int lane,
+                                        float* acc) {
+#pragma unroll
+  for (int m = 0; m < MB; ++m) {
+    acc[m] = 0.0f;
+  }
+  ss_qdot_acc<BITS, MB, S>(wrow, srow, brow, K, 0, gshift, x, M, lane, acc);
 }
 
 // Copy M rows of K floats (global, written earlier in this launch) into shared memory, all
@@ -130,31 +139,105 @@ __device__ __forceinline__ float ss_warp_sum(float v) {
 }
 
 // RMSNorm of M rows of `src` (global, [M, DM]) into shared `xs`: xs[m, k] = src[m, k] *
-// rsqrt(mean_k(src[m, k]^2) + eps) * g[k]. Warp w normalizes rows w, w + W, ...; the sum of
-// squares runs lane-strided in increasing k, then the butterfly.
+// rsqrt(mean_k(src[m, k]^2) + eps) * g[k]. Warp w normalizes rows w, w + W, ...; lane l holds
+// the row's float4s at k = 4 l, 4 l + 128, ... (one load each, all in flight together), sums
+// their squares in increasing k, then the butterfly.
 template <int DM, int W>
 __device__ __forceinline__ void ss_rmsnorm(const float* src, const float* __restrict__ g, float eps, int M,
                                            float* xs) {
+  constexpr int NV = (DM + 127) / 128;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   for (int m = warp; m < M; m += W) {
+    float4 v[NV];
+#pragma unroll
+    for (int t = 0; t < NV; ++t) {
+      const int k = lane * 4 + t * 128;
+      v[t] = k < DM ? ss_ldcg4(src + m * DM + k) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
     float ss = 0.0f;
-    for (int k = lane * 4; k < DM; k += 128) {
-      const float4 v = ss_ldcg4(src + m * DM + k);
-      ss = fmaf(v.x, v.x, ss);
-      ss = fmaf(v.y, v.y, ss);
-      ss = fmaf(v.z, v.z, ss);
-      ss = fmaf(v.w, v.w, ss);
+#pragma unroll
+    for (int t = 0; t < NV; ++t) {
+      if (lane * 4 + t * 128 < DM) {
+        ss = fmaf(v[t].x, v[t].x, ss);
+        ss = fmaf(v[t].y, v[t].y, ss);
+        ss = fmaf(v[t].z, v[t].z, ss);
+        ss = fmaf(v[t].w, v[t].w, ss);
+      }
     }
     ss = ss_warp_sum(ss);
     const float inv = rsqrtf(ss / static_cast<float>(DM) + eps);
-    for (int k = lane * 4; k < DM; k += 128) {
-      const float4 v = ss_ldcg4(src + m * DM + k);
-      xs[m * DM + k + 0] = v.x * inv * g[k + 0];
-      xs[m * DM + k + 1] = v.y * inv * g[k + 1];
-      xs[m * DM + k + 2] = v.z * inv * g[k + 2];
-      xs[m * DM + k + 3] = v.w * inv * g[k + 3];
+#pragma unroll
+    for (int t = 0; t < NV; ++t) {
+      const int k = lane * 4 + t * 128;
+      if (k < DM) {
+        xs[m * DM + k + 0] = v[t].x * inv * g[k + 0];
+        xs[m * DM + k + 1] = v[t].y * inv * g[k + 1];
+        xs[m * DM + k + 2] = v[t].z * inv * g[k + 2];
+        xs[m * DM + k + 3] = v[t].w * inv * g[k + 3];
+      }
     }
   }
   __syncthreads();
+}
+
+// out[m, n] = res[m, n] + sum_k src[m, k] W[n, k] for rows n of a quantized W [N, K] (the o_proj
+// and down_proj phases), warp w of the grid taking rows w, w + (all warps), ... src [M, K]
+// (global, written earlier in this launch) reaches the warps through shared memory xs (CAP
+// floats): whole when M K fits, else in column tiles of KT inputs, KT a multiple of 32 packed
+// words (ss_qdot_acc: the same bits as one piece, whatever M). res/out are [M, N].
+template <int BITS, int MB, int W, typename S>
+__device__ __forceinline__ void ss_proj_residual(const uint32_t* w, const S* sc, const S* bi, int N, int K, int gshift,
+                                                 int NG, const float* src, const float* res, float* out, int M,
+                                                 float* xs, int CAP) {
+  constexpr int PACK = 32 / BITS;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int TW = gridDim.x * W;
+  auto finish = [&](int n, float* acc) {
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+      if (m < M) {
+        const float v = ss_warp_sum(acc[m]);
+        if (lane == 0) {
+          out[m * N + n] = __ldcg(res + m * N + n) + v;
+        }
+      }
+    }
+  };
+  if (M * K <= CAP) {
+    ss_stage(src, M * K, xs);
+    for (int n = blockIdx.x * W + warp; n < N; n += TW) {
+      float acc[MB];
+      ss_qdot<BITS, MB, S>(w + (size_t)n * (K / PACK), sc + (size_t)n * NG, bi + (size_t)n * NG, K, gshift, xs, M,
+                           lane, acc);
+      finish(n, acc);
+    }
+    return;
+  }
+  const int KT = (CAP / M) / (32 * PACK) * (32 * PACK);
+  for (int base = blockIdx.x * W; base < N; base += TW) {  // the same trip count for a block's warps
+    const int n = base + warp;
+    float acc[MB];
+#pragma unroll
+    for (int m = 0; m < MB; ++m) {
+      acc[m] = 0.0f;
+    }
+    for (int k0 = 0; k0 < K; k0 += KT) {
+      const int kt = min(KT, K - k0);
+      for (int i = threadIdx.x * 4; i < M * kt; i += blockDim.x * 4) {
+        const int m = i / kt;
+        *reinterpret_cast<float4*>(xs + i) = ss_ldcg4(src + (size_t)m * K + k0 + (i - m * kt));
+      }
+      __syncthreads();
+      if (n < N) {
+        ss_qdot_acc<BITS, MB, S>(w + (size_t)n * (K / PACK), sc + (size_t)n * NG, bi + (size_t)n * NG, kt, k0, gshift,
+                                 xs, M, lane, acc);
+      }
+      __syncthreads();
+    }
+    if (n < N) {
+      finish(n, acc);
+    }
+  }
 }
