@@ -388,6 +388,11 @@ def test_lm_head_and_shared_memory_limits_are_checked(stand_in):
     FusedPass(wide, warps=8)
     with pytest.raises(ValueError, match="static shared memory"):
         FusedPass(wide, warps=16)
+    assert FusedPass(wide).warps == 8  # the default takes 16 warps only where they fit
+    with pytest.raises(ValueError, match="registers"):  # head dim 128: too many registers for 16 warps
+        FusedPass(_quantized_model(head_dim=128), warps=16)
+    assert FusedPass(_quantized_model(head_dim=128)).warps == 8
+    assert FusedPass(_quantized_model()).warps == 16
 
 
 # ---------------------------------------------------------------- CPU: the CUDA source compiles

@@ -34,7 +34,7 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--blocks", default="0,32,8", help="comma-separated block counts (0: one per SM)")
-    ap.add_argument("--warps", default="8", help="comma-separated warps per block (8, 16)")
+    ap.add_argument("--warps", default="16", help="comma-separated warps per block (8, 16)")
     ap.add_argument("--skip", default="0", help="comma-separated phase masks to leave out (profiling: "
                     "1 A, 2 B attention, 4 C, 8 D, 16 E, 32 LM head; 63 = barriers only)")
     ap.add_argument("--ncu", action="store_true")
