@@ -185,14 +185,16 @@ class Settings(BaseSettings):
     fused: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Fused decode/verify passes (CUDA): every decode and verify pass of a supported "
-        "target (mlx-lm Llama, quantized weights, float32 activations, hidden size <= 640, e.g. the "
+        "target (mlx-lm Llama, quantized weights, float32 activations, hidden size 256..640, e.g. the "
         "default model) runs as one kernel launch (metal_kernels/fused.py) instead of ~20 MLX ops per "
         "layer, and verify rows stay bit-identical to decode steps for 1..16 rows (7 with MLX's "
-        "modules). H200, default model: decode 1.31x and engine decode 1.63x mlx-lm's modules, prompt "
-        "lookup 3.35x on copy. `auto` and `on` use it where supported (`on` logs why not elsewhere), "
+        "modules). H200, default model: decode 3.07x and engine decode 2.95x mlx-lm's modules (1.8-1.9 "
+        "ms per token), prompt lookup 2.76x on copy on top. `auto` and `on` use it where supported "
+        "(`on` logs why not elsewhere), "
         "`off` keeps mlx-lm's modules. Prefill always uses mlx-lm's modules, and fused passes take one "
         "sequence each: at 16 concurrent streams the aggregate was 0.88x of batched mlx-lm passes with "
-        "speculation and 0.70x without, so set `off` for many concurrent streams "
+        "speculation and 0.70x without (an earlier, slower fused kernel), so set `off` for many "
+        "concurrent streams "
         "(docs/benchmarks.md).",
     )
 
