@@ -412,25 +412,41 @@ class Engine:
         if reason:
             (log.warning if mode == "on" else log.info)("fused passes off: %s", reason)
             return None
-        try:  # build, compile and run it once, against mlx-lm's modules, before calibrating on it
-            fp = fused.FusedPass(model)
-            probe = TargetRunner(model)
-            cache, reference = probe.make_cache(), probe.make_cache()
-            mx.eval(probe.prefill([1, 2, 3], cache)[0], probe.prefill([1, 2, 3], reference)[0])
-            out = fp([4, 5], cache)
-            mx.eval(out.logits)
-            fp.check(out)
-            want = probe.verify([4, 5], reference)[0]
-            scale = mx.abs(want).max().item()
-            err = mx.abs(out.logits - want).max().item()
-            if not err <= 1e-3 * scale:
-                raise fused.FusedPassError(f"probe logits differ from mlx-lm's by {err:.3g} (scale {scale:.3g})")
-        except Exception:
-            if mode == "on":
-                raise
-            log.warning("fused passes off: the probe pass failed", exc_info=True)
-            return None
-        return fp
+        # Build, compile and run it once, against mlx-lm's modules, before calibrating on it: first
+        # with the default block shape (16 warps where they fit), then with 8 warps (another
+        # toolkit may need more registers than 16 warps leave).
+        tried, error = set(), None
+        for warps in (None, 8):
+            try:
+                fp = fused.FusedPass(model, warps=warps)
+                if fp.warps in tried:
+                    continue
+                tried.add(fp.warps)
+                self._probe_fused(fp)
+                return fp
+            except Exception as exc:  # noqa: BLE001 - any failure means: not this configuration
+                log.info("fused pass with %s warps failed its probe: %s", warps or "default", exc)
+                error = exc
+        if mode == "on":
+            raise error
+        log.warning("fused passes off: the probe pass failed", exc_info=error)
+        return None
+
+    def _probe_fused(self, fp) -> None:
+        """One fused pass of two rows after a 3-token prefill; raises unless its logits agree
+        with mlx-lm's modules (to 1e-3 of their scale)."""
+        from metal_kernels import fused
+
+        probe = TargetRunner(self.loaded.model)
+        cache, reference = probe.make_cache(), probe.make_cache()
+        mx.eval(probe.prefill([1, 2, 3], cache)[0], probe.prefill([1, 2, 3], reference)[0])
+        out = fp([4, 5], cache)
+        fp.check(out)
+        want = probe.verify([4, 5], reference)[0]
+        scale = mx.abs(want).max().item()
+        err = mx.abs(out.logits - want).max().item()
+        if not err <= 1e-3 * scale:
+            raise fused.FusedPassError(f"probe logits differ from mlx-lm's by {err:.3g} (scale {scale:.3g})")
 
     def _load_dspark(self) -> None:
         from drafters.dspark import DSparkDrafter, TargetTaps, load_dspark

@@ -190,8 +190,7 @@ class TargetRunner:
         """One fused pass, evaluated (its completion flags are checked before the logits are
         used). A failed pass raises: that sequence ends, later ones keep the fused pass (their
         verify width was calibrated on it, so switching to mlx-lm's modules would not be exact)."""
-        out = self.fused(tokens, cache)
-        mx.eval(out.logits, out.errors)
+        out = self.fused(tokens, cache)  # evaluated (the kernel writes the cache)
         self.fused.check(out)
         if taps is None:
             return out.logits, None

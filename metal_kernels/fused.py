@@ -258,7 +258,7 @@ class FusedPass:
                   f"const float* VC[NL] = {{{', '.join(f'vc{i}' for i in range(n))}}};\n")
         header = _minify((_SOURCES / "fused_cuda.cuh").read_text())
         body = tables + _minify((_SOURCES / "fused_body.cu").read_text())
-        inputs = ["x0", "pos", *self._WEIGHT_NAMES, *(f"kc{i}" for i in range(n)), *(f"vc{i}" for i in range(n)), "bar"]
+        inputs = ["x0", "pos", "pseg", *self._WEIGHT_NAMES, *(f"kc{i}" for i in range(n)), *(f"vc{i}" for i in range(n)), "bar"]
         return header, body, inputs, ["logits", "hidden", "qkv", "att", "hmid", "act", "part", "prof", "err"]
 
     def template(self) -> list[tuple[str, object]]:
@@ -294,33 +294,42 @@ class FusedPass:
 
     def _writable(self, cache: list, rows: int) -> None:
         """Give every layer buffers the pass may write in place: allocated here (so no other
-        array shares them: a prefix-cache hit leaves views of stored arrays), contiguous, with
-        room for ``rows`` more positions (grown in mlx-lm's steps of ``KVCache.step``). Costs
-        two ops per layer when it allocates: once per sequence and per step of growth."""
+        array shares them: a prefix-cache hit leaves views of stored arrays), contiguous, all
+        layers of one shape (the kernel reads layer 0's strides for every layer), with room for
+        ``rows`` more positions (grown in mlx-lm's steps of ``KVCache.step``). One decision for
+        the whole cache: either every layer keeps the buffers this launcher gave it, or every
+        layer gets new ones (a zeros and a slice_update each for keys and values: once per
+        sequence and per step of growth)."""
+        n = cache[0].offset
+        shape = cache[0].keys.shape
+        if all(c.__dict__.get("_fused_buffers", (None, None))[0] is c.keys
+               and c.__dict__["_fused_buffers"][1] is c.values and c.keys.shape == shape
+               and c.values.shape == shape for c in cache) and n + rows <= shape[2]:
+            return
+        capacity = -(-(n + rows) // cache[0].step) * cache[0].step
+        shape = (1, self.kv_heads, capacity, self.head_dim)
         for c in cache:
-            n = c.offset
-            if c.__dict__.get("_fused_buffer") is c.keys and n + rows <= c.keys.shape[2]:
-                continue
-            capacity = -(-(n + rows) // c.step) * c.step
-            shape = (1, self.kv_heads, capacity, self.head_dim)
             keys, values = mx.zeros(shape, mx.float32), mx.zeros(shape, mx.float32)
             keys[..., :n, :] = c.keys[..., :n, :]
             values[..., :n, :] = c.values[..., :n, :]
             c.keys, c.values = keys, values
-            c._fused_buffer = keys
+            c._fused_buffers = (keys, values)
 
     def __call__(self, tokens: list[int], cache: list) -> FusedOutput:
         """Run ``tokens`` (one decode token, or the anchor plus drafts) through the target at
         the cache's current length, appending their keys and values to ``cache``.
+
+        The pass is evaluated before this returns: the kernel writes the cache buffers, which
+        are its inputs, so MLX sees no dependency of later readers of the cache on it (nor of
+        the next pass); evaluating here orders every later use after the writes.
 
         Args:
             tokens: 1..16 token ids.
             cache: the sequence's per-layer mlx-lm ``KVCache`` list (see :meth:`supports_cache`).
 
         Returns:
-            :class:`FusedOutput`, lazy. The cache's offsets already count the new rows; their
-            keys and values are written when the pass is evaluated. Call :meth:`check` after
-            evaluating it.
+            :class:`FusedOutput`, evaluated; the cache's offsets count the new rows. Call
+            :meth:`check` before using it.
 
         Raises:
             ValueError: more than 16 or no tokens, or a cache :meth:`supports_cache` rejects.
@@ -335,13 +344,16 @@ class FusedPass:
         start = cache[0].offset
         nqkv = (self.heads + 2 * self.kv_heads) * self.head_dim
         d, nl, hd = self.hidden_size, self.layers, self.head_dim
-        pos = mx.broadcast_to(self._zero, (start,))  # its length tells the kernel the cached length
+        # Sizes reach the kernel as the lengths of stride-0 views (kernel parameters, no device
+        # memory the host writes): the cached length, and the attention segments of the last
+        # row (the one with most keys), which size `part`.
+        pos = mx.broadcast_to(self._zero, (start,))
+        segments = (start + m - 1) // self.segment + 1
+        pseg = mx.broadcast_to(self._zero, (segments,))
         # Each launch gets its own zeroed barrier slots and attention counters: no state carries
-        # over between launches (a failed one cannot poison the next) and the fill orders two
-        # launches in one graph.
+        # over between launches (a failed one cannot poison the next).
         bar = mx.zeros((self.blocks * 32 + nl * m * self.heads,), dtype=mx.uint32)
-        segments = (start + m - 1) // self.segment + 1  # of the last row, the one with most keys
-        inputs = [x0, pos, *(self.weights[k] for k in self._WEIGHT_NAMES),
+        inputs = [x0, pos, pseg, *(self.weights[k] for k in self._WEIGHT_NAMES),
                   *(c.keys for c in cache), *(c.values for c in cache), bar]
         outs = self._kernel(
             inputs=inputs,
@@ -351,10 +363,12 @@ class FusedPass:
                            (m, self.intermediate), (m, self.heads, segments, hd + 2),
                            (self.blocks, 5 * nl + 1, 2) if self.profile else (1,), (self.blocks,)],
             output_dtypes=[mx.float32] * 7 + [mx.uint32, mx.int32])
+        out = FusedOutput(outs[0], outs[1], x0, outs[8], outs[7] if self.profile else None)
+        mx.eval(out.logits, out.errors)  # (the hidden states and the profile are outputs of the same launch)
         for c in cache:
             c.offset += m
         self.passes += 1
-        return FusedOutput(outs[0], outs[1], x0, outs[8], outs[7] if self.profile else None)
+        return out
 
     def check(self, out: FusedOutput) -> None:
         """Raise :class:`FusedPassError` if ``out``'s pass gave up at a grid barrier (blocks not

@@ -39,7 +39,7 @@ def reference_pass(inputs, template, output_shapes, **_):
     inputs ``kc*``/``vc*``, updated in place as the kernel writes them). Scratch outputs are
     zeros. Attention runs row by row, so rows do not depend on the width."""
     t = dict(template)
-    names = ["x0", "pos", *FusedPass._WEIGHT_NAMES]
+    names = ["x0", "pos", "pseg", *FusedPass._WEIGHT_NAMES]
     w = dict(zip(names, inputs))
     nl, nh, nkv, hd, di = t["NL"], t["NH"], t["NKV"], t["HD"], t["DI"]
     eps, scale = _unbits(t["EPS_BITS"]), _unbits(t["SCALE_BITS"])
@@ -249,6 +249,28 @@ def test_engine_falls_back_when_the_probe_pass_fails_in_auto_only(stand_in, monk
         _engine(loaded, fused="on", calibration_contexts=(40,), max_verify_rows=4)
 
 
+def test_engine_retries_the_probe_with_8_warps(stand_in, monkeypatch):
+    """If the default block shape (16 warps) cannot launch (say, a toolkit that needs more
+    registers), the engine probes 8 warps before giving up on fused passes."""
+    good = FusedPass._kernel
+
+    def kernel(self):
+        if self.warps == 16:
+            def too_many_registers(*args, **kwargs):
+                raise RuntimeError("too many resources requested for launch")
+            return too_many_registers
+        return good.__get__(self)
+
+    monkeypatch.setattr(FusedPass, "_kernel", property(kernel))
+    eng = _engine(tiny_loaded(seed=4, head_dim=64, quantize_bits=4), fused="on", calibration_contexts=(40,),
+                  max_verify_rows=4)
+    try:
+        assert eng.runner.fused is not None and eng.runner.fused.warps == 8
+        assert run(eng, [5, 6, 7], "off", max_tokens=4)[0]
+    finally:
+        eng.stop()
+
+
 def test_failed_pass_raises_and_the_runner_keeps_the_fused_pass(stand_in, monkeypatch):
     """Blocks that time out at a grid barrier set their error flags: the pass raises (that
     sequence ends) and later passes still go through the fused pass (never mixing paths)."""
@@ -348,7 +370,9 @@ def test_pass_writes_only_buffers_of_its_own_and_grows_them(stand_in):
     """The kernel appends keys/values into the cache buffers in place. A prefix-cache hit
     leaves views of stored arrays: the launcher copies them into buffers of the cache's own
     first, so the stored arrays keep their bits; later passes reuse that buffer (no copy) until
-    it is full, then it grows by KVCache.step keeping every row."""
+    it is full, then it grows by KVCache.step keeping every row. (Off CUDA the stand-in appends
+    with MLX's copy-on-write slice assignment, so the stored arrays' check bites on CUDA only;
+    the buffer bookkeeping is checked everywhere.)"""
     model = _quantized_model(seed=2)
     fp = FusedPass(model)
     runner, cache = _prefilled(model, list(range(3, 253)))  # 250 cached rows
@@ -439,7 +463,7 @@ def _render_fused(fp: FusedPass, name: str) -> str:
     inputs as const pointers, with ``<name>_shape`` / ``<name>_strides`` parameters where the
     body uses them, outputs as pointers, template arguments as constants."""
     header, body, inputs, outputs = fp.kernel_source()
-    dtypes = {"x0": mx.float32, "pos": mx.uint8, "bar": mx.uint32, **{k: v.dtype for k, v in fp.weights.items()}}
+    dtypes = {"x0": mx.float32, "pos": mx.uint8, "pseg": mx.uint8, "bar": mx.uint32, **{k: v.dtype for k, v in fp.weights.items()}}
     sig = []
     for n in inputs:
         sig.append(f"const {_C_TYPES[dtypes.get(n, mx.float32)]}* {n}")
@@ -475,7 +499,7 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
         else {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
     cases = [(_quantized_model(bits=b), w, False) for b in (4, 8) for w in (8, 16)]
     cases += [(_quantized_model(head_dim=128), 8, False)]
-    cases += [(default_like, 8, False), (default_like, 8, True)]  # the last with the cycle profile
+    cases += [(default_like, 8, False), (default_like, 16, False), (default_like, 16, True)]  # last: profile
     src = _NVRTC_PRELUDE + FusedPass(cases[0][0]).kernel_source()[0]  # the header, once
     for i, (model, warps, profile) in enumerate(cases):
         src += _render_fused(FusedPass(model, warps=warps, profile=profile), f"fused{i}")
@@ -506,7 +530,7 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
 @pytest.mark.parametrize("bits,head_dim", [(4, 64), (8, 64), (4, 128)])
 def test_kernel_matches_reference_pass(bits, head_dim):
     model = _quantized_model(seed=3, bits=bits, head_dim=head_dim)
-    prompt = mx.random.randint(3, 259, (300,), key=mx.random.key(6)).tolist()
+    prompt = mx.random.randint(3, 259, (1100,), key=mx.random.key(6)).tolist()  # 3 attention segments
     rows = [11, 12, 13, 200, 7, 7, 7, 9, 100]
     _, cache = _prefilled(model, prompt)
     _, ref_cache = _prefilled(model, prompt)
@@ -528,10 +552,12 @@ def test_kernel_matches_reference_pass(bits, head_dim):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("context", [1, 45, 700])
+@pytest.mark.parametrize("context", [1, 45, 500, 700, 1530])
 def test_kernel_rows_bit_identical_for_every_width(context):
     """Row i of a k-row pass equals the one-row decode step at its position, bit for bit, for
-    k = 2..16 (and the keys/values each appends are the same bits)."""
+    k = 2..16 (and the keys/values each appends are the same bits). With 512-key attention
+    segments (16 warps), contexts 500 and 1530 mix rows of 1 and 2, and of 3 and 4 segments in
+    one pass."""
     model = _quantized_model(seed=5)
     fp = FusedPass(model)
     prompt = mx.random.randint(3, 259, (context,), key=mx.random.key(7)).tolist()
@@ -573,16 +599,22 @@ def test_kernel_engine_greedy_identity_and_speed_counters():
 @needs_cuda
 def test_kernel_reads_cache_views_like_whole_buffers():
     """A prefix-cache hit restores each layer as slices of stored arrays (views whose head
-    stride is not the cached length): the kernel must read them through their strides."""
+    stride is not the cached length): the launcher copies them into buffers of the cache's own,
+    the pass gives the same bits as over whole buffers, and the stored arrays (whose padding
+    would silently absorb writes past the view) keep their bits."""
     model = _quantized_model(seed=9)
     prompt = mx.random.randint(3, 259, (70,), key=mx.random.key(10)).tolist()
     _, whole = _prefilled(model, prompt)
     _, viewed = _prefilled(model, prompt)
+    stored = []
     for c in viewed:
         pad = mx.zeros((1, c.keys.shape[1], 50, c.keys.shape[3]))
         n = c.offset
-        c.state = (mx.concatenate([c.keys[..., :n, :], pad], axis=2)[..., :n, :],
-                   mx.concatenate([c.values[..., :n, :], pad], axis=2)[..., :n, :], n)
+        stored.append((mx.concatenate([c.keys[..., :n, :], pad], axis=2),
+                       mx.concatenate([c.values[..., :n, :], pad], axis=2)))
+        c.state = (stored[-1][0][..., :n, :], stored[-1][1][..., :n, :], n)
+    mx.eval(stored)
+    before = [(np.array(k), np.array(v)) for k, v in stored]
     fp = FusedPass(model)
     a = fp([5, 9, 200], whole)
     mx.eval(a.logits)
@@ -591,25 +623,29 @@ def test_kernel_reads_cache_views_like_whole_buffers():
     fp.check(a)
     fp.check(b)
     assert mx.array_equal(a.logits, b.logits).item()
+    for (k, v), (k0, v0) in zip(stored, before):
+        assert np.array_equal(np.array(k), k0) and np.array_equal(np.array(v), v0)
 
 
 @pytest.mark.gpu
 @needs_cuda
 def test_kernel_rows_do_not_depend_on_the_block_count():
-    """Which block or warp computes a row must not change its bits (8 blocks vs one per SM)."""
+    """Which block or warp computes a row must not change its bits (one block per SM, 8, 1),
+    also where rows' attention spans several segments (the last unit to finish combines)."""
     model = _quantized_model(seed=11)
-    prompt = mx.random.randint(3, 259, (90,), key=mx.random.key(12)).tolist()
+    prompt = mx.random.randint(3, 259, (1100,), key=mx.random.key(12)).tolist()
     outs = []
-    for blocks in (None, 8):
+    for blocks in (None, 8, 1):
         _, cache = _prefilled(model, prompt)
         fp = FusedPass(model, blocks=blocks)
         out = fp([7, 8, 9, 10, 11], cache)
         mx.eval(out.logits, out.hidden)
         fp.check(out)
         outs.append(out)
-    assert outs[0].logits.shape == outs[1].logits.shape
-    assert mx.array_equal(outs[0].logits, outs[1].logits).item()
-    assert mx.array_equal(outs[0].hidden, outs[1].hidden).item()
+    for other in outs[1:]:
+        assert outs[0].logits.shape == other.logits.shape
+        assert mx.array_equal(outs[0].logits, other.logits).item()
+        assert mx.array_equal(outs[0].hidden, other.hidden).item()
 
 
 def test_engine_fused_passes_feed_dspark_its_hidden_states(stand_in, tmp_path):

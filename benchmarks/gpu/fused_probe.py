@@ -1,7 +1,8 @@
 """Where a fused pass's time goes (metal_kernels/fused.py), on a CUDA machine.
 
-Times, for the default model after a prefill of ``--context`` tokens: building one pass (host,
-no evaluation), evaluating it, and the whole pass, for 1, 4 and 16 rows and a few block counts;
+Times, for the default model after a prefill of ``--context`` tokens: one whole pass (host
+building, launch, evaluation; ``FusedPass`` evaluates before it returns), for 1, 4 and 16 rows
+and a few block counts;
 ``--ncu`` runs a few passes only (for ``ncu --metrics gpu__time_duration.sum``); ``--profile``
 adds, per row count, the kernel's own cycle counts per phase (``FusedPass(profile=True)``): for
 each phase summed over layers, the slowest block's work, the mean block's work and the mean
@@ -53,26 +54,21 @@ def main(argv=None):
         fp = FusedPass(model, blocks=blocks or None, warps=warps, skip=skip)
         for rows in (1, 4, 16):
             toks = ids[args.context: args.context + rows]
-            build, ev, total = [], [], []
+            total = []
             for i in range(2 if args.ncu else args.reps + 2):
                 mx.synchronize()
                 t0 = time.perf_counter()
-                out = fp(toks, cache)
-                t1 = time.perf_counter()
-                mx.eval(out.logits, out.errors)
+                out = fp(toks, cache)  # builds, launches and evaluates the pass
                 mx.synchronize()
-                t2 = time.perf_counter()
+                t1 = time.perf_counter()
                 fp.check(out)
                 runner.trim(cache, rows)
                 if i >= 2:
-                    build.append(t1 - t0)
-                    ev.append(t2 - t1)
-                    total.append(t2 - t0)
+                    total.append(t1 - t0)
             if args.ncu:
                 continue
             entry = {"blocks": fp.blocks, "warps": warps, "skip": skip, "rows": rows,
-                     **{k: round(statistics.median(v) * 1e3, 4) for k, v in
-                        (("build_ms", build), ("eval_ms", ev), ("total_ms", total))}}
+                     "total_ms": round(statistics.median(total) * 1e3, 4)}
             result["runs"].append(entry)
             print(json.dumps(entry), flush=True)
     if args.profile:

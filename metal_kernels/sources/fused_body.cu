@@ -24,11 +24,11 @@
 // to leave out (A 1, B 2, C 4, D 8, E 16, LM head 32), for profiling only: 0 in service; PROF
 // 1 records per-block cycle counts per phase in `prof` (profiling only). The launcher prepends
 // the per-layer KV-cache pointer tables KC / VC (inputs kc0.., vc0..: the caches' [1, NKV, P,
-// HD] buffers, contiguous, every layer's the same shape). The pass reads keys/values 0..S-1
-// and WRITES its own rows S..S+M-1 into these buffers in place (the launcher gives it buffers
-// no other array shares, with room for the rows). The cached length S is the length of input
-// `pos`, a stride-0 view: a kernel parameter rather than device memory the host writes each
-// step. `bar` holds the barrier slots (32 words per block) and then one attention counter per
+// HD] buffers, contiguous, every layer's the same shape: FusedPass._writable makes them so).
+// The pass reads keys/values 0..S-1 and WRITES its own rows S..S+M-1 into these buffers in
+// place (buffers no other array shares, with room for the rows). The cached length S is the
+// length of input `pos`, and the attention segments of the last row the length of `pseg`:
+// stride-0 views, so kernel parameters rather than device memory the host writes each step. `bar` holds the barrier slots (32 words per block) and then one attention counter per
 // (layer, row, head); the launcher zeroes it for every launch.
 constexpr int NQKV = (NH + 2 * NKV) * HD;
 constexpr int NA = NH * HD;
@@ -51,7 +51,7 @@ const float qscale = __int_as_float(SCALE_BITS) * 1.4426950408889634f;
 unsigned int* barp = const_cast<unsigned int*>(reinterpret_cast<const unsigned int*>(bar));
 unsigned int epoch = *reinterpret_cast<volatile const unsigned int*>(barp + blockIdx.x * 32);
 unsigned int* cnt = barp + NB * 32;  // per (layer, row, head): attention segments done
-const int PSEG = (S + M - 1) / (W * 32) + 1;  // segments of the last row (the launcher sizes `part` so)
+const int PSEG = pseg_shape[0];  // attention segments of the last row: `part` holds that many per (row, head)
 long long tprof = PROF ? clock64() : 0;
 // A grid barrier; with PROF, block b records for slot k the cycles of its own work since the
 // previous barrier and of its wait here (prof[b, k] = (work, wait)).
