@@ -412,34 +412,29 @@ class Engine:
         if reason:
             (log.warning if mode == "on" else log.info)("fused passes off: %s", reason)
             return None
-        # Build, compile and run it once, against mlx-lm's modules, before calibrating on it: first
-        # with the default block shape (16 warps where they fit), then with 8 warps (another
-        # toolkit may need more registers than 16 warps leave).
-        tried, error = set(), None
-        for warps in (None, 8):
-            try:
-                fp = fused.FusedPass(model, warps=warps)
-                if fp.warps in tried:
-                    continue
-                tried.add(fp.warps)
-                self._probe_fused(fp)
-                return fp
-            except Exception as exc:  # noqa: BLE001 - any failure means: not this configuration
-                log.info("fused pass with %s warps failed its probe: %s", warps or "default", exc)
-                error = exc
-        if mode == "on":
-            raise error
-        log.warning("fused passes off: the probe pass failed", exc_info=error)
-        return None
+        try:  # build, compile and run it once, against mlx-lm's modules, before calibrating on it
+            fp = fused.FusedPass(model)
+            self._probe_fused(fp)
+        except Exception:
+            if mode == "on":
+                raise
+            log.warning("fused passes off: the probe pass failed", exc_info=True)
+            return None
+        return fp
 
     def _probe_fused(self, fp) -> None:
-        """One fused pass of two rows after a 3-token prefill; raises unless its logits agree
-        with mlx-lm's modules (to 1e-3 of their scale)."""
+        """Two fused rows after a prefill of ``2 * fp.segment - 1`` tokens (so their attention
+        spans 2 and 3 key segments and goes through the kernel's cross-segment combine), checked
+        against mlx-lm's modules: raises unless the logits agree to 1e-3 of their scale."""
         from metal_kernels import fused
 
-        probe = TargetRunner(self.loaded.model)
+        model = self.loaded.model
+        vocab = model.args.vocab_size
+        length = max(3, min(2 * fp.segment - 1, self.loaded.context_length - 2))
+        prompt = [3 + (7 * i) % (vocab - 3) for i in range(length)]
+        probe = TargetRunner(model)
         cache, reference = probe.make_cache(), probe.make_cache()
-        mx.eval(probe.prefill([1, 2, 3], cache)[0], probe.prefill([1, 2, 3], reference)[0])
+        mx.eval(probe.prefill(prompt, cache)[0], probe.prefill(prompt, reference)[0])
         out = fp([4, 5], cache)
         fp.check(out)
         want = probe.verify([4, 5], reference)[0]

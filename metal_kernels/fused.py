@@ -150,7 +150,7 @@ def unsupported_reason(model) -> str:
 
 @dataclass
 class FusedOutput:
-    """One fused pass (all lazy).
+    """One fused pass (evaluated by :meth:`FusedPass.__call__`).
 
     ``logits``: ``[M, V]`` float32; ``hidden``: ``[L, M, d]`` float32, decoder layer ``l``'s
     output (what mlx-lm's layer ``l`` returns); ``embeddings``: ``[M, d]``, the pass's input;
@@ -299,7 +299,8 @@ class FusedPass:
         ``rows`` more positions (grown in mlx-lm's steps of ``KVCache.step``). One decision for
         the whole cache: either every layer keeps the buffers this launcher gave it, or every
         layer gets new ones (a zeros and a slice_update each for keys and values: once per
-        sequence and per step of growth)."""
+        sequence and per step of growth). :meth:`supports_cache` has already refused caches
+        whose layers differ in shape or length."""
         n = cache[0].offset
         shape = cache[0].keys.shape
         if all(c.__dict__.get("_fused_buffers", (None, None))[0] is c.keys

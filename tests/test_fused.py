@@ -19,7 +19,7 @@ import pytest
 from helpers import run
 from tiny import tiny_loaded, tiny_model
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, SpeculativeParams
 from engine.runner import TargetRunner
 from metal_kernels import fused
 from metal_kernels.fused import FusedPass, structure_reason, unsupported_reason
@@ -213,7 +213,9 @@ def test_engine_fused_modes(stand_in, mode):
         assert eng.calibration.probed_rows == 16  # 24 asked for: capped at the fused pass's width
         prompt = [5, 6, 7, 8, 9, 10] * 10
         before = fp.passes
-        spec, _, last = run(eng, prompt, "prompt_lookup", max_tokens=48)
+        # min_draft_tokens: draft on every match, whatever the start-up cost measurement says
+        spec, _, last = run(eng, prompt, speculative=SpeculativeParams("prompt_lookup", min_draft_tokens=4),
+                            max_tokens=48)
         plain = _greedy(eng, prompt, "off")
         assert spec == plain and len(plain) == 48 and fp.passes > before
         assert last.stats.total.num_accepted_tokens > 0  # wide verify passes did run
@@ -249,26 +251,71 @@ def test_engine_falls_back_when_the_probe_pass_fails_in_auto_only(stand_in, monk
         _engine(loaded, fused="on", calibration_contexts=(40,), max_verify_rows=4)
 
 
-def test_engine_retries_the_probe_with_8_warps(stand_in, monkeypatch):
-    """If the default block shape (16 warps) cannot launch (say, a toolkit that needs more
-    registers), the engine probes 8 warps before giving up on fused passes."""
-    good = FusedPass._kernel
+def test_engine_probe_spans_several_attention_segments(stand_in, monkeypatch):
+    """The start-up probe's rows attend over 2 and 3 key segments, so a wrong cross-segment
+    combine fails the probe instead of going live for every context over one segment."""
+    seen = []
+    inner = FusedPass._kernel
 
-    def kernel(self):
-        if self.warps == 16:
-            def too_many_registers(*args, **kwargs):
-                raise RuntimeError("too many resources requested for launch")
-            return too_many_registers
-        return good.__get__(self)
+    def recording(self):
+        kernel = inner.__get__(self)
 
-    monkeypatch.setattr(FusedPass, "_kernel", property(kernel))
+        def run(inputs, **kwargs):
+            seen.append((inputs[1].shape[0], kwargs["output_shapes"][0][0], self.segment))
+            return kernel(inputs=inputs, **kwargs)
+        return run
+
+    monkeypatch.setattr(FusedPass, "_kernel", property(recording))
     eng = _engine(tiny_loaded(seed=4, head_dim=64, quantize_bits=4), fused="on", calibration_contexts=(40,),
-                  max_verify_rows=4)
-    try:
-        assert eng.runner.fused is not None and eng.runner.fused.warps == 8
-        assert run(eng, [5, 6, 7], "off", max_tokens=4)[0]
-    finally:
-        eng.stop()
+                  max_verify_rows=2)
+    eng.stop()
+    cached, rows, segment = seen[0]  # the probe is the first launch
+    assert (cached // segment + 1, (cached + rows - 1) // segment + 1) == (2, 3)
+
+
+def test_segment_count_reaches_the_kernel_and_sizes_the_partials(stand_in, monkeypatch):
+    """`pseg` (a stride-0 view whose length the kernel reads) and the partials' segment axis
+    both equal the last row's segment count, (S + M - 1) // (32 warps) + 1, at the boundaries."""
+    model = _quantized_model(seed=2)
+    seen, inner = [], FusedPass._kernel
+
+    def recording(self):
+        kernel = inner.__get__(self)
+
+        def run(inputs, **kwargs):
+            seen.append((inputs[2].shape[0], kwargs["output_shapes"][6][2]))
+            return kernel(inputs=inputs, **kwargs)
+        return run
+
+    monkeypatch.setattr(FusedPass, "_kernel", property(recording))
+    for warps in (16, 8):
+        fp = FusedPass(model, warps=warps)
+        seen.clear()
+        segment = 32 * warps
+        for cached, rows in ((segment - 2, 2), (segment - 1, 2), (3 * segment - 1, 1), (3 * segment, 1)):
+            _, cache = _prefilled(model, [3 + i % 250 for i in range(cached)])
+            fp(list(range(5, 5 + rows)), cache)
+            want = (cached + rows - 1) // segment + 1
+            assert seen[-1] == (want, want), (warps, cached, rows)
+        assert [s for s, _ in seen] == [1, 2, 3, 4]
+
+
+def test_one_stale_layer_reallocates_every_layer(stand_in):
+    """The kernel reads layer 0's strides for every layer, so the launcher keeps or replaces
+    all layers' buffers together: one layer's array replaced from outside gives every layer
+    new buffers of one shape, with every row kept."""
+    model = _quantized_model(seed=2)
+    fp = FusedPass(model)
+    _, cache = _prefilled(model, list(range(3, 40)))
+    mx.eval(fp([5, 6], cache).logits)
+    before = [(c.keys, c.values) for c in cache]
+    kept = [np.array(c.keys[..., :39, :]) for c in cache]
+    cache[1].values = mx.array(cache[1].values)  # rebound by someone else
+    mx.eval(fp([7], cache).logits)
+    assert all(c.keys is not k and c.values is not v for c, (k, v) in zip(cache, before))
+    assert len({c.keys.shape for c in cache} | {c.values.shape for c in cache}) == 1
+    for c, k in zip(cache, kept):
+        assert np.array_equal(np.array(c.keys[..., :39, :]), k)
 
 
 def test_failed_pass_raises_and_the_runner_keeps_the_fused_pass(stand_in, monkeypatch):

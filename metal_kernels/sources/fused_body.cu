@@ -7,7 +7,7 @@
 // five per layer:
 //   A  RMSNorm (every block, into shared memory) + q/k/v projections (rows over all warps)
 //   B  RoPE'd new keys and values appended to the KV cache; causal attention, split by
-//      (row, head, 256-key segment)
+//      (row, head, segment of 32 W keys)
 //   C  o_proj + residual                      -> hmid
 //   D  RMSNorm + gate/up projections + SiLU   -> act
 //   E  down_proj + residual                   -> hidden[l] (the next layer's input)
@@ -28,7 +28,8 @@
 // The pass reads keys/values 0..S-1 and WRITES its own rows S..S+M-1 into these buffers in
 // place (buffers no other array shares, with room for the rows). The cached length S is the
 // length of input `pos`, and the attention segments of the last row the length of `pseg`:
-// stride-0 views, so kernel parameters rather than device memory the host writes each step. `bar` holds the barrier slots (32 words per block) and then one attention counter per
+// stride-0 views, so kernel parameters rather than device memory the host writes each step.
+// `bar` holds the barrier slots (32 words per block) and then one attention counter per
 // (layer, row, head); the launcher zeroes it for every launch.
 constexpr int NQKV = (NH + 2 * NKV) * HD;
 constexpr int NA = NH * HD;
