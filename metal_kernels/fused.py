@@ -300,12 +300,11 @@ class FusedPass:
         the whole cache: either every layer keeps the buffers this launcher gave it, or every
         layer gets new ones (a zeros and a slice_update each for keys and values: once per
         sequence and per step of growth). :meth:`supports_cache` has already refused caches
-        whose layers differ in shape or length."""
+        whose layers differ in shape or length, so only identity is checked here."""
         n = cache[0].offset
-        shape = cache[0].keys.shape
-        if all(c.__dict__.get("_fused_buffers", (None, None))[0] is c.keys
-               and c.__dict__["_fused_buffers"][1] is c.values and c.keys.shape == shape
-               and c.values.shape == shape for c in cache) and n + rows <= shape[2]:
+        if n + rows <= cache[0].keys.shape[2] and all(  # (supports_cache checked equal shapes)
+                c.__dict__.get("_fused_buffers", (None, None))[0] is c.keys
+                and c.__dict__["_fused_buffers"][1] is c.values for c in cache):
             return
         capacity = -(-(n + rows) // cache[0].step) * cache[0].step
         shape = (1, self.kv_heads, capacity, self.head_dim)
