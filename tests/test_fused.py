@@ -17,7 +17,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import run
-from tiny import tiny_loaded, tiny_model
+from tiny import quantize_like_gguf, tiny_loaded, tiny_model
 
 from engine import Engine, EngineConfig, SpeculativeParams
 from engine.runner import TargetRunner
@@ -95,11 +95,7 @@ def stand_in(monkeypatch):
 def _quantized_model(seed=0, bits=4, head_dim=64, dtype=mx.float32):
     model, _ = tiny_model(seed, head_dim=head_dim)
     model.set_dtype(dtype)
-    nn.quantize(model, class_predicate=lambda _, m: (
-        {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
-        else {"group_size": 32, "bits": bits} if isinstance(m, nn.Linear) else False))
-    mx.eval(model.parameters())
-    return model
+    return quantize_like_gguf(model, bits)
 
 
 # ---------------------------------------------------------------- CPU: what is supported
@@ -453,9 +449,7 @@ def test_lm_head_and_shared_memory_limits_are_checked(stand_in):
     odd_head.model.embed_tokens.group_size = 48
     assert "LM head group size 48" in structure_reason(odd_head)
     wide, _ = tiny_model(0, hidden=640, head_dim=128)
-    nn.quantize(wide, class_predicate=lambda _, m: (
-        {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
-        else {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
+    quantize_like_gguf(wide, 4)
     FusedPass(wide, warps=8)
     with pytest.raises(ValueError, match="static shared memory"):
         FusedPass(wide, warps=16)
@@ -541,9 +535,7 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
         model_type="llama", hidden_size=576, num_hidden_layers=30, intermediate_size=1536,
         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, vocab_size=512,
         rope_theta=100000.0, tie_word_embeddings=True))
-    nn.quantize(default_like, class_predicate=lambda _, m: (
-        {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
-        else {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
+    quantize_like_gguf(default_like, 4)
     cases = [(_quantized_model(bits=b), w, False) for b in (4, 8) for w in (8, 16)]
     cases += [(_quantized_model(head_dim=128), 8, False)]
     cases += [(default_like, 8, False), (default_like, 16, False), (default_like, 16, True)]  # last: profile

@@ -57,18 +57,25 @@ def tiny_model(seed: int = 0, vocab: int = 259, layers: int = 2, hidden: int = 3
     return model, args
 
 
+def quantize_like_gguf(model, bits: int = 4):
+    """Quantize ``model`` in place as the default model's Q4_1 GGUF loads: projections to
+    ``bits`` bits, the (tied) embedding to 8 bits, group size 32."""
+    import mlx.nn as nn
+
+    nn.quantize(model, class_predicate=lambda _, m: (
+        {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
+        else {"group_size": 32, "bits": bits} if isinstance(m, nn.Linear) else False))
+    mx.eval(model.parameters())
+    return model
+
+
 def tiny_loaded(seed: int = 0, weights: str = "float32", context: int = 2048, scale: float = 1.0,
                 head_dim: int = 80, quantize_bits: int | None = None) -> LoadedModel:
     """The tiny model as the engine loads a target; ``quantize_bits`` quantizes its projections
     (group 32; the tied embedding in 8 bits) as the default model's GGUF is."""
     model, args = tiny_model(seed, scale=scale, head_dim=head_dim)
     if quantize_bits:
-        import mlx.nn as nn
-
-        nn.quantize(model, class_predicate=lambda _, m: (
-            {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
-            else {"group_size": 32, "bits": quantize_bits} if isinstance(m, nn.Linear) else False))
-        mx.eval(model.parameters())
+        quantize_like_gguf(model, quantize_bits)
         weights = "quantized"
     applied = apply_weight_policy(model, weights)
     hf = byte_tokenizer()
