@@ -190,12 +190,10 @@ class Settings(BaseSettings):
         "layer, and verify rows stay bit-identical to decode steps for 1..16 rows (7 with MLX's "
         "modules). H200, default model: decode 3.07x and engine decode 2.95x mlx-lm's modules (1.8-1.9 "
         "ms per token), prompt lookup 2.76x on copy on top. `auto` and `on` use it where supported "
-        "(`on` logs why not elsewhere), "
-        "`off` keeps mlx-lm's modules. Prefill always uses mlx-lm's modules, and fused passes take one "
-        "sequence each: at 16 concurrent streams the aggregate was 0.88x of batched mlx-lm passes with "
-        "speculation and 0.70x without (an earlier, slower fused kernel), so set `off` for many "
-        "concurrent streams "
-        "(docs/benchmarks.md).",
+        "(`on` logs why not elsewhere), `off` keeps mlx-lm's modules. Prefill always uses mlx-lm's "
+        "modules, and fused passes take one sequence each: at 16 concurrent streams the aggregate was "
+        "0.88x of batched mlx-lm passes with speculation and 0.70x without (an earlier, slower fused "
+        "kernel), so set `off` for many concurrent streams (docs/benchmarks.md).",
     )
 
     def engine_config(self):
