@@ -122,20 +122,21 @@ def engine_decode(loaded, mode: str, prompt: list[int], max_tokens: int) -> floa
         eng.stop()
 
 
-def make_runner(model, mode: str, context_limit=None) -> TargetRunner:
-    """A runner for ``mode`` (eager, compiled or fused); ValueError if fused is unsupported."""
+def make_runner(model, mode: str, context_limit=None, quantized=None) -> TargetRunner:
+    """A runner for ``mode`` (eager, compiled or fused: the CUDA kernel, or the C pass on the CPU
+    over ``quantized``, the loader's quantized layers); ValueError if fused is unsupported."""
     fused = None
     if mode == "fused":
-        from metal_kernels.fused import FusedPass
+        from metal_kernels import make_fused_pass
 
-        fused = FusedPass(model)
+        fused = make_fused_pass(model, quantized)
     return TargetRunner(model, compile=mode == "compiled", max_context=context_limit, fused=fused)
 
 
-def profile_mode(model, mode: str, ids: list[int], vocab: int, args, context_limit) -> dict:
+def profile_mode(model, mode: str, ids: list[int], vocab: int, args, context_limit, quantized=None) -> dict:
     """One model in one mode: T(k) split and greedy decode (fresh runner and caches)."""
     compiled = mode == "compiled"
-    runner = make_runner(model, mode, context_limit)
+    runner = make_runner(model, mode, context_limit, quantized)
     started = time.perf_counter()
     cache = _prefill(runner, ids[:-1])
     widths = time_widths(runner, cache, vocab, args.reps, KS[: args.max_k])
@@ -154,7 +155,8 @@ def profile_model(name: str, model, vocab: int, args, result: dict, loaded=None,
     modes = args.modes.split(",")
     for mode in modes:
         try:
-            entry[mode] = profile_mode(model, mode, ids, vocab, args, context_limit)
+            entry[mode] = profile_mode(model, mode, ids, vocab, args, context_limit,
+                                       loaded.quantized if loaded is not None else None)
         except ValueError as e:  # fused pass unsupported for this model or backend
             entry[mode] = {"skipped": str(e)}
             yield
@@ -194,12 +196,12 @@ def _table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def calibrations(model, vocab: int, context_limit, max_rows: int, result: dict, modes: list[str]):
+def calibrations(model, vocab: int, context_limit, max_rows: int, result: dict, modes: list[str], quantized=None):
     """The engine's start-up calibration (exact verify width, T(k)) on each path."""
     entry = result["calibration"] = {}
     for mode in modes:
         try:
-            runner = make_runner(model, mode, context_limit)
+            runner = make_runner(model, mode, context_limit, quantized)
         except ValueError as e:
             entry[mode] = {"skipped": str(e)}
             continue
@@ -271,7 +273,7 @@ def main(argv=None):
         guarded("llama8b-4bit", parts())
     if args.calibrate:
         guarded("calibration", calibrations(loaded.model, vocab, loaded.context_length, args.calibrate, result,
-                                                      args.modes.split(",")))
+                                            args.modes.split(","), loaded.quantized))
     print(_table(result), flush=True)
     for mode, cal in result.get("calibration", {}).items():
         print(f"== calibration {mode}: {json.dumps(cal)}", flush=True)

@@ -67,7 +67,7 @@ class EngineConfig:
     speculation: str = "auto"  # off | prompt_lookup | dspark | auto
     kernels: str = "off"  # metal_kernels small-batch quantized matmuls: auto | off
     compile: str = "auto"  # compiled decode/verify over a static KV cache: auto (= off, measured) | on | off
-    fused: str = "auto"  # one-launch decode/verify passes (metal_kernels.fused, CUDA): auto | on | off
+    fused: str = "auto"  # one-call decode/verify passes (metal_kernels.fused / fused_cpu): auto | on | off
     dspark: bool = False  # load the DSpark drafter
     dspark_drafter: str | None = None  # its directory (default: the one shipped for the default model)
     prompt_lookup_min_ngram: int = 2
@@ -405,15 +405,16 @@ class Engine:
             raise ValueError(f"fused must be auto, on or off, got {mode!r}")
         if mode == "off":
             return None
-        from metal_kernels import fused
+        from metal_kernels import fused_unsupported_reason, make_fused_pass
 
-        model = self.loaded.model
-        reason = "compiled passes asked for (compile=on)" if compiled else fused.unsupported_reason(model)
+        model, quantized = self.loaded.model, self.loaded.quantized
+        reason = ("compiled passes asked for (compile=on)" if compiled
+                  else fused_unsupported_reason(model, quantized))
         if reason:
             (log.warning if mode == "on" else log.info)("fused passes off: %s", reason)
             return None
-        try:  # build, compile and run it once, against mlx-lm's modules, before calibrating on it
-            fp = fused.FusedPass(model)
+        try:  # build (compile) and run it once, against mlx-lm's modules, before calibrating on it
+            fp = make_fused_pass(model, quantized)
             self._probe_fused(fp)
         except Exception:
             if mode == "on":

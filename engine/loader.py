@@ -16,6 +16,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.tokenizer_utils import TokenizerWrapper
 
+from metal_kernels.fused_cpu import quantized_modules
+
 from .default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from .detokenizer import TokenTable
 
@@ -38,6 +40,9 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     weights: str  # the applied weight policy, e.g. "float32" or "quantized"
     token_table: TokenTable = field(repr=False, default=None)
+    # The file's quantized layers by module path, kept on the CPU when the policy dequantized
+    # them: the CPU fused pass (metal_kernels.fused_cpu) streams these, prefill the float ones.
+    quantized: dict[str, nn.Module] | None = field(repr=False, default=None)
 
     @property
     def num_layers(self) -> int:
@@ -128,6 +133,7 @@ def load_target(model: str = "default", weights: str = "auto", served_name: str 
         path = Path(model).expanduser()
         name = served_name or (path.name if path.exists() else model).lower()
         net, tokenizer, config = _load_mlx_dir(str(path) if path.exists() else model)
+    stored = quantized_modules(net) if mx.default_device() == mx.cpu else {}
     applied = apply_weight_policy(net, weights)
     context = int(config.get("max_position_embeddings") or config.get("max_seq_len") or 4096)
     eos = frozenset(int(t) for t in tokenizer.eos_token_ids)
@@ -144,6 +150,7 @@ def load_target(model: str = "default", weights: str = "auto", served_name: str 
         eos_token_ids=eos,
         weights=applied,
         token_table=TokenTable.from_tokenizer(tokenizer),
+        quantized=stored if stored and not applied.startswith("quantized") else None,
     )
 
 

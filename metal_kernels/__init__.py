@@ -2,7 +2,9 @@
 
 Imports only mlx. Entry points: :func:`patch_model` (the engine calls it once after loading
 the target), :func:`quantized_matmul` (drop-in for ``mx.quantized_matmul(transpose=True)``)
-and :func:`plan` (the dispatch decision). See docs/kernels.md.
+and :func:`plan` (the dispatch decision); :func:`make_fused_pass` (whole decode/verify passes
+in one call: the CUDA kernel of :mod:`metal_kernels.fused` or the C twin of
+:mod:`metal_kernels.fused_cpu`). See docs/kernels.md.
 """
 
 from metal_kernels.patch import (
@@ -22,6 +24,32 @@ from metal_kernels.qmv import (
     reference_matmul,
 )
 
+
+def fused_unsupported_reason(model, quantized=None) -> str:
+    """Empty when :func:`make_fused_pass` can build a pass for ``model`` on this backend, else
+    why not. ``quantized``: the model's quantized layers by path when it holds dequantized
+    weights (``engine.loader.LoadedModel.quantized``; used on the CPU)."""
+    from metal_kernels import fused, fused_cpu
+
+    if fused.backend() == "cpu":
+        return fused_cpu.unsupported_reason(model, quantized)
+    return fused.unsupported_reason(model)
+
+
+def make_fused_pass(model, quantized=None):
+    """The backend's one-call decode/verify pass: :class:`metal_kernels.fused_cpu.CpuFusedPass`
+    on the CPU, :class:`metal_kernels.fused.FusedPass` on CUDA (same call interface).
+
+    Raises:
+        ValueError: unsupported model or backend (the message says why).
+    """
+    from metal_kernels import fused, fused_cpu
+
+    if fused.backend() == "cpu":
+        return fused_cpu.CpuFusedPass(model, quantized)
+    return fused.FusedPass(model)
+
+
 __all__ = [
     "MAX_ROWS",
     "KernelPlan",
@@ -29,6 +57,8 @@ __all__ = [
     "KernelQuantizedLinear",
     "PatchReport",
     "backend",
+    "fused_unsupported_reason",
+    "make_fused_pass",
     "patch_model",
     "plan",
     "quantized_matmul",

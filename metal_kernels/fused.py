@@ -73,21 +73,24 @@ def multiprocessors() -> int:
         return 16
 
 
-def _linears(layer) -> dict[str, nn.Module]:
+def linears(layer) -> dict[str, nn.Module]:
     a, m = layer.self_attn, layer.mlp
     return {"q_proj": a.q_proj, "k_proj": a.k_proj, "v_proj": a.v_proj, "o_proj": a.o_proj,
             "gate_proj": m.gate_proj, "up_proj": m.up_proj, "down_proj": m.down_proj}
 
 
-def _head(model) -> nn.Module:
+def head_module(model) -> nn.Module:
+    """The module whose quantized weight is the LM head: the tied embedding or ``lm_head``."""
     inner = model.model
     if getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head"):
         return inner.embed_tokens
     return model.lm_head
 
 
-def structure_reason(model) -> str:
-    """Empty when :class:`FusedPass` can run ``model`` (backend aside), else why not."""
+def architecture_reason(model) -> str:
+    """Empty when ``model`` has the architecture the one-call passes implement (CUDA and CPU):
+    mlx-lm's ``llama`` with full attention, no projection biases, grouped heads, and plain
+    non-traditional RoPE over the full head dim; else why not."""
     if type(model).__module__ != "mlx_lm.models.llama":
         return f"architecture {type(model).__module__} (only mlx_lm.models.llama)"
     args = model.args
@@ -98,8 +101,25 @@ def structure_reason(model) -> str:
         return "projection biases"
     heads, kv = args.num_attention_heads, args.num_key_value_heads
     hd = args.head_dim or args.hidden_size // heads
-    if hd not in SUPPORTED_HEAD_DIMS or heads % kv:
-        return f"head dim {hd} / heads {heads}:{kv}"
+    if heads % kv:
+        return f"heads {heads}:{kv}"
+    for layer in inner.layers:
+        rope = layer.self_attn.rope
+        if type(rope) is not nn.RoPE or rope.traditional or rope.dims != hd:
+            return f"RoPE {type(rope).__name__} (only nn.RoPE, non-traditional, full head dim)"
+    return ""
+
+
+def structure_reason(model) -> str:
+    """Empty when :class:`FusedPass` can run ``model`` (backend aside), else why not."""
+    reason = architecture_reason(model)
+    if reason:
+        return reason
+    args = model.args
+    inner = model.model
+    hd = args.head_dim or args.hidden_size // args.num_attention_heads
+    if hd not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {hd} (the CUDA pass takes {SUPPORTED_HEAD_DIMS})"
     dm, di = args.hidden_size, args.intermediate_size
     if dm % 8 or di % 8 or not 256 <= dm <= _SHARED_BYTES // (4 * MAX_ROWS):
         # (>= 256: a column tile of o_proj/down_proj inputs then holds 32 packed words per row)
@@ -107,10 +127,7 @@ def structure_reason(model) -> str:
                 f"(hidden 256..{_SHARED_BYTES // (4 * MAX_ROWS)}, multiples of 8)")
     bits = set()
     for layer in inner.layers:
-        rope = layer.self_attn.rope
-        if type(rope) is not nn.RoPE or rope.traditional or rope.dims != hd:
-            return f"RoPE {type(rope).__name__} (only nn.RoPE, non-traditional, full head dim)"
-        for name, lin in _linears(layer).items():
+        for name, lin in linears(layer).items():
             if not isinstance(lin, nn.QuantizedLinear) or getattr(lin, "mode", "affine") != "affine":
                 return f"{name} is {type(lin).__name__} (needs affine-quantized weights)"
             if "bias" in lin:
@@ -126,7 +143,7 @@ def structure_reason(model) -> str:
                 return f"activations {norm.weight.dtype} (float32 only)"
     if len(bits) != 1 or not bits <= set(SUPPORTED_BITS):
         return f"projection bits {sorted(bits)} (one of {SUPPORTED_BITS} for all)"
-    head = _head(model)
+    head = head_module(model)
     if not isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)) or head.bits not in SUPPORTED_BITS:
         return f"LM head {type(head).__name__} (needs a 4/8-bit quantized head)"
     if getattr(head, "mode", "affine") != "affine" or "bias" in head:
@@ -146,6 +163,45 @@ def unsupported_reason(model) -> str:
     if backend() != "cuda":
         return f"backend {backend()} (the fused pass is CUDA only)"
     return structure_reason(model)
+
+
+def cache_layout_ok(cache: list) -> bool:
+    """Whether a one-call pass can append to ``cache``: mlx-lm ``KVCache`` layers (or the
+    engine's ``ExactKVCache``), already holding a prefill, float32, every layer of one buffer
+    shape and length. The buffers may be views (a prefix-cache hit restores slices of stored
+    arrays): :func:`writable_cache` copies them into buffers of the cache's own first."""
+    first = cache[0]
+    keys = getattr(first, "keys", None)
+    if keys is None or keys.dtype != mx.float32 or first.offset < 1 or type(first).__name__ not in (
+            "KVCache", "ExactKVCache"):
+        return False
+    shape = keys.shape
+    return all(type(c) is type(first) and c.keys is not None and c.keys.shape == shape
+               and c.values.shape == shape and c.offset == first.offset for c in cache)
+
+
+def writable_cache(cache: list, rows: int, kv_heads: int, head_dim: int) -> None:
+    """Give every layer of ``cache`` buffers a pass may write in place: allocated here (so no
+    other array shares them: a prefix-cache hit leaves views of stored arrays), contiguous, all
+    layers of one shape (a pass reads layer 0's strides for every layer), with room for
+    ``rows`` more positions (grown in mlx-lm's steps of ``KVCache.step``). One decision for
+    the whole cache: either every layer keeps the buffers this function gave it, or every
+    layer gets new ones (a zeros and a slice_update each for keys and values: once per
+    sequence and per step of growth). :func:`cache_layout_ok` has already refused caches
+    whose layers differ in shape or length, so only identity is checked here."""
+    n = cache[0].offset
+    if n + rows <= cache[0].keys.shape[2] and all(
+            c.__dict__.get("_fused_buffers", (None, None))[0] is c.keys
+            and c.__dict__["_fused_buffers"][1] is c.values for c in cache):
+        return
+    capacity = -(-(n + rows) // cache[0].step) * cache[0].step
+    shape = (1, kv_heads, capacity, head_dim)
+    for c in cache:
+        keys, values = mx.zeros(shape, mx.float32), mx.zeros(shape, mx.float32)
+        keys[..., :n, :] = c.keys[..., :n, :]
+        values[..., :n, :] = c.values[..., :n, :]
+        c.keys, c.values = keys, values
+        c._fused_buffers = (keys, values)
 
 
 @dataclass
@@ -210,7 +266,7 @@ class FusedPass:
                              f"{65536 // (32 * warps)} registers per thread")
         self.warps, self.skip, self.profile = warps, skip, profile
         self.segment = 32 * warps  # keys per attention work unit (sources/fused_body.cu, phase B)
-        lins = [_linears(layer) for layer in inner.layers]
+        lins = [linears(layer) for layer in inner.layers]
 
         def stack(names, part):
             return mx.stack([mx.concatenate([getattr(li[n], part) for n in names], axis=0) for li in lins])
@@ -220,7 +276,7 @@ class FusedPass:
                            ("gu", ("gate_proj", "up_proj")), ("d", ("down_proj",))):
             w["w" + key], w["s" + key], w["b" + key] = (stack(names, p) for p in ("weight", "scales", "biases"))
         self.bits = lins[0]["q_proj"].bits
-        head = _head(model)
+        head = head_module(model)
         self.head_bits = head.bits
         w["we"], w["se"], w["bee"] = head.weight, head.scales, head.biases
         w["norms"] = mx.stack([mx.stack([layer.input_layernorm.weight, layer.post_attention_layernorm.weight])
@@ -277,43 +333,8 @@ class FusedPass:
                                    source=body, header=header, ensure_row_contiguous=False)
 
     def supports_cache(self, cache: list, rows: int) -> bool:
-        """Whether a pass of ``rows`` rows can append to ``cache`` (mlx-lm ``KVCache`` layers,
-        already holding a prefill, same buffer shapes, float32). The buffers may be views (a
-        prefix-cache hit restores slices of stored arrays): :meth:`__call__` copies them into
-        buffers of the cache's own first."""
-        if not 1 <= rows <= MAX_ROWS or len(cache) != self.layers:
-            return False
-        first = cache[0]
-        keys = getattr(first, "keys", None)
-        if keys is None or keys.dtype != mx.float32 or first.offset < 1 or type(first).__name__ not in (
-                "KVCache", "ExactKVCache"):
-            return False
-        shape = keys.shape
-        return all(type(c) is type(first) and c.keys is not None and c.keys.shape == shape
-                   and c.values.shape == shape and c.offset == first.offset for c in cache)
-
-    def _writable(self, cache: list, rows: int) -> None:
-        """Give every layer buffers the pass may write in place: allocated here (so no other
-        array shares them: a prefix-cache hit leaves views of stored arrays), contiguous, all
-        layers of one shape (the kernel reads layer 0's strides for every layer), with room for
-        ``rows`` more positions (grown in mlx-lm's steps of ``KVCache.step``). One decision for
-        the whole cache: either every layer keeps the buffers this launcher gave it, or every
-        layer gets new ones (a zeros and a slice_update each for keys and values: once per
-        sequence and per step of growth). :meth:`supports_cache` has already refused caches
-        whose layers differ in shape or length, so only identity is checked here."""
-        n = cache[0].offset
-        if n + rows <= cache[0].keys.shape[2] and all(  # (supports_cache checked equal shapes)
-                c.__dict__.get("_fused_buffers", (None, None))[0] is c.keys
-                and c.__dict__["_fused_buffers"][1] is c.values for c in cache):
-            return
-        capacity = -(-(n + rows) // cache[0].step) * cache[0].step
-        shape = (1, self.kv_heads, capacity, self.head_dim)
-        for c in cache:
-            keys, values = mx.zeros(shape, mx.float32), mx.zeros(shape, mx.float32)
-            keys[..., :n, :] = c.keys[..., :n, :]
-            values[..., :n, :] = c.values[..., :n, :]
-            c.keys, c.values = keys, values
-            c._fused_buffers = (keys, values)
+        """Whether a pass of ``rows`` rows can append to ``cache`` (:func:`cache_layout_ok`)."""
+        return 1 <= rows <= MAX_ROWS and len(cache) == self.layers and cache_layout_ok(cache)
 
     def __call__(self, tokens: list[int], cache: list) -> FusedOutput:
         """Run ``tokens`` (one decode token, or the anchor plus drafts) through the target at
@@ -338,7 +359,7 @@ class FusedPass:
         if not self.supports_cache(cache, m):
             raise ValueError(f"fused pass takes 1..{MAX_ROWS} rows over a prefilled float32 KVCache list "
                              f"of {self.layers} layers with equal shapes; got {m} rows")
-        self._writable(cache, m)
+        writable_cache(cache, m, self.kv_heads, self.head_dim)
         inner = self.model.model
         x0 = inner.embed_tokens(mx.array(tokens, dtype=mx.uint32))
         start = cache[0].offset

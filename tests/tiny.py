@@ -13,6 +13,7 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.detokenizer import TokenTable, _gpt2_byte_decoder
 from engine.loader import LoadedModel, apply_weight_policy
+from metal_kernels.fused_cpu import quantized_modules
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -65,18 +66,26 @@ def quantize_like_gguf(model, bits: int = 4):
     nn.quantize(model, class_predicate=lambda _, m: (
         {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
         else {"group_size": 32, "bits": bits} if isinstance(m, nn.Linear) else False))
+    for _, m in model.named_modules():  # a GGUF stores Q4_1/Q8 scales and minimums in float16
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            m.scales = m.scales.astype(mx.float16).astype(m.scales.dtype)
+            m.biases = m.biases.astype(mx.float16).astype(m.biases.dtype)
     mx.eval(model.parameters())
     return model
 
 
 def tiny_loaded(seed: int = 0, weights: str = "float32", context: int = 2048, scale: float = 1.0,
-                head_dim: int = 80, quantize_bits: int | None = None) -> LoadedModel:
+                head_dim: int = 80, quantize_bits: int | None = None, dequantize: bool = False) -> LoadedModel:
     """The tiny model as the engine loads a target; ``quantize_bits`` quantizes its projections
-    (group 32; the tied embedding in 8 bits) as the default model's GGUF is."""
+    (group 32; the tied embedding in 8 bits) as the default model's GGUF is. ``dequantize``
+    then serves float32 weights and keeps the quantized layers aside, as ``load_target`` does on
+    the CPU (``LoadedModel.quantized``, what the CPU fused pass reads)."""
     model, args = tiny_model(seed, scale=scale, head_dim=head_dim)
+    stored = None
     if quantize_bits:
         quantize_like_gguf(model, quantize_bits)
-        weights = "quantized"
+        weights = "float32" if dequantize else "quantized"
+        stored = quantized_modules(model) if dequantize else None
     applied = apply_weight_policy(model, weights)
     hf = byte_tokenizer()
     wrapper = TokenizerWrapper(hf, eos_token_ids=[2])
@@ -86,7 +95,7 @@ def tiny_loaded(seed: int = 0, weights: str = "float32", context: int = 2048, sc
     return LoadedModel(
         model=model, tokenizer=wrapper, config=config, name="tiny-llama", source="memory",
         context_length=context, eos_token_ids=frozenset({2}), weights=applied,
-        token_table=TokenTable.from_tokenizer(wrapper),
+        token_table=TokenTable.from_tokenizer(wrapper), quantized=stored,
     )
 
 

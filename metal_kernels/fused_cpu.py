@@ -1,0 +1,295 @@
+"""Decode and verify passes in one native call on the CPU: the CPU twin of :mod:`fused`.
+
+On the CPU, MLX runs a decode step of the default model as ~600 ops over float32 weights
+(the 4-bit matmul of ``mlx[cpu]`` is naive, so the loader dequantizes): 0.54 GB of weights per
+step, and a verify pass of ``k`` rows costs OpenBLAS a packed ``sgemm``, 2.7x one row from 2
+rows on. :class:`CpuFusedPass` runs a whole pass (every decoder layer and the LM head, for 1..16
+rows) as one call into C (``sources/fused_cpu.c``) that streams the file's quantized weights
+(4 or 8 bits, ~0.1 GB for the default model) once for all rows, dequantizing in registers,
+with a pool of threads splitting every projection's outputs.
+
+Row ``i`` of a ``k``-row pass is bit-identical to the one-row pass at its position: each output
+is one dot product in a fixed order over that row's inputs (see the C source). Prefill stays
+on mlx-lm's modules; passes read the KV cache those write and append their keys and values to
+its buffers in place (:func:`metal_kernels.fused.writable_cache`).
+
+The library is compiled at first use with the system C compiler (``cc``, ``-O3 -march=native
+-pthread``) into the kernel cache directory; without a compiler :func:`unsupported_reason`
+says so and the engine keeps mlx-lm's modules.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from metal_kernels.fused import (
+    FusedOutput,
+    architecture_reason,
+    cache_layout_ok,
+    head_module,
+    linears,
+    writable_cache,
+)
+from metal_kernels.qmv import backend
+
+log = logging.getLogger("specserve.fused_cpu")
+
+MAX_ROWS = 16
+SUPPORTED_BITS = (4, 8)
+_SOURCE = Path(__file__).parent / "sources" / "fused_cpu.c"
+_CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11")
+
+
+def kernel_dir() -> Path:
+    """Where compiled libraries go: ``$SPECSERVE_CACHE_DIR/kernels``, else
+    ``$XDG_CACHE_HOME/specserve/kernels``, else ``~/.cache/specserve/kernels``."""
+    root = os.environ.get("SPECSERVE_CACHE_DIR") or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "specserve"
+    return Path(root) / "kernels"
+
+
+class CompileError(RuntimeError):
+    """The C pass could not be built (no compiler, or it rejected the source)."""
+
+
+@functools.cache
+def library() -> ctypes.CDLL:
+    """The compiled pass (built once per source and flags, cached on disk by their hash).
+
+    Raises:
+        CompileError: no C compiler (``$CC`` or ``cc``) or the build failed.
+    """
+    cc = os.environ.get("CC") or "cc"
+    if shutil.which(cc) is None:
+        raise CompileError(f"no C compiler ({cc!r} not on PATH)")
+    source = _SOURCE.read_bytes()
+    digest = hashlib.sha1(source + " ".join((cc, *_CFLAGS)).encode()).hexdigest()[:12]
+    out = kernel_dir() / f"specserve_fused_cpu_{digest}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        proc = subprocess.run([cc, *_CFLAGS, "-o", str(tmp), str(_SOURCE), "-lm"], capture_output=True, text=True)
+        if proc.returncode:
+            raise CompileError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, out)  # (atomic: concurrent builders agree)
+        log.info("built %s", out)
+    lib = ctypes.CDLL(str(out))
+    lib.specserve_cpu_pass.restype = ctypes.c_int
+    return lib
+
+
+class _QMat(ctypes.Structure):
+    _fields_ = [("w", ctypes.c_void_p), ("s", ctypes.c_void_p), ("b", ctypes.c_void_p),
+                ("in_", ctypes.c_int32), ("out", ctypes.c_int32), ("bits", ctypes.c_int32), ("gs", ctypes.c_int32)]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("nl", ctypes.c_int32), ("dm", ctypes.c_int32), ("nh", ctypes.c_int32), ("nkv", ctypes.c_int32),
+                ("hd", ctypes.c_int32), ("di", ctypes.c_int32), ("vocab", ctypes.c_int32),
+                ("unused", ctypes.c_int32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("inv_freq", ctypes.c_void_p), ("norms", ctypes.c_void_p), ("fnorm", ctypes.c_void_p),
+                ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gu", ctypes.c_void_p),
+                ("down", ctypes.c_void_p), ("head", ctypes.c_void_p)]
+
+
+def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's affine-quantized layers by module path (``QuantizedLinear`` and
+    ``QuantizedEmbedding``). The loader keeps them when it dequantizes the model for the CPU
+    (the modules stay alive after ``dequantize_model`` replaces them in the tree), so the C
+    pass can stream the file's quantized weights while prefill runs on float32 ones."""
+    return {name: m for name, m in model.named_modules()
+            if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)) and getattr(m, "mode", "affine") == "affine"}
+
+
+def _source(model: nn.Module, quantized: dict[str, nn.Module] | None) -> dict[str, nn.Module]:
+    """Module path -> the quantized layer the pass reads (the model's own, else ``quantized``'s)."""
+    own = quantized_modules(model)
+    return own if own or not quantized else quantized
+
+
+def _paths(model: nn.Module) -> tuple[list[dict[str, str]], str]:
+    """Per layer, projection name -> module path; and the LM head's path."""
+    layers = [{name: f"model.layers.{i}.{'self_attn' if name.endswith(('q_proj', 'k_proj', 'v_proj', 'o_proj')) else 'mlp'}.{name}"
+               for name in linears(layer)} for i, layer in enumerate(model.model.layers)]
+    head = "model.embed_tokens" if head_module(model) is model.model.embed_tokens else "lm_head"
+    return layers, head
+
+
+def _float16_exact(a: mx.array) -> bool:
+    return bool(mx.array_equal(a.astype(mx.float16).astype(a.dtype), a).item())
+
+
+def unsupported_reason(model: nn.Module, quantized: dict[str, nn.Module] | None = None) -> str:
+    """Empty when :class:`CpuFusedPass` runs ``model`` here, else why not.
+
+    ``quantized``: the model's quantized layers by path (:func:`quantized_modules` before the
+    loader dequantized it), when the model itself holds float weights.
+    """
+    if backend() != "cpu":
+        return f"backend {backend()} (the CPU fused pass runs on the CPU)"
+    reason = architecture_reason(model)
+    if reason:
+        return reason
+    args = model.args
+    hd = args.head_dim or args.hidden_size // args.num_attention_heads
+    if hd % 16 or args.hidden_size % 32 or args.intermediate_size % 32:
+        return f"head dim {hd}, hidden {args.hidden_size}, intermediate {args.intermediate_size} (need 16 | hd, 32 | dims)"
+    source = _source(model, quantized)
+    layers, head = _paths(model)
+    for path in [p for layer in layers for p in layer.values()] + [head]:
+        m = source.get(path)
+        if m is None:
+            return f"{path} is not affine-quantized"
+        if m.bits not in SUPPORTED_BITS or m.group_size % 32:
+            return f"{path}: {m.bits} bits, group size {m.group_size} (4 or 8 bits, groups of 32k)"
+        if "bias" in m:
+            return f"{path} has a bias"
+        if not (_float16_exact(m.scales) and _float16_exact(m.biases)):
+            return f"{path}: scales/biases not exact in float16"
+    for layer in model.model.layers:
+        if layer.input_layernorm.weight.dtype != mx.float32:
+            return f"activations {layer.input_layernorm.weight.dtype} (float32 only)"
+    try:
+        library()
+    except (CompileError, OSError) as e:
+        return str(e)
+    return ""
+
+
+def _codes(m: nn.Module) -> np.ndarray:
+    """``[out, in * bits / 8]`` uint8 codes in the C pass's layout (see ``fused_cpu.c``)."""
+    words = np.asarray(m.weight).view(np.uint32)
+    per = 32 // m.bits
+    shifts = (np.arange(per, dtype=np.uint32) * m.bits)[None, None, :]
+    q = ((words[:, :, None] >> shifts) & ((1 << m.bits) - 1)).astype(np.uint8).reshape(words.shape[0], -1)
+    if m.bits == 8:
+        return np.ascontiguousarray(q)
+    q = q.reshape(q.shape[0], -1, 2, 16)  # per 32 inputs: [0..15], [16..31]
+    return np.ascontiguousarray((q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(q.shape[0], -1))
+
+
+class CpuFusedPass:
+    """Decode/verify passes of ``model`` as one native call each (the CPU twin of
+    :class:`metal_kernels.fused.FusedPass`, same call interface).
+
+    Args:
+        model: an mlx-lm Llama that :func:`unsupported_reason` accepts (float32 activations).
+        quantized: its quantized layers by path when the model holds dequantized weights
+            (:func:`quantized_modules`, taken before dequantizing); None: the model's own.
+        threads: threads of the process-wide pool that runs the passes, the caller included
+            (default: the CPUs this process may run on); the first pass built in the process
+            sets it for all.
+
+    Raises:
+        ValueError: the model is not supported (the message says why).
+    """
+
+    max_rows = MAX_ROWS
+    segment = 64  # (the start-up probe prefills 2 * segment - 1 tokens)
+
+    def __init__(self, model: nn.Module, quantized: dict[str, nn.Module] | None = None, threads: int | None = None):
+        reason = unsupported_reason(model, quantized)
+        if reason:
+            raise ValueError(f"CPU fused pass unsupported: {reason}")
+        self.model = model
+        self.lib = library()
+        args, inner = model.args, model.model
+        self.layers, self.hidden_size = len(inner.layers), args.hidden_size
+        self.heads, self.kv_heads = args.num_attention_heads, args.num_key_value_heads
+        self.head_dim = args.head_dim or args.hidden_size // self.heads
+        self.threads = self.lib.specserve_cpu_threads(min(64, threads or len(os.sched_getaffinity(0))))
+        source = _source(model, quantized)
+        layers, head = _paths(model)
+        self._keep: list[np.ndarray] = []  # arrays the C structs point into
+
+        def ptr(a: np.ndarray) -> int:
+            self._keep.append(a)
+            return a.ctypes.data
+
+        def qmat(modules: list[nn.Module]) -> _QMat:
+            m0 = modules[0]
+            codes = np.concatenate([_codes(m) for m in modules])
+            s = np.concatenate([np.asarray(m.scales.astype(mx.float16)) for m in modules])
+            b = np.concatenate([np.asarray(m.biases.astype(mx.float16)) for m in modules])
+            return _QMat(ptr(codes), ptr(s), ptr(b), codes.shape[1] * 8 // m0.bits, codes.shape[0], m0.bits,
+                         m0.group_size)
+
+        def per_layer(names):
+            return (_QMat * self.layers)(*(qmat([source[lp[n]] for n in names]) for lp in layers))
+
+        self._mats = {"qkv": per_layer(("q_proj", "k_proj", "v_proj")), "o": per_layer(("o_proj",)),
+                      "gu": per_layer(("gate_proj", "up_proj")), "down": per_layer(("down_proj",)),
+                      "head": qmat([source[head]])}
+        for key, bits in (("qkv", "q_proj"), ("gu", "gate_proj")):
+            if len({source[lp[bits]].bits for lp in layers}) != 1:
+                raise ValueError(f"CPU fused pass unsupported: mixed bit widths in {key}")
+        norms = np.stack([np.stack([np.asarray(layer.input_layernorm.weight),
+                                    np.asarray(layer.post_attention_layernorm.weight)]) for layer in inner.layers])
+        rope = inner.layers[0].self_attn.rope
+        half = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim
+        inv_freq = (rope.scale * rope.base ** -half).astype(np.float32)
+        self._model = _Model(
+            self.layers, self.hidden_size, self.heads, self.kv_heads, self.head_dim, args.intermediate_size,
+            self._mats["head"].out, 0, inner.layers[0].input_layernorm.eps,
+            inner.layers[0].self_attn.scale, ptr(inv_freq), ptr(np.ascontiguousarray(norms, np.float32)),
+            ptr(np.asarray(inner.norm.weight, np.float32)),
+            *(ctypes.addressof(self._mats[k]) for k in ("qkv", "o", "gu", "down", "head")))
+        self.passes = 0
+
+    def supports_cache(self, cache: list, rows: int) -> bool:
+        """Whether a pass of ``rows`` rows can append to ``cache`` (see
+        :meth:`metal_kernels.fused.FusedPass.supports_cache`)."""
+        return 1 <= rows <= MAX_ROWS and len(cache) == self.layers and cache_layout_ok(cache)
+
+    def __call__(self, tokens: list[int], cache: list) -> FusedOutput:
+        """Run ``tokens`` (one decode token, or the anchor plus drafts) through the target at the
+        cache's current length, appending their keys and values to ``cache``.
+
+        Args:
+            tokens: 1..16 token ids.
+            cache: the sequence's per-layer mlx-lm ``KVCache`` list, prefilled, float32.
+
+        Returns:
+            :class:`metal_kernels.fused.FusedOutput` (``logits [M, V]``, ``hidden [L, M, d]``,
+            ``embeddings [M, d]``, float32); the cache's offsets count the new rows.
+
+        Raises:
+            ValueError: more than 16 or no tokens, or a cache :meth:`supports_cache` rejects.
+            MemoryError: the pass could not allocate its workspace.
+        """
+        m = len(tokens)
+        if not self.supports_cache(cache, m):
+            raise ValueError(f"CPU fused pass takes 1..{MAX_ROWS} rows over a prefilled float32 KVCache list "
+                             f"of {self.layers} layers with equal shapes; got {m} rows")
+        writable_cache(cache, m, self.kv_heads, self.head_dim)
+        x0 = self.model.model.embed_tokens(mx.array(tokens, dtype=mx.uint32)).astype(mx.float32)
+        mx.eval(x0, *(c.keys for c in cache), *(c.values for c in cache))
+        start, capacity = cache[0].offset, cache[0].keys.shape[2]
+        keys = (ctypes.c_void_p * self.layers)(*(np.asarray(c.keys).ctypes.data for c in cache))
+        values = (ctypes.c_void_p * self.layers)(*(np.asarray(c.values).ctypes.data for c in cache))
+        logits = np.empty((m, self._model.vocab), np.float32)
+        hidden = np.empty((self.layers, m, self.hidden_size), np.float32)
+        x0_np = np.ascontiguousarray(np.asarray(x0))
+        rc = self.lib.specserve_cpu_pass(ctypes.byref(self._model), m, start, ctypes.c_void_p(x0_np.ctypes.data),
+                                         keys, values, capacity, ctypes.c_void_p(logits.ctypes.data),
+                                         ctypes.c_void_p(hidden.ctypes.data))
+        if rc:
+            raise MemoryError("CPU fused pass: workspace allocation failed")
+        for c in cache:
+            c.offset += m
+        self.passes += 1
+        return FusedOutput(mx.array(logits), mx.array(hidden), x0, mx.zeros((1,), mx.int32))
+
+    def check(self, out: FusedOutput) -> None:
+        """Nothing to check on the CPU (a failed pass raises in :meth:`__call__`)."""

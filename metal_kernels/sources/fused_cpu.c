@@ -1,0 +1,413 @@
+// CPU twin of the fused decode/verify pass (metal_kernels/fused_cpu.py): one call runs every
+// decoder layer and the LM head of a small Llama for M = 1..16 rows, reading each quantized
+// weight once for all rows. Built at first use with the system C compiler (-O3 -march=native
+// -fopenmp); portable C with GCC vector extensions, 16 float lanes.
+//
+// Row independence: every output of row r is a dot product accumulated in a fixed order (lanes
+// over the input dimension, groups in order, a fixed lane reduction) from row r's inputs only,
+// so row r of an M-row pass is bit-identical to the one-row pass at its position, for every M.
+// The thread that computes an output does not matter either: each output has one owner.
+//
+// Weights: affine-quantized (w = scale * q + bias per group of GS inputs, GS a multiple of 32),
+// repacked by the launcher. 4 bits: per 32 inputs, 16 bytes; byte i holds input i (low nibble)
+// and input i + 16 (high nibble). 8 bits: one byte per input. Scales and biases float16.
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+
+#define MAX_ROWS 16
+#ifdef __AVX512F__
+#define TILE 16  // rows per dequantized weight chunk (32 vector registers hold 16 accumulators)
+#else
+#define TILE 4
+#endif
+
+typedef struct {
+    const uint8_t *w;          // [out, in * bits / 8] repacked codes
+    const _Float16 *s, *b;     // [out, in / gs]
+    int32_t in, out, bits, gs;
+} QMat;
+
+typedef struct {
+    int32_t nl, dm, nh, nkv, hd, di, vocab, unused;
+    float eps, scale;
+    const float *inv_freq;     // [hd / 2]
+    const float *norms;        // [nl, 2, dm]: input_layernorm, post_attention_layernorm
+    const float *fnorm;        // [dm]
+    const QMat *qkv, *o, *gu, *down;  // [nl] each: q|k|v rows, o_proj, gate|up rows, down_proj
+    const QMat *head;          // the LM head (tied embedding or lm_head)
+} Model;
+
+static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
+static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline v16f splat(float x) { return (v16f){0} + x; }
+
+static inline float hsum(v16f v) {  // fixed tree order
+    float t[16];
+    memcpy(t, &v, sizeof t);
+    for (int w = 8; w; w >>= 1)
+        for (int i = 0; i < w; i++) t[i] += t[i + w];
+    return t[0];
+}
+
+// 16 bytes -> 16 int32 lanes, zero-extended (GCC lowers __builtin_convertvector of bytes
+// lane by lane, so x86 gets the one-instruction widening explicitly).
+static inline v16i widen(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (v16i)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif defined(__AVX2__)
+    const __m128i b = _mm_loadu_si128((const __m128i *)p);
+    v16i r;
+    const __m256i lo = _mm256_cvtepu8_epi32(b), hi = _mm256_cvtepu8_epi32(_mm_srli_si128(b, 8));
+    memcpy(&r, &lo, 32);
+    memcpy((char *)&r + 32, &hi, 32);
+    return r;
+#else
+    v16b b;
+    memcpy(&b, p, 16);
+    return __builtin_convertvector(b, v16i);
+#endif
+}
+
+static inline v16f vsel(v16i mask, v16f a, v16f b) { return (v16f)((mask & (v16i)a) | (~mask & (v16i)b)); }
+
+// exp(x) for 16 lanes: Cephes expf (range reduction by ln 2 in two parts, degree-5 polynomial,
+// ~1 ulp), the same arithmetic for every lane and call. Inputs are clamped to [-87, 88].
+static inline v16f vexp(v16f x) {
+    x = vsel(x < splat(-87.0f), splat(-87.0f), x);
+    x = vsel(x > splat(88.0f), splat(88.0f), x);
+    v16f n = x * 1.44269504088896341f + 12582912.0f;  // round(x / ln 2) by the 1.5 * 2^23 trick
+    n -= 12582912.0f;
+    v16f r = x - n * 0.693359375f;
+    r -= n * -2.12194440e-4f;
+    v16f p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    v16i e = (__builtin_convertvector(n, v16i) + 127) << 23;
+    return p * (v16f)e;
+}
+
+// ---- quantized mat-vec: y[r, o] (=|+=) dot(W[o, :], x[r, :]) for a tile of R rows ----------
+static inline __attribute__((always_inline)) void dot_tile(const int R, const int bits, const QMat *q, int o,
+                                                           const float *x, int xs, float *y, int ys, int add) {
+    v16f acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = (v16f){0};
+    const int in = q->in, gs = q->gs, ng = in / gs;
+    const _Float16 *s = q->s + (size_t)o * ng, *b = q->b + (size_t)o * ng;
+    const uint8_t *w = q->w + (size_t)o * (size_t)(in * bits / 8);
+    for (int g = 0; g < ng; g++) {
+        const v16f sc = splat((float)s[g]), bi = splat((float)b[g]);
+        for (int c = g * gs; c < (g + 1) * gs; c += 32) {
+            v16f w0, w1;
+            if (bits == 4) {
+                const v16i v = widen(w + c / 2);
+                w0 = __builtin_convertvector(v & 15, v16f) * sc + bi;
+                w1 = __builtin_convertvector(v >> 4, v16f) * sc + bi;
+            } else {
+                w0 = __builtin_convertvector(widen(w + c), v16f) * sc + bi;
+                w1 = __builtin_convertvector(widen(w + c + 16), v16f) * sc + bi;
+            }
+            for (int r = 0; r < R; r++) {
+                acc[r] += w0 * load16(x + (size_t)r * xs + c);
+                acc[r] += w1 * load16(x + (size_t)r * xs + c + 16);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float d = hsum(acc[r]), *dst = y + (size_t)r * ys + o;
+        *dst = add ? *dst + d : d;
+    }
+}
+
+#define TILE_CASE(R)                                                                  \
+    case R:                                                                           \
+        if (q->bits == 4) dot_tile(R, 4, q, o, x + (size_t)r0 * xs, xs, y + (size_t)r0 * ys, ys, add); \
+        else dot_tile(R, 8, q, o, x + (size_t)r0 * xs, xs, y + (size_t)r0 * ys, ys, add); \
+        break;
+
+// Outputs [lo, hi) of a projection (each thread takes one contiguous range).
+static void qmv(const QMat *q, int lo, int hi, const float *x, int xs, int M, float *y, int ys, int add) {
+    for (int o = lo; o < hi; o++) {
+        for (int r0 = 0; r0 < M; r0 += TILE) {
+            switch (M - r0 < TILE ? M - r0 : TILE) {
+                TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
+#if TILE == 16
+                TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
+                TILE_CASE(12) TILE_CASE(13) TILE_CASE(14) TILE_CASE(15) TILE_CASE(16)
+#endif
+            }
+        }
+    }
+}
+
+// ---- row operations --------------------------------------------------------------------------
+static void rms_norm(const float *x, const float *w, float *out, int d, float eps) {
+    v16f ss = {0};
+    for (int c = 0; c < d; c += 16) {
+        v16f v = load16(x + c);
+        ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(hsum(ss) / (float)d + eps);
+    for (int c = 0; c < d; c += 16) store16(out + c, load16(x + c) * inv * load16(w + c));
+}
+
+// RoPE (non-traditional: dims i and i + hd/2 rotate together) of one head vector, in place.
+static void rope(float *v, const float *cs, const float *sn, int hd, float mul) {
+    const int h2 = hd / 2;
+    for (int i = 0; i < h2; i++) {
+        const float a = v[i], b = v[i + h2];
+        v[i] = (a * cs[i] - b * sn[i]) * mul;
+        v[i + h2] = (a * sn[i] + b * cs[i]) * mul;
+    }
+}
+
+// Causal attention of row r (position p) for the query heads of KV head g: scores against the
+// p + 1 cached keys, softmax, weighted sum of values; keys and values read once for the group.
+static void attend(const Model *m, const float *q, const float *K, const float *V, int p, float *out,
+                   float *sc, v16f *acc) {
+    const int hd = m->hd, nc = hd / 16, G = m->nh / m->nkv, n = p + 1;
+    for (int j = 0; j < n; j++) {
+        const float *k = K + (size_t)j * hd;
+        for (int h = 0; h < G; h++) {
+            v16f a = {0};
+            for (int c = 0; c < nc; c++) a += load16(q + h * hd + 16 * c) * load16(k + 16 * c);
+            sc[(size_t)h * n + j] = hsum(a);
+        }
+    }
+    float inv[16];
+    for (int h = 0; h < G; h++) {
+        float *s = sc + (size_t)h * n, mx = s[0];
+        for (int j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+        v16f sum = {0};
+        int j = 0;
+        for (; j + 16 <= n; j += 16) {
+            v16f e = vexp(load16(s + j) - mx);
+            store16(s + j, e);
+            sum += e;
+        }
+        if (j < n) {
+            float t[16] = {0};
+            memcpy(t, s + j, sizeof(float) * (n - j));
+            v16f e = vexp(load16(t) - mx);
+            memcpy(t, &e, sizeof t);
+            for (int i = n - j; i < 16; i++) t[i] = 0.0f;
+            memcpy(s + j, t, sizeof(float) * (n - j));
+            sum += load16(t);
+        }
+        inv[h] = 1.0f / hsum(sum);
+    }
+    for (int i = 0; i < G * nc; i++) acc[i] = (v16f){0};
+    for (int j = 0; j < n; j++) {
+        const float *v = V + (size_t)j * hd;
+        for (int h = 0; h < G; h++) {
+            const v16f e = splat(sc[(size_t)h * n + j]);
+            for (int c = 0; c < nc; c++) acc[h * nc + c] += e * load16(v + 16 * c);
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int c = 0; c < nc; c++) store16(out + h * hd + 16 * c, acc[h * nc + c] * inv[h]);
+}
+
+static inline v16f silu_mul(v16f g, v16f u) { return g / (1.0f + vexp(-g)) * u; }
+
+// ---- the thread pool ---------------------------------------------------------------------------
+// Workers sleep on a condition variable between passes and meet at a spinning barrier between
+// the phases of one (~10 per layer). (OpenMP was measured slower: libgomp stops spinning at its
+// barriers once two threads have each run a parallel region, as the engine's worker thread and a
+// benchmark's main thread do.)
+typedef struct {
+    const Model *m;
+    int M, start, cap;
+    const float *x0;
+    float *const *kc, *const *vc;
+    float *logits, *hidden, *ws, *trig, *scratch;
+    v16f *acc;
+} Job;
+
+static struct {
+    pthread_mutex_t call;              // one pass at a time
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int threads;                       // workers + the calling thread
+    unsigned long gen;                 // pass counter the workers wait on
+    const Job *job;
+    atomic_int arrived;
+    atomic_uint phase;
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0};
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void barrier(void) {
+    if (pool.threads == 1) return;
+    const unsigned phase = atomic_load(&pool.phase);
+    if (atomic_fetch_add(&pool.arrived, 1) == pool.threads - 1) {
+        atomic_store(&pool.arrived, 0);
+        atomic_fetch_add(&pool.phase, 1);
+        return;
+    }
+    for (long spins = 0; atomic_load(&pool.phase) == phase; spins++) {
+        if (spins < 200000) relax();
+        else sched_yield();  // a preempted peer: let it run
+    }
+}
+
+static inline void split(int n, int tid, int *lo, int *hi) {
+    *lo = (int)((long)n * tid / pool.threads);
+    *hi = (int)((long)n * (tid + 1) / pool.threads);
+}
+
+#define FOR_SHARE(var, n) for (int lo_, hi_, var = (split((n), tid, &lo_, &hi_), lo_); var < hi_; var++)
+
+static void project(const QMat *q, int tid, const float *x, int xs, int M, float *y, int ys, int add) {
+    int lo, hi;
+    split(q->out, tid, &lo, &hi);
+    qmv(q, lo, hi, x, xs, M, y, ys, add);
+    barrier();
+}
+
+static void run_pass(const Job *j, int tid) {
+    const Model *m = j->m;
+    const int M = j->M, start = j->start, dm = m->dm, hd = m->hd, nh = m->nh, nkv = m->nkv, di = m->di;
+    const int G = nh / nkv, nqkv = (nh + 2 * nkv) * hd, h2 = hd / 2;
+    float *x = j->ws, *xn = x + M * dm, *qkv = xn + M * dm, *att = qkv + M * nqkv, *gu = att + M * nh * hd;
+    float *act = gu + 2 * M * di;
+    float *sc = j->scratch + (size_t)tid * G * (start + M);
+    v16f *acc = j->acc + (size_t)tid * G * (hd / 16);
+    for (int l = 0; l < m->nl; l++) {
+        const float *nw = m->norms + (size_t)l * 2 * dm;
+        FOR_SHARE(r, M) {
+            if (l) memcpy(j->hidden + ((size_t)(l - 1) * M + r) * dm, x + r * dm, sizeof(float) * dm);
+            rms_norm(x + r * dm, nw, xn + r * dm, dm, m->eps);
+        }
+        barrier();
+        project(&m->qkv[l], tid, xn, dm, M, qkv, nqkv, 0);
+        FOR_SHARE(u, M * (nh + nkv)) {
+            const int r = u / (nh + nkv), t = u % (nh + nkv);
+            float *v = qkv + (size_t)r * nqkv + t * hd;
+            rope(v, j->trig + r * hd, j->trig + r * hd + h2, hd, t < nh ? m->scale : 1.0f);
+            if (t >= nh) {
+                const size_t at = ((size_t)(t - nh) * j->cap + start + r) * hd;
+                memcpy(j->kc[l] + at, v, sizeof(float) * hd);
+                memcpy(j->vc[l] + at, v + nkv * hd, sizeof(float) * hd);
+            }
+        }
+        barrier();
+        FOR_SHARE(u, M * nkv) {
+            const int r = u / nkv, g = u % nkv;
+            attend(m, qkv + (size_t)r * nqkv + g * G * hd, j->kc[l] + (size_t)g * j->cap * hd,
+                   j->vc[l] + (size_t)g * j->cap * hd, start + r, att + (size_t)r * nh * hd + g * G * hd, sc, acc);
+        }
+        barrier();
+        project(&m->o[l], tid, att, nh * hd, M, x, dm, 1);
+        FOR_SHARE(r, M) rms_norm(x + r * dm, nw + dm, xn + r * dm, dm, m->eps);
+        barrier();
+        project(&m->gu[l], tid, xn, dm, M, gu, 2 * di, 0);
+        FOR_SHARE(u, M * (di / 16)) {
+            const int r = u / (di / 16), c = 16 * (u % (di / 16));
+            store16(act + (size_t)r * di + c, silu_mul(load16(gu + (size_t)r * 2 * di + c),
+                                                       load16(gu + (size_t)r * 2 * di + di + c)));
+        }
+        barrier();
+        project(&m->down[l], tid, act, di, M, x, dm, 1);
+    }
+    FOR_SHARE(r, M) {
+        memcpy(j->hidden + ((size_t)(m->nl - 1) * M + r) * dm, x + r * dm, sizeof(float) * dm);
+        rms_norm(x + r * dm, m->fnorm, xn + r * dm, dm, m->eps);
+    }
+    barrier();
+    project(m->head, tid, xn, dm, M, j->logits, m->vocab, 0);
+}
+
+static void *worker(void *arg) {
+    const int tid = (int)(intptr_t)arg;
+    unsigned long seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&pool.mu);
+        while (pool.gen == seen) pthread_cond_wait(&pool.cv, &pool.mu);
+        seen = pool.gen;
+        const Job *job = pool.job;
+        pthread_mutex_unlock(&pool.mu);
+        run_pass(job, tid);  // (ends at a barrier: the caller returns after every worker is done)
+    }
+    return NULL;
+}
+
+// Start the pool once per process with `threads` threads in all (the caller included); later
+// calls keep the first count. Returns the count.
+int specserve_cpu_threads(int threads) {
+    pthread_mutex_lock(&pool.call);
+    if (!pool.threads) {
+        pool.threads = 1;
+        for (int t = 1; t < threads; t++) {
+            pthread_t th;
+            pthread_attr_t attr;
+            pthread_attr_init(&attr);
+            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+            if (pthread_create(&th, &attr, worker, (void *)(intptr_t)t)) break;
+            pthread_attr_destroy(&attr);
+            pool.threads++;
+        }
+    }
+    const int n = pool.threads;
+    pthread_mutex_unlock(&pool.call);
+    return n;
+}
+
+// x0 [M, dm] embeddings; kc/vc [nl] per-layer cache buffers [nkv, cap, hd] holding `start`
+// positions (the pass writes positions start..start+M-1); logits [M, vocab]; hidden [nl, M, dm]
+// (decoder layer l's output). Returns 0, or -1 when a workspace allocation failed (nothing
+// was written) or the pool was not started.
+int specserve_cpu_pass(const Model *m, int M, int start, const float *x0, float *const *kc, float *const *vc,
+                       int cap, float *logits, float *hidden) {
+    const int dm = m->dm, hd = m->hd, nh = m->nh, nkv = m->nkv, di = m->di, G = nh / nkv;
+    const int nqkv = (nh + 2 * nkv) * hd, h2 = hd / 2;
+    pthread_mutex_lock(&pool.call);
+    const int threads = pool.threads;
+    float *ws = malloc(sizeof(float) * (size_t)M * (2 * dm + nqkv + nh * hd + 3 * di));
+    float *trig = malloc(sizeof(float) * (size_t)M * hd);
+    float *scratch = malloc(sizeof(float) * (size_t)threads * G * (start + M));
+    v16f *acc = aligned_alloc(64, sizeof(v16f) * (size_t)threads * G * (hd / 16));
+    int rc = -1;
+    if (threads && ws && trig && scratch && acc) {
+        memcpy(ws, x0, sizeof(float) * (size_t)M * dm);
+        for (int r = 0; r < M; r++)  // cos | sin per row, from the row's position alone
+            for (int i = 0; i < h2; i++) {
+                const float theta = (float)(start + r) * m->inv_freq[i];
+                trig[r * hd + i] = cosf(theta);
+                trig[r * hd + h2 + i] = sinf(theta);
+            }
+        const Job job = {m, M, start, cap, x0, kc, vc, logits, hidden, ws, trig, scratch, acc};
+        pthread_mutex_lock(&pool.mu);
+        pool.job = &job;
+        pool.gen++;
+        pthread_cond_broadcast(&pool.cv);
+        pthread_mutex_unlock(&pool.mu);
+        run_pass(&job, 0);
+        rc = 0;
+    }
+    pthread_mutex_unlock(&pool.call);
+    free(ws);
+    free(trig);
+    free(scratch);
+    free(acc);
+    return rc;
+}

@@ -1,0 +1,188 @@
+"""The CPU fused pass (metal_kernels/fused_cpu.py, sources/fused_cpu.c): one native call per
+decode/verify pass, rows bit-identical for every width, agreeing with mlx-lm's modules."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from helpers import run
+from tiny import quantize_like_gguf, tiny_loaded, tiny_model
+
+from engine import Engine, EngineConfig, SpeculativeParams
+from engine.runner import TargetRunner
+from metal_kernels import fused_cpu
+from metal_kernels.fused_cpu import CpuFusedPass, quantized_modules, unsupported_reason
+
+pytestmark = pytest.mark.skipif(fused_cpu.backend() != "cpu", reason="the CPU fused pass runs on the CPU backend")
+
+
+def _models(bits=4, head_dim=64, seed=1):
+    """The same tiny Llama twice: float32 weights dequantized from the quantized ones (as the
+    loader serves them on the CPU) with those quantized layers aside, and the quantized one."""
+    model, _ = tiny_model(seed, head_dim=head_dim)
+    quantize_like_gguf(model, bits)
+    stored = quantized_modules(model)
+    from engine.loader import apply_weight_policy
+
+    apply_weight_policy(model, "float32")
+    return model, stored
+
+
+def _prefilled(model, tokens):
+    runner = TargetRunner(model)
+    cache = runner.make_cache()
+    mx.eval(runner.prefill(tokens, cache)[0])
+    return runner, cache
+
+
+def _layer_outputs(model, cache, rows):
+    """mlx-lm's own forward of ``rows`` after ``cache``: every layer's output and the logits."""
+    from mlx_lm.models.base import create_attention_mask
+
+    h = model.model.embed_tokens(mx.array(rows)[None])
+    mask = create_attention_mask(h, cache[0])
+    hidden = []
+    for layer, c in zip(model.model.layers, cache):
+        h = layer(h, mask, cache=c)
+        hidden.append(h[0])
+    return hidden, model.model.embed_tokens.as_linear(model.model.norm(h))[0]
+
+
+@pytest.mark.parametrize("bits,head_dim", [(4, 64), (8, 64), (4, 80)])
+def test_pass_matches_mlx_lm_and_appends_the_cache(bits, head_dim):
+    """Logits, every layer's output and the appended keys/values agree with mlx-lm's forward of
+    the same rows over the dequantized weights (to rounding: the reductions differ)."""
+    model, stored = _models(bits, head_dim)
+    prompt = mx.random.randint(3, 259, (37,), key=mx.random.key(5)).tolist()
+    rows = [17, 250, 3, 99, 42]
+    _, eager_cache = _prefilled(model, prompt)
+    hidden, logits = _layer_outputs(model, eager_cache, rows)
+    _, cache = _prefilled(model, prompt)
+    fp = CpuFusedPass(model, stored)
+    out = fp(rows, cache)
+    assert out.logits.shape == (5, 259) and out.hidden.shape == (2, 5, 320)
+    scale = mx.abs(logits).max().item()
+    assert mx.abs(out.logits - logits).max().item() < 1e-4 * scale
+    for layer, want in enumerate(hidden):
+        assert mx.allclose(out.hidden[layer], want, rtol=1e-4, atol=1e-4).item(), layer
+    assert cache[0].offset == eager_cache[0].offset == len(prompt) + len(rows)
+    for c, e in zip(cache, eager_cache):
+        n = e.offset
+        assert mx.allclose(c.keys[..., :n, :], e.keys[..., :n, :], rtol=1e-4, atol=1e-4).item()
+        assert mx.allclose(c.values[..., :n, :], e.values[..., :n, :], rtol=1e-4, atol=1e-4).item()
+
+
+def test_quantized_model_runs_from_its_own_layers():
+    """A model served with quantized weights needs no layers aside: the pass reads its own."""
+    model, _ = tiny_model(3, head_dim=64)
+    quantize_like_gguf(model, 4)
+    assert unsupported_reason(model) == ""
+    _, cache = _prefilled(model, list(range(3, 40)))
+    _, reference = _prefilled(model, list(range(3, 40)))
+    out = CpuFusedPass(model)([7, 8], cache)
+    want = TargetRunner(model).verify([7, 8], reference)[0]
+    assert mx.abs(out.logits - want).max().item() < 1e-3 * mx.abs(want).max().item()
+
+
+@pytest.mark.parametrize("context", [1, 33, 300])
+def test_rows_bit_identical_for_every_width(context):
+    """Row i of an M-row pass equals the one-row pass at its position, bit for bit, for M up to
+    16 (the exactness greedy speculation rests on), whatever was cached beyond the row."""
+    model, stored = _models(4, 64, seed=2)
+    fp = CpuFusedPass(model, stored)
+    tokens = mx.random.randint(3, 259, (context + 16,), key=mx.random.key(context)).tolist()
+    _, cache = _prefilled(model, tokens[:context])
+    singles = []
+    for t in tokens[context:]:
+        singles.append(np.asarray(fp([t], cache).logits)[0])
+    singles = np.stack(singles)
+    for m in (2, 5, 8, 9, 16):
+        for c in cache:
+            c.trim(c.offset - context)
+        out = np.asarray(fp(tokens[context:context + m], cache).logits)
+        assert np.array_equal(out, singles[:m]), m
+
+
+def test_pass_writes_only_buffers_of_its_own_and_grows_them():
+    """Keys and values are written into the cache buffers in place; a prefix-cache hit's views
+    of stored arrays are copied into buffers of the cache's own first, so the stored arrays keep
+    their bits; the buffers grow by KVCache.step keeping every row."""
+    model, stored_layers = _models(4, 64, seed=3)
+    fp = CpuFusedPass(model, stored_layers)
+    runner, cache = _prefilled(model, list(range(3, 253)))  # 250 cached rows
+    stored = [(mx.concatenate([c.keys[..., :250, :], mx.ones_like(c.keys[..., :6, :])], axis=2),
+               mx.concatenate([c.values[..., :250, :], mx.ones_like(c.values[..., :6, :])], axis=2)) for c in cache]
+    mx.eval(stored)
+    snapshot = [(np.array(k), np.array(v)) for k, v in stored]
+    for c, (k, v) in zip(cache, stored):
+        c.state = (k[..., :250, :], v[..., :250, :], 250)
+    fp([5, 6, 7], cache)
+    for (k, v), (k0, v0) in zip(stored, snapshot):
+        assert np.array_equal(np.array(k), k0) and np.array_equal(np.array(v), v0)
+    owned = [c.keys for c in cache]
+    assert all(c.keys.shape[2] == 256 and c.offset == 253 for c in cache)
+    fp([8, 9, 10], cache)  # 256 rows: fits, same buffers
+    assert all(c.keys is k for c, k in zip(cache, owned))
+    fp([11], cache)  # 257: grows
+    assert all(c.keys.shape[2] == 512 and c.offset == 257 for c in cache)
+    _, reference = _prefilled(model, list(range(3, 253)))
+    mx.eval(runner.prefill([5, 6, 7, 8, 9, 10, 11], reference)[0])
+    for c, r in zip(cache, reference):  # the copied rows keep their bits; the new ones agree to rounding
+        assert mx.array_equal(c.keys[..., :250, :], r.keys[..., :250, :]).item()
+        assert mx.allclose(c.keys[..., 250:257, :], r.keys[..., 250:257, :], rtol=1e-3, atol=1e-3).item()
+        assert mx.allclose(c.values[..., 250:257, :], r.values[..., 250:257, :], rtol=1e-3, atol=1e-3).item()
+
+
+def test_unsupported_models_and_calls_are_refused(monkeypatch, tmp_path):
+    model, _ = tiny_model(4, head_dim=64)  # float weights, no quantized layers aside
+    assert "not affine-quantized" in unsupported_reason(model)
+    with pytest.raises(ValueError, match="not affine-quantized"):
+        CpuFusedPass(model)
+    quantized, stored = _models(4, 72)
+    assert "head dim 72" in unsupported_reason(quantized, stored)
+    q, stored = _models(4, 64)
+    fp = CpuFusedPass(q, stored)
+    _, cache = _prefilled(q, [5, 6, 7])
+    with pytest.raises(ValueError, match="1..16 rows"):
+        fp(list(range(3, 20)), cache)
+    with pytest.raises(ValueError, match="1..16 rows"):
+        fp([], cache)
+    # no compiler: refused with the reason (the library is built per process, once)
+    fused_cpu.library.cache_clear()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("SPECSERVE_CACHE_DIR", str(tmp_path))
+    try:
+        assert "no C compiler" in unsupported_reason(q, stored)
+    finally:
+        fused_cpu.library.cache_clear()
+
+
+def _engine(loaded, **cfg):
+    base = dict(speculation="prompt_lookup", max_verify_rows=16, calibration_contexts=(40, 300), warmup=False)
+    return Engine(EngineConfig(**{**base, **cfg}), loaded=loaded).start(wait=True, timeout=600)
+
+
+@pytest.mark.parametrize("mode", ["auto", "off"])
+def test_engine_runs_decode_and_verify_through_the_cpu_pass(mode):
+    """`auto` builds the CPU pass for a quantized target served dequantized (calibration finds
+    all 16 rows exact); greedy speculative output equals plain output, through wide passes."""
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4, dequantize=True)
+    eng = _engine(loaded, fused=mode)
+    try:
+        fp = eng.runner.fused
+        assert isinstance(fp, CpuFusedPass) == (mode == "auto") and eng.calibration.fused_pass == (mode == "auto")
+        if fp is None:
+            return
+        assert eng.calibration.max_rows == 16
+        rng = np.random.default_rng(0)
+        prompts = [[5, 6, 7, 8, 9, 10] * 10, list(rng.integers(3, 259, 50)) * 2, [40, 41] * 30]
+        for prompt in prompts:
+            before = fp.passes
+            spec, _, last = run(eng, [int(t) for t in prompt],
+                                speculative=SpeculativeParams("prompt_lookup", min_draft_tokens=4), max_tokens=48)
+            plain = run(eng, [int(t) for t in prompt], "off", max_tokens=48)[0]
+            assert spec == plain and len(plain) == 48 and fp.passes > before
+        assert last.stats.total.num_accepted_tokens > 0
+    finally:
+        eng.stop()
