@@ -56,9 +56,11 @@ class TargetRunner:
         compile: run decode/verify passes as ``mx.compile``d graphs over a static KV cache
             (:mod:`engine.static_cache`); caches are then :class:`StaticCache` objects.
         max_context: the context window (largest static cache capacity needed).
-        fused: ``metal_kernels.fused.FusedPass`` for ``model``, or None: decode/verify passes
-            of 1..16 rows then run as one kernel launch each (eager caches only; prefill and
-            batched passes keep mlx-lm's modules).
+        fused: a one-call pass for ``model`` (``metal_kernels.make_fused_pass``: the CUDA
+            ``FusedPass`` or the CPU ``CpuFusedPass``), or None: decode/verify passes of 1..16
+            rows then run as one call each (eager caches only; prefill keeps mlx-lm's modules).
+            Batched passes of several sequences go through it when it ``batches`` (the CPU
+            pass), else there are none.
     """
 
     def __init__(self, model: nn.Module, prefill_step: int = 512, compile: bool = False,
@@ -192,6 +194,11 @@ class TargetRunner:
         verify width was calibrated on it, so switching to mlx-lm's modules would not be exact)."""
         out = self.fused(tokens, cache)  # evaluated (the kernel writes the cache)
         self.fused.check(out)
+        return self._fused_result(out, taps)
+
+    @staticmethod
+    def _fused_result(out, taps):
+        """``(logits, tapped hidden states or None)`` of a fused pass's output."""
         if taps is None:
             return out.logits, None
         layers = [out.embeddings if i < 0 else out.hidden[i] for i in taps.layer_ids]  # each [n, d]
@@ -212,6 +219,8 @@ class TargetRunner:
         Returns:
             per sequence ``(logits [n_i, V] float32, hidden [n_i, m*d] float32 or None)``, lazy.
         """
+        if self.fused is not None:
+            return self._fused_batch(rows, caches, taps)
         lengths = [len(r) for r in rows]
         width = max(lengths)
         ids = mx.array([r + [r[-1]] * (width - len(r)) for r in rows], dtype=mx.uint32)
@@ -226,6 +235,21 @@ class TargetRunner:
         return [(logits[i, :n].astype(mx.float32), None if hidden is None else hidden[i, :n])
                 for i, n in enumerate(lengths)]
 
+    def _fused_batch(self, rows: list[list[int]], caches: list[list], taps) -> list[tuple]:
+        """Several sequences in one fused pass (a pass that :attr:`batches`: the CPU twin),
+        unpadded; sequences with an empty cache take their own passes, as :meth:`verify` does."""
+        together = [i for i, c in enumerate(caches) if self.cache_length(c) > 0]
+        outs: list = [None] * len(rows)
+        if together:
+            batch = self.fused.batch([rows[i] for i in together], [caches[i] for i in together])
+            for i, out in zip(together, batch):
+                self.fused.check(out)
+                outs[i] = self._fused_result(out, taps)
+        for i, cache in enumerate(caches):
+            if outs[i] is None:
+                outs[i] = self.verify(rows[i], cache, taps)
+        return outs
+
     def calibrate_batch(self, vocab_size: int, max_rows: int, max_width: int, context: int = 40) -> int:
         """Most rows (sequences x padded width) a batched pass may hold while every sequence's
         rows stay bit-identical to its own pass (0: batching is not exact here, or ``max_rows``
@@ -235,8 +259,12 @@ class TargetRunner:
         batched pass attends sequence by sequence with the calls each sequence's own pass makes,
         so only the batched projections and RoPE's per-sequence offsets are under test here: a
         few short contexts suffice."""
-        if self.compiled or self.fused is not None or max_rows < 2:
-            return 0  # (fused passes take one sequence: a batched pass would not match them)
+        if self.fused is not None:
+            if not getattr(self.fused, "batches", False):
+                return 0  # (the CUDA fused pass takes one sequence: a batched pass would not match it)
+            max_rows = min(max_rows, self.fused.max_rows)
+        if self.compiled or max_rows < 2:
+            return 0
         ids = mx.random.randint(3, vocab_size, (context + 4 * max_rows + max_rows,), key=mx.random.key(99)).tolist()
 
         caches = []  # sequence i: a cache holding context + 3 i tokens, reused by every check

@@ -246,6 +246,7 @@ class CpuFusedPass:
             ptr(np.asarray(inner.norm.weight, np.float32)),
             *(ctypes.addressof(self._mats[k]) for k in ("qkv", "o", "gu", "down", "head")))
         self.passes = 0
+        self._ok = mx.zeros((1,), mx.int32)  # FusedOutput.errors: a failed CPU pass raises instead
 
     def supports_cache(self, cache: list, rows: int) -> bool:
         """Whether a pass of ``rows`` rows can append to ``cache`` (see
@@ -268,28 +269,62 @@ class CpuFusedPass:
             ValueError: more than 16 or no tokens, or a cache :meth:`supports_cache` rejects.
             MemoryError: the pass could not allocate its workspace.
         """
-        m = len(tokens)
-        if not self.supports_cache(cache, m):
-            raise ValueError(f"CPU fused pass takes 1..{MAX_ROWS} rows over a prefilled float32 KVCache list "
-                             f"of {self.layers} layers with equal shapes; got {m} rows")
-        writable_cache(cache, m, self.kv_heads, self.head_dim)
+        return self.batch([tokens], [cache])[0]
+
+    batches = True  # several sequences may share a pass (:meth:`batch`)
+
+    def batch(self, rows: list[list[int]], caches: list[list]) -> list[FusedOutput]:
+        """One pass over several sequences' rows (continuous batching): the weights are read once
+        for all of them, and each sequence's rows compute exactly what its own pass computes.
+
+        Args:
+            rows: per sequence, 1..16 token ids (16 rows in all at most).
+            caches: per sequence, its own per-layer ``KVCache`` list (see :meth:`supports_cache`).
+
+        Returns:
+            per sequence, :class:`metal_kernels.fused.FusedOutput` of its rows.
+
+        Raises:
+            ValueError: no rows, more than 16 rows in all, a cache :meth:`supports_cache`
+                rejects, or one cache given twice.
+            MemoryError: the pass could not allocate its workspace.
+        """
+        m = sum(len(r) for r in rows)
+        if not rows or len(rows) != len(caches) or not 1 <= m <= MAX_ROWS or len({id(c) for c in caches}) < len(caches):
+            raise ValueError(f"CPU fused pass takes 1..{MAX_ROWS} rows in all over distinct caches; "
+                             f"got {[len(r) for r in rows]} rows over {len(caches)} caches")
+        for r, cache in zip(rows, caches):
+            if not self.supports_cache(cache, len(r)):
+                raise ValueError(f"CPU fused pass takes 1..{MAX_ROWS} rows over a prefilled float32 KVCache "
+                                 f"list of {self.layers} layers with equal shapes; got {len(r)} rows")
+            writable_cache(cache, len(r), self.kv_heads, self.head_dim)
+        tokens = [t for r in rows for t in r]
         x0 = self.model.model.embed_tokens(mx.array(tokens, dtype=mx.uint32)).astype(mx.float32)
-        mx.eval(x0, *(c.keys for c in cache), *(c.values for c in cache))
-        start, capacity = cache[0].offset, cache[0].keys.shape[2]
-        keys = (ctypes.c_void_p * self.layers)(*(np.asarray(c.keys).ctypes.data for c in cache))
-        values = (ctypes.c_void_p * self.layers)(*(np.asarray(c.values).ctypes.data for c in cache))
+        mx.eval(x0, *(a for c in caches for layer in c for a in (layer.keys, layer.values)))
+        pos = np.array([c[0].offset + i for r, c in zip(rows, caches) for i in range(len(r))], np.int32)
+        seq = np.array([s for s, r in enumerate(rows) for _ in r], np.int32)
+        cap = np.array([c[0].keys.shape[2] for c in caches], np.int32)
+        n = len(caches) * self.layers
+        keys = (ctypes.c_void_p * n)(*(np.asarray(layer.keys).ctypes.data for c in caches for layer in c))
+        values = (ctypes.c_void_p * n)(*(np.asarray(layer.values).ctypes.data for c in caches for layer in c))
         logits = np.empty((m, self._model.vocab), np.float32)
         hidden = np.empty((self.layers, m, self.hidden_size), np.float32)
         x0_np = np.ascontiguousarray(np.asarray(x0))
-        rc = self.lib.specserve_cpu_pass(ctypes.byref(self._model), m, start, ctypes.c_void_p(x0_np.ctypes.data),
-                                         keys, values, capacity, ctypes.c_void_p(logits.ctypes.data),
-                                         ctypes.c_void_p(hidden.ctypes.data))
+        rc = self.lib.specserve_cpu_pass(
+            ctypes.byref(self._model), m, ctypes.c_void_p(pos.ctypes.data), ctypes.c_void_p(seq.ctypes.data),
+            ctypes.c_void_p(x0_np.ctypes.data), keys, values, ctypes.c_void_p(cap.ctypes.data),
+            ctypes.c_void_p(logits.ctypes.data), ctypes.c_void_p(hidden.ctypes.data))
         if rc:
             raise MemoryError("CPU fused pass: workspace allocation failed")
-        for c in cache:
-            c.offset += m
         self.passes += 1
-        return FusedOutput(mx.array(logits), mx.array(hidden), x0, mx.zeros((1,), mx.int32))
+        outs, at = [], 0
+        for r, cache in zip(rows, caches):
+            for layer in cache:
+                layer.offset += len(r)
+            part = slice(at, at + len(r))
+            outs.append(FusedOutput(mx.array(logits[part]), mx.array(hidden[:, part]), x0[part], self._ok))
+            at += len(r)
+        return outs
 
     def check(self, out: FusedOutput) -> None:
         """Nothing to check on the CPU (a failed pass raises in :meth:`__call__`)."""

@@ -186,3 +186,100 @@ def test_engine_runs_decode_and_verify_through_the_cpu_pass(mode):
         assert last.stats.total.num_accepted_tokens > 0
     finally:
         eng.stop()
+
+
+def test_batched_pass_rows_equal_each_sequences_own_pass():
+    """Several sequences in one pass (weights read once for all): each sequence's rows and
+    appended keys/values equal its own pass's, bit for bit; a sequence with an empty cache takes
+    its own pass (position 0 runs through mlx-lm's modules, as in plain decoding)."""
+    model, stored = _models(4, 64, seed=5)
+    runner = TargetRunner(model, fused=CpuFusedPass(model, stored))
+    rng = np.random.default_rng(3)
+    for lengths in ([1, 1, 1], [4, 1, 2], [1, 6], [3, 3, 1, 1], [8, 8]):
+        seqs = []
+        for i, n in enumerate(lengths):
+            cache = runner.make_cache()
+            context = 0 if (i == 1 and n == 1 and len(lengths) == 4) else int(rng.integers(5, 90))
+            if context:
+                mx.eval(runner.prefill(rng.integers(3, 259, context).tolist(), cache)[0])
+            seqs.append((cache, rng.integers(3, 259, n).tolist(), context))
+        alone = []
+        for cache, rows, _ in seqs:
+            logits = runner.verify(rows, cache)[0]
+            alone.append((np.array(logits), [np.array(c.keys[..., : c.offset, :]) for c in cache]))
+            runner.trim(cache, len(rows))
+        together = runner.verify_batch([s[1] for s in seqs], [s[0] for s in seqs])
+        for (cache, rows, start), (logits, keys), (got, hidden) in zip(seqs, alone, together):
+            assert np.array_equal(np.array(got), logits) and hidden is None
+            assert all(c.offset == start + len(rows) for c in cache)
+            assert all(np.array_equal(np.array(c.keys[..., : c.offset, :]), k) for c, k in zip(cache, keys))
+    with pytest.raises(ValueError, match="distinct caches"):
+        cache = seqs[0][0]
+        runner.fused.batch([[5], [6]], [cache, cache])
+    with pytest.raises(ValueError, match="rows in all"):
+        runner.fused.batch([[5] * 9, [6] * 8], [seqs[0][0], seqs[1][0]])
+
+
+def test_engine_batches_concurrent_sequences_through_the_cpu_pass():
+    """Continuous batching over the CPU pass: calibration finds several sequences per pass
+    exact, and concurrent outputs (greedy and seeded sampling, every method, logprobs, stops)
+    equal the solo outputs of an engine that steps one sequence per pass."""
+    from test_batching import BatchRecorder, collect, concurrently, requests
+
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4, dequantize=True)
+    cfg = dict(speculation="auto", calibration_contexts=(40, 300), max_active=8, warmup=False)
+    solo = Engine(EngineConfig(batching="off", **cfg), loaded=loaded).start(wait=True, timeout=300)
+    rec = BatchRecorder()
+    batched = Engine(EngineConfig(**cfg), loaded=loaded, sink=rec).start(wait=True, timeout=300)
+    try:
+        assert isinstance(batched.runner.fused, CpuFusedPass) and batched.batch_rows >= 8
+        for seed in range(2):
+            reqs = requests(seed, 8)
+            alone = [collect(solo, r) for r in reqs]
+            assert concurrently(batched, reqs) == alone
+        assert max(n for n, _ in rec.batches) >= 4
+    finally:
+        solo.stop()
+        batched.stop()
+
+
+def test_a_forked_child_starts_its_own_threads():
+    """The thread pool does not survive fork(): a child's first pass starts its own workers
+    instead of waiting for the parent's at a barrier (the pass is called through C directly:
+    MLX itself is not fork-safe)."""
+    import ctypes
+    import os
+    import time
+
+    model, stored = _models(4, 64, seed=6)
+    fp = CpuFusedPass(model, stored)
+    _, cache = _prefilled(model, list(range(3, 40)))
+    want = np.array(fp([7, 8], cache).logits)
+    from metal_kernels.fused import writable_cache
+
+    for c in cache:
+        c.trim(2)
+    writable_cache(cache, 2, fp.kv_heads, fp.head_dim)
+    x0 = np.ascontiguousarray(np.array(model.model.embed_tokens(mx.array([7, 8]))), np.float32)
+    pos, seq, cap = (np.array(v, np.int32) for v in ([37, 38], [0, 0], [cache[0].keys.shape[2]]))
+    keys = (ctypes.c_void_p * fp.layers)(*(np.asarray(c.keys).ctypes.data for c in cache))
+    values = (ctypes.c_void_p * fp.layers)(*(np.asarray(c.values).ctypes.data for c in cache))
+    logits = np.zeros_like(want)
+    hidden = np.empty((fp.layers, 2, fp.hidden_size), np.float32)
+    pid = os.fork()
+    if pid == 0:  # the child: one pass, exit 0 if it matches
+        rc = fp.lib.specserve_cpu_pass(ctypes.byref(fp._model), 2, ctypes.c_void_p(pos.ctypes.data),
+                                       ctypes.c_void_p(seq.ctypes.data), ctypes.c_void_p(x0.ctypes.data), keys, values,
+                                       ctypes.c_void_p(cap.ctypes.data), ctypes.c_void_p(logits.ctypes.data),
+                                       ctypes.c_void_p(hidden.ctypes.data))
+        os._exit(0 if rc == 0 and np.array_equal(logits, want) else 1)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.waitstatus_to_exitcode(status) == 0
+            return
+        time.sleep(0.05)
+    os.kill(pid, 9)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's pass did not finish (its workers were never started)")

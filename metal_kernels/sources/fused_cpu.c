@@ -80,6 +80,14 @@ static inline v16i widen(const uint8_t *p) {
 #endif
 }
 
+static inline float hsum_max(v16f v) {
+    float t[16];
+    memcpy(t, &v, sizeof t);
+    float mx = t[0];
+    for (int i = 1; i < 16; i++) mx = t[i] > mx ? t[i] : mx;
+    return mx;
+}
+
 static inline v16f vsel(v16i mask, v16f a, v16f b) { return (v16f)((mask & (v16i)a) | (~mask & (v16i)b)); }
 
 // exp(x) for 16 lanes: Cephes expf (range reduction by ln 2 in two parts, degree-5 polynomial,
@@ -176,38 +184,68 @@ static void rope(float *v, const float *cs, const float *sn, int hd, float mul) 
     }
 }
 
-// Causal attention of row r (position p) for the query heads of KV head g: scores against the
-// p + 1 cached keys, softmax, weighted sum of values; keys and values read once for the group.
+typedef int32_t v16m __attribute__((vector_size(64)));
+
+// The 16 lane sums of a[0..15] as one vector (lane t: sum of a[t]'s lanes), by a fixed
+// transpose-and-add tree: 15 pairs of shuffles instead of 16 horizontal sums.
+static inline v16f reduce16(const v16f *a) {
+    const v16m lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+    const v16m hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
+    const v16m lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+    const v16m hi2 = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+    const v16m lo3 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
+    const v16m hi3 = {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31};
+    const v16m lo4 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
+    const v16m hi4 = {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+    v16f b[8], c[4], d[2];
+    for (int i = 0; i < 8; i++)  // [key 2i: 8 partial sums | key 2i+1: 8]
+        b[i] = __builtin_shuffle(a[2 * i], a[2 * i + 1], lo1) + __builtin_shuffle(a[2 * i], a[2 * i + 1], hi1);
+    for (int i = 0; i < 4; i++)  // [4 | 4 | 4 | 4] for keys 4i..4i+3
+        c[i] = __builtin_shuffle(b[2 * i], b[2 * i + 1], lo2) + __builtin_shuffle(b[2 * i], b[2 * i + 1], hi2);
+    for (int i = 0; i < 2; i++)  // 2 per key, keys 8i..8i+7
+        d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], lo3) + __builtin_shuffle(c[2 * i], c[2 * i + 1], hi3);
+    return __builtin_shuffle(d[0], d[1], lo4) + __builtin_shuffle(d[0], d[1], hi4);
+}
+
+// Causal attention of one row (position p) for the G query heads of one KV head: scores against
+// the p + 1 cached keys 16 at a time, softmax, weighted sum of values; keys and values are read
+// once for the G heads. Every step depends on p alone (not on the pass's other rows).
+// sc: scratch of G * (p + 16) floats; acc: G * hd / 16 vectors.
 static void attend(const Model *m, const float *q, const float *K, const float *V, int p, float *out,
                    float *sc, v16f *acc) {
-    const int hd = m->hd, nc = hd / 16, G = m->nh / m->nkv, n = p + 1;
-    for (int j = 0; j < n; j++) {
-        const float *k = K + (size_t)j * hd;
+    const int hd = m->hd, nc = hd / 16, G = m->nh / m->nkv, n = p + 1, np = (n + 15) & ~15;
+    const v16m lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    const v16f ninf = splat(-INFINITY);
+    for (int j0 = 0; j0 < n; j0 += 16) {
+        const int nb = n - j0 < 16 ? n - j0 : 16;
         for (int h = 0; h < G; h++) {
-            v16f a = {0};
-            for (int c = 0; c < nc; c++) a += load16(q + h * hd + 16 * c) * load16(k + 16 * c);
-            sc[(size_t)h * n + j] = hsum(a);
+            v16f part[16];
+            for (int t = 0; t < 16; t++) {
+                v16f a = {0};
+                if (t < nb) {
+                    const float *k = K + (size_t)(j0 + t) * hd;
+                    for (int c = 0; c < nc; c++) a += load16(q + h * hd + 16 * c) * load16(k + 16 * c);
+                }
+                part[t] = a;
+            }
+            store16(sc + (size_t)h * np + j0, vsel(lane < nb, reduce16(part), ninf));
         }
     }
     float inv[16];
     for (int h = 0; h < G; h++) {
-        float *s = sc + (size_t)h * n, mx = s[0];
-        for (int j = 1; j < n; j++) mx = s[j] > mx ? s[j] : mx;
+        float *s = sc + (size_t)h * np;
+        v16f mv = load16(s);
+        for (int j = 16; j < np; j += 16) {
+            const v16f v = load16(s + j);
+            mv = vsel(v > mv, v, mv);
+        }
+        const float mx = hsum_max(mv);
         v16f sum = {0};
-        int j = 0;
-        for (; j + 16 <= n; j += 16) {
-            v16f e = vexp(load16(s + j) - mx);
+        for (int j = 0; j < np; j += 16) {
+            const v16f v = load16(s + j);
+            const v16f e = vsel(v == ninf, (v16f){0}, vexp(v - mx));  // (masked lanes: exactly 0)
             store16(s + j, e);
             sum += e;
-        }
-        if (j < n) {
-            float t[16] = {0};
-            memcpy(t, s + j, sizeof(float) * (n - j));
-            v16f e = vexp(load16(t) - mx);
-            memcpy(t, &e, sizeof t);
-            for (int i = n - j; i < 16; i++) t[i] = 0.0f;
-            memcpy(s + j, t, sizeof(float) * (n - j));
-            sum += load16(t);
         }
         inv[h] = 1.0f / hsum(sum);
     }
@@ -215,7 +253,7 @@ static void attend(const Model *m, const float *q, const float *K, const float *
     for (int j = 0; j < n; j++) {
         const float *v = V + (size_t)j * hd;
         for (int h = 0; h < G; h++) {
-            const v16f e = splat(sc[(size_t)h * n + j]);
+            const v16f e = splat(sc[(size_t)h * np + j]);
             for (int c = 0; c < nc; c++) acc[h * nc + c] += e * load16(v + 16 * c);
         }
     }
@@ -232,7 +270,8 @@ static inline v16f silu_mul(v16f g, v16f u) { return g / (1.0f + vexp(-g)) * u; 
 // benchmark's main thread do.)
 typedef struct {
     const Model *m;
-    int M, start, cap;
+    int M, maxpos;
+    const int32_t *pos, *seq, *cap;   // per row: position, sequence; per sequence: cache capacity
     const float *x0;
     float *const *kc, *const *vc;
     float *logits, *hidden, *ws, *trig, *scratch;
@@ -243,12 +282,13 @@ static struct {
     pthread_mutex_t call;              // one pass at a time
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int threads;                       // workers + the calling thread
+    int want;                          // threads asked for (set once)
+    int threads;                       // workers + the calling thread (0: not started)
     unsigned long gen;                 // pass counter the workers wait on
     const Job *job;
     atomic_int arrived;
     atomic_uint phase;
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0};
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, 0};
 
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -286,11 +326,11 @@ static void project(const QMat *q, int tid, const float *x, int xs, int M, float
 
 static void run_pass(const Job *j, int tid) {
     const Model *m = j->m;
-    const int M = j->M, start = j->start, dm = m->dm, hd = m->hd, nh = m->nh, nkv = m->nkv, di = m->di;
+    const int M = j->M, dm = m->dm, hd = m->hd, nh = m->nh, nkv = m->nkv, di = m->di;
     const int G = nh / nkv, nqkv = (nh + 2 * nkv) * hd, h2 = hd / 2;
     float *x = j->ws, *xn = x + M * dm, *qkv = xn + M * dm, *att = qkv + M * nqkv, *gu = att + M * nh * hd;
     float *act = gu + 2 * M * di;
-    float *sc = j->scratch + (size_t)tid * G * (start + M);
+    float *sc = j->scratch + (size_t)tid * G * (j->maxpos + 17);
     v16f *acc = j->acc + (size_t)tid * G * (hd / 16);
     for (int l = 0; l < m->nl; l++) {
         const float *nw = m->norms + (size_t)l * 2 * dm;
@@ -305,16 +345,19 @@ static void run_pass(const Job *j, int tid) {
             float *v = qkv + (size_t)r * nqkv + t * hd;
             rope(v, j->trig + r * hd, j->trig + r * hd + h2, hd, t < nh ? m->scale : 1.0f);
             if (t >= nh) {
-                const size_t at = ((size_t)(t - nh) * j->cap + start + r) * hd;
-                memcpy(j->kc[l] + at, v, sizeof(float) * hd);
-                memcpy(j->vc[l] + at, v + nkv * hd, sizeof(float) * hd);
+                const int s = j->seq[r];
+                const size_t at = ((size_t)(t - nh) * j->cap[s] + j->pos[r]) * hd;
+                memcpy(j->kc[s * m->nl + l] + at, v, sizeof(float) * hd);
+                memcpy(j->vc[s * m->nl + l] + at, v + nkv * hd, sizeof(float) * hd);
             }
         }
         barrier();
         FOR_SHARE(u, M * nkv) {
             const int r = u / nkv, g = u % nkv;
-            attend(m, qkv + (size_t)r * nqkv + g * G * hd, j->kc[l] + (size_t)g * j->cap * hd,
-                   j->vc[l] + (size_t)g * j->cap * hd, start + r, att + (size_t)r * nh * hd + g * G * hd, sc, acc);
+            const int s = j->seq[r];
+            attend(m, qkv + (size_t)r * nqkv + g * G * hd, j->kc[s * m->nl + l] + (size_t)g * j->cap[s] * hd,
+                   j->vc[s * m->nl + l] + (size_t)g * j->cap[s] * hd, j->pos[r],
+                   att + (size_t)r * nh * hd + g * G * hd, sc, acc);
         }
         barrier();
         project(&m->o[l], tid, att, nh * hd, M, x, dm, 1);
@@ -351,51 +394,76 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-// Start the pool once per process with `threads` threads in all (the caller included); later
-// calls keep the first count. Returns the count.
+static void start_locked(void) {  // (with pool.call held) the workers, after the first call or a fork
+    pool.threads = 1;
+    for (int t = 1; t < pool.want; t++) {
+        pthread_t th;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        const int failed = pthread_create(&th, &attr, worker, (void *)(intptr_t)t);
+        pthread_attr_destroy(&attr);
+        if (failed) break;
+        pool.threads++;
+    }
+}
+
+// A forked child has none of the workers: it starts its own at its first pass. (prepare waits
+// for a running pass, so the child never inherits the pool mid-pass.)
+static void fork_prepare(void) { pthread_mutex_lock(&pool.call); }
+static void fork_parent(void) { pthread_mutex_unlock(&pool.call); }
+static void fork_child(void) {
+    pthread_mutex_init(&pool.mu, NULL);
+    pthread_cond_init(&pool.cv, NULL);
+    pool.threads = 0;
+    pool.gen = 0;
+    atomic_store(&pool.arrived, 0);
+    pthread_mutex_unlock(&pool.call);
+}
+
+// Set the pool's size once per process (`threads` in all, the caller included; later calls keep
+// the first count) and start it. Returns the count.
 int specserve_cpu_threads(int threads) {
     pthread_mutex_lock(&pool.call);
-    if (!pool.threads) {
-        pool.threads = 1;
-        for (int t = 1; t < threads; t++) {
-            pthread_t th;
-            pthread_attr_t attr;
-            pthread_attr_init(&attr);
-            pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-            if (pthread_create(&th, &attr, worker, (void *)(intptr_t)t)) break;
-            pthread_attr_destroy(&attr);
-            pool.threads++;
-        }
+    if (!pool.want) {
+        pool.want = threads < 1 ? 1 : threads;
+        pthread_atfork(fork_prepare, fork_parent, fork_child);
     }
+    if (!pool.threads) start_locked();
     const int n = pool.threads;
     pthread_mutex_unlock(&pool.call);
     return n;
 }
 
-// x0 [M, dm] embeddings; kc/vc [nl] per-layer cache buffers [nkv, cap, hd] holding `start`
-// positions (the pass writes positions start..start+M-1); logits [M, vocab]; hidden [nl, M, dm]
-// (decoder layer l's output). Returns 0, or -1 when a workspace allocation failed (nothing
-// was written) or the pool was not started.
-int specserve_cpu_pass(const Model *m, int M, int start, const float *x0, float *const *kc, float *const *vc,
-                       int cap, float *logits, float *hidden) {
+// One pass over M rows of S sequences: row r is sequence seq[r]'s token at position pos[r]
+// (a sequence's rows consecutive and in increasing position). x0 [M, dm] embeddings; kc/vc
+// [S * nl]: sequence s's layer-l cache buffers [nkv, cap[s], hd] at index s * nl + l, holding
+// the positions before its first row (the pass writes its rows' positions); logits [M, vocab];
+// hidden [nl, M, dm] (decoder layer l's output). Returns 0, or -1 when a workspace allocation
+// failed (nothing was written) or the pool was not started.
+int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t *seq, const float *x0,
+                       float *const *kc, float *const *vc, const int32_t *cap, float *logits, float *hidden) {
     const int dm = m->dm, hd = m->hd, nh = m->nh, nkv = m->nkv, di = m->di, G = nh / nkv;
     const int nqkv = (nh + 2 * nkv) * hd, h2 = hd / 2;
+    int maxpos = 0;
+    for (int r = 0; r < M; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
     pthread_mutex_lock(&pool.call);
+    if (pool.want && !pool.threads) start_locked();  // (a forked child)
     const int threads = pool.threads;
     float *ws = malloc(sizeof(float) * (size_t)M * (2 * dm + nqkv + nh * hd + 3 * di));
     float *trig = malloc(sizeof(float) * (size_t)M * hd);
-    float *scratch = malloc(sizeof(float) * (size_t)threads * G * (start + M));
+    float *scratch = malloc(sizeof(float) * (size_t)threads * G * (maxpos + 17));
     v16f *acc = aligned_alloc(64, sizeof(v16f) * (size_t)threads * G * (hd / 16));
     int rc = -1;
     if (threads && ws && trig && scratch && acc) {
         memcpy(ws, x0, sizeof(float) * (size_t)M * dm);
         for (int r = 0; r < M; r++)  // cos | sin per row, from the row's position alone
             for (int i = 0; i < h2; i++) {
-                const float theta = (float)(start + r) * m->inv_freq[i];
+                const float theta = (float)pos[r] * m->inv_freq[i];
                 trig[r * hd + i] = cosf(theta);
                 trig[r * hd + h2 + i] = sinf(theta);
             }
-        const Job job = {m, M, start, cap, x0, kc, vc, logits, hidden, ws, trig, scratch, acc};
+        const Job job = {m, M, maxpos, pos, seq, cap, x0, kc, vc, logits, hidden, ws, trig, scratch, acc};
         pthread_mutex_lock(&pool.mu);
         pool.job = &job;
         pool.gen++;
