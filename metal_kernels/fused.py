@@ -260,7 +260,8 @@ class FusedPass:
             raise ValueError(f"warps must be 8 or 16, got {warps}")
         shared = self._shared_bytes(warps)
         if shared > 48 * 1024:
-            raise ValueError(f"{warps} warps need {shared} bytes of static shared memory (48 KiB at most)")
+            raise ValueError(f"{warps} warps need more static shared memory than a block has (48 KiB), "
+                             "or attention's per-warp scratch does not fit the row buffer")
         if not self._registers_fit(warps):
             raise ValueError(f"{warps} warps with head dim {self.head_dim}: the kernel needs more than "
                              f"{65536 // (32 * warps)} registers per thread")
@@ -300,8 +301,13 @@ class FusedPass:
         return warps == 8 or self.head_dim == 64
 
     def _shared_bytes(self, warps: int) -> int:
-        """Static shared memory of a block (fused_body.cu: xs, qs, wm, wl, wacc)."""
-        return 4 * (MAX_ROWS * self.hidden_size + self.head_dim * (1 + warps) + 2 * warps)
+        """Static shared memory of a block (fused_body.cu: xs, qs, wm, wl), or more than any
+        block has when attention's scratch does not fit xs (its new keys, then each warp's
+        values for the query heads of one KV head)."""
+        group = self.heads // self.kv_heads
+        if MAX_ROWS * self.head_dim + warps * group * self.head_dim > MAX_ROWS * self.hidden_size:
+            return 1 << 30
+        return 4 * (MAX_ROWS * self.hidden_size + group * self.head_dim + 2 * warps * group)
 
     _WEIGHT_NAMES = ("inv_freq", "norms", "fnorm", "wqkv", "sqkv", "bqkv", "wo", "so", "bo",
                      "wgu", "sgu", "bgu", "wd", "sd", "bd", "we", "se", "bee")

@@ -451,10 +451,23 @@ def test_lm_head_and_shared_memory_limits_are_checked(stand_in):
     wide, _ = tiny_model(0, hidden=640, head_dim=128)
     quantize_like_gguf(wide, 4)
     FusedPass(wide, warps=8)
-    with pytest.raises(ValueError, match="static shared memory"):
+    with pytest.raises(ValueError, match="registers"):
         FusedPass(wide, warps=16)
     assert FusedPass(wide).warps == 8  # the default takes 16 warps only where they fit
-    with pytest.raises(ValueError, match="registers"):  # head dim 128: too many registers for 16 warps
+    from mlx_lm.models import llama
+
+    # 4 query heads per KV head: 16 warps' attention scratch (16 x 4 x 64 floats) plus the new
+    # keys overflow the 16 x 256-float row buffer; 8 warps fit
+    grouped = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=256, num_hidden_layers=2, intermediate_size=512, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=64, rms_norm_eps=1e-5, vocab_size=300, tie_word_embeddings=True))
+    nn.quantize(grouped, class_predicate=lambda _, m: (
+        {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
+        else {"group_size": 32, "bits": 4} if isinstance(m, nn.Linear) else False))
+    with pytest.raises(ValueError, match="shared memory"):
+        FusedPass(grouped, warps=16)
+    assert FusedPass(grouped).warps == 8
+    with pytest.raises(ValueError, match="registers|shared memory"):  # head dim 128 at 16 warps: neither fits
         FusedPass(_quantized_model(head_dim=128), warps=16)
     assert FusedPass(_quantized_model(head_dim=128)).warps == 8
     assert FusedPass(_quantized_model()).warps == 16

@@ -90,25 +90,26 @@ constexpr int PK = 32 / BITS;
 constexpr int HPK = 32 / HBITS;
 
 __shared__ __align__(16) float xs[MB * DM];
-__shared__ float qs[HD];
-__shared__ float wm[W];
-__shared__ float wl[W];
-__shared__ float wacc[W][HD];
+constexpr int GQ = NH / NKV;  // query heads per KV head
+__shared__ float qs[GQ * HD];
+__shared__ float wm[W * GQ];
+__shared__ float wl[W * GQ];
 
-// Attention work units (phase B): (row m, head h, key segment sg), rows in order, then heads.
+// Attention work units (phase B): (row m, KV head g, key segment sg), rows in order, then KV
+// heads; a unit serves the GQ query heads of its KV head.
 int units = 0;
 for (int m = 0; m < M; ++m) {
-  units += NH * ((S + m) / SEG + 1);
+  units += NKV * ((S + m) / SEG + 1);
 }
-auto unit_of = [&](int u, int& m, int& h, int& sg) {
+auto unit_of = [&](int u, int& m, int& g, int& sg) {
   m = 0;
-  while (u >= NH * ((S + m) / SEG + 1)) {
-    u -= NH * ((S + m) / SEG + 1);
+  while (u >= NKV * ((S + m) / SEG + 1)) {
+    u -= NKV * ((S + m) / SEG + 1);
     ++m;
   }
   const int nseg = (S + m) / SEG + 1;
-  h = u / nseg;
-  sg = u - h * nseg;
+  g = u / nseg;
+  sg = u - g * nseg;
 };
 bool ok = true;
 for (int l = 0; l < NL; ++l) {
@@ -142,10 +143,11 @@ for (int l = 0; l < NL; ++l) {
 
   // ---- B: the pass's keys (RoPE'd) and values appended to the cache at S..S+M-1; attention
   // -> att [M, NA]. A row's keys are split into segments of SEG = 32 W absolute positions, one
-  // 32-key chunk per warp; a work unit is (row, head, segment). A row with one segment writes
-  // its output directly; otherwise each unit writes its partial (max, sum, weighted values) to
-  // `part` and the unit that finishes last (a per-(layer, row, head) counter) combines the
-  // partials in segment order. Segments depend on the row's position only, so the bits do not
+  // 32-key chunk per warp; a work unit is (row, KV head, segment), serving that KV head's GQ
+  // query heads (each key is read once for all of them). A row with one segment writes its
+  // output directly; otherwise each unit writes its heads' partials (max, sum, weighted values)
+  // to `part` and the unit that finishes last (a per-(layer, row, KV head) counter) combines
+  // the partials in segment order. Segments depend on the row's position only, so the bits do not
   // depend on M or on which block runs a unit. The new keys are read from qkv, never from the
   // cache being written in this phase.
   for (int idx = blockIdx.x * blockDim.x + threadIdx.x; idx < ((SKIP & 2) ? 0 : M * NKV * HALF);
@@ -165,17 +167,19 @@ for (int l = 0; l < NL; ++l) {
     vd[i + HALF] = __ldcg(vr + i + HALF);
   }
   for (int u = blockIdx.x; u < ((SKIP & 2) ? 0 : units); u += NB) {
-    int m, h, sg;
-    unit_of(u, m, h, sg);
+    int m, g, sg;
+    unit_of(u, m, g, sg);
     const int nseg = (S + m) / SEG + 1;  // segments of keys 0..S+m
-    const int g = h / (NH / NKV);
     const int nk = S + m + 1;
-    const float* qr = qkv + m * NQKV + h * HD;
-    for (int i = threadIdx.x; i < HALF; i += blockDim.x) {
+    // the GQ query heads of KV head g (h = g GQ + hh), RoPE'd and scaled
+    for (int i = threadIdx.x; i < GQ * HALF; i += blockDim.x) {
+      const int hh = i / HALF;
+      const int ii = i - hh * HALF;
+      const float* qr = qkv + m * NQKV + (g * GQ + hh) * HD;
       float lo, hi;
-      ss_rope(__ldcg(qr + i), __ldcg(qr + i + HALF), S + m, inv_freq[i], lo, hi);
-      qs[i] = lo * qscale;
-      qs[i + HALF] = hi * qscale;
+      ss_rope(__ldcg(qr + ii), __ldcg(qr + ii + HALF), S + m, inv_freq[ii], lo, hi);
+      qs[hh * HD + ii] = lo * qscale;
+      qs[hh * HD + ii + HALF] = hi * qscale;
     }
     // this segment's new keys (positions S..S+m), RoPE'd once into shared memory (xs is free
     // during phase B); the same bits as the cache copy appended above
@@ -195,15 +199,21 @@ for (int l = 0; l < NL; ++l) {
     const float* kc = KC[l] + g * KHS;
     const float* vc = VC[l] + g * VHS;
     const float* vnew = qkv + NA + NKV * HD + g * HD;  // new row r: vnew + r * NQKV
-    float mx_ = NEG_INF;
-    float sum = 0.0f;
-    float acc[DL];
+    float mx_[GQ];
+    float sum[GQ];
+    float acc[GQ][DL];
 #pragma unroll
-    for (int dd = 0; dd < DL; ++dd) {
-      acc[dd] = 0.0f;
+    for (int hh = 0; hh < GQ; ++hh) {
+      mx_[hh] = NEG_INF;
+      sum[hh] = 0.0f;
+#pragma unroll
+      for (int dd = 0; dd < DL; ++dd) {
+        acc[hh][dd] = 0.0f;
+      }
     }
-    // Warp w takes the chunk of keys c0 = c_lo + 32 w; lane t scores key c0 + t with a
-    // sequential HD-term dot product, then online softmax in base 2.
+    // Warp w takes the chunk of keys c0 = c_lo + 32 w; lane t scores key c0 + t against each
+    // query head with a sequential HD-term dot product (each key read once for the GQ heads),
+    // then softmax in base 2 per head.
     const int c0 = c_lo + warp * 32;
     if (c0 < nk) {
       const int j = c0 + lane;
@@ -223,10 +233,18 @@ for (int l = 0; l < NL; ++l) {
         }
       };
       load_values(0);
-      float s = NEG_INF;
+      float sc[GQ];
+#pragma unroll
+      for (int hh = 0; hh < GQ; ++hh) {
+        sc[hh] = NEG_INF;
+      }
       if (j < nk) {
         const float* kr = j < S ? kc + (int64_t)j * HD : xs + (j - S) * HD;
-        float dot = 0.0f;
+        float dot[GQ];
+#pragma unroll
+        for (int hh = 0; hh < GQ; ++hh) {
+          dot[hh] = 0.0f;
+        }
 #pragma unroll
         for (int d0 = 0; d0 < HD; d0 += 16) {
           float kk[16];
@@ -239,66 +257,90 @@ for (int l = 0; l < NL; ++l) {
             kk[t + 3] = v4.w;
           }
 #pragma unroll
-          for (int t = 0; t < 16; ++t) {
-            dot = fmaf(qs[d0 + t], kk[t], dot);
+          for (int hh = 0; hh < GQ; ++hh) {
+#pragma unroll
+            for (int t = 0; t < 16; ++t) {
+              dot[hh] = fmaf(qs[hh * HD + d0 + t], kk[t], dot[hh]);
+            }
           }
         }
-        s = dot;
-      }
-      float cm = s;
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        cm = fmaxf(cm, __shfl_xor_sync(FULL, cm, o));
+        for (int hh = 0; hh < GQ; ++hh) {
+          sc[hh] = dot[hh];
+        }
       }
-      const float p = j < nk ? exp2f(s - cm) : 0.0f;
-      float ps = p;
+      float p[GQ];
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) {
-        ps += __shfl_xor_sync(FULL, ps, o);
+      for (int hh = 0; hh < GQ; ++hh) {
+        float cm = sc[hh];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          cm = fmaxf(cm, __shfl_xor_sync(FULL, cm, o));
+        }
+        p[hh] = j < nk ? exp2f(sc[hh] - cm) : 0.0f;
+        float ps = p[hh];
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+          ps += __shfl_xor_sync(FULL, ps, o);
+        }
+        sum[hh] = ps;
+        mx_[hh] = cm;
       }
-      sum = ps;
       for (int t0 = 0; t0 < min(32, nk - c0); t0 += 16) {
         if (t0 > 0) {
           load_values(t0);
         }
 #pragma unroll
         for (int t = 0; t < 16; ++t) {
-          const float pt = __shfl_sync(FULL, p, t0 + t);
 #pragma unroll
-          for (int dd = 0; dd < DL; ++dd) {
-            acc[dd] = fmaf(pt, vv[t][dd], acc[dd]);
+          for (int hh = 0; hh < GQ; ++hh) {
+            const float pt = __shfl_sync(FULL, p[hh], t0 + t);
+#pragma unroll
+            for (int dd = 0; dd < DL; ++dd) {
+              acc[hh][dd] = fmaf(pt, vv[t][dd], acc[hh][dd]);
+            }
           }
         }
       }
-      mx_ = cm;
     }
+    // per-warp results to shared memory: (max, sum) in wm/wl, values in xs after the new keys
+    float* wacc = xs + MB * HD;  // [W][GQ][HD]
     if (lane == 0) {
-      wm[warp] = mx_;
-      wl[warp] = sum;
+#pragma unroll
+      for (int hh = 0; hh < GQ; ++hh) {
+        wm[warp * GQ + hh] = mx_[hh];
+        wl[warp * GQ + hh] = sum[hh];
+      }
     }
 #pragma unroll
-    for (int dd = 0; dd < DL; ++dd) {
-      wacc[warp][lane * DL + dd] = acc[dd];
+    for (int hh = 0; hh < GQ; ++hh) {
+#pragma unroll
+      for (int dd = 0; dd < DL; ++dd) {
+        wacc[(warp * GQ + hh) * HD + lane * DL + dd] = acc[hh][dd];
+      }
     }
     __syncthreads();
-    // the segment's (max, sum, values) from its warps in warp order; warps past the last key
-    // hold (-inf, 0, 0) and weigh 0
-    float* pr = part + (((size_t)m * NH + h) * PSEG + sg) * (HD + 2);
-    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
-      float mt = wm[0];
+    // each head's segment (max, sum, values) from its warps in warp order; warps past the
+    // last key hold (-inf, 0, 0) and weigh 0
+    for (int e = threadIdx.x; e < GQ * HD; e += blockDim.x) {
+      const int hh = e / HD;
+      const int d = e - hh * HD;
+      const int h = g * GQ + hh;
+      float mt = wm[hh];
       for (int w2 = 1; w2 < W; ++w2) {
-        mt = fmaxf(mt, wm[w2]);
+        mt = fmaxf(mt, wm[w2 * GQ + hh]);
       }
       float lt = 0.0f;
       float ot = 0.0f;
       for (int w2 = 0; w2 < W; ++w2) {
-        const float f = exp2f(wm[w2] - mt);
-        lt = fmaf(wl[w2], f, lt);
-        ot = fmaf(wacc[w2][d], f, ot);
+        const float f = exp2f(wm[w2 * GQ + hh] - mt);
+        lt = fmaf(wl[w2 * GQ + hh], f, lt);
+        ot = fmaf(wacc[(w2 * GQ + hh) * HD + d], f, ot);
       }
       if (nseg == 1) {
         att[m * NA + h * HD + d] = ot / lt;
       } else {
+        float* pr = part + (((size_t)m * NH + h) * PSEG + sg) * (HD + 2);
         pr[2 + d] = ot;
         if (d == 0) {
           pr[0] = mt;
@@ -311,13 +353,16 @@ for (int l = 0; l < NL; ++l) {
       __threadfence();
       __syncthreads();
       if (threadIdx.x == 0) {
-        last = atomicAdd(cnt + ((size_t)l * M + m) * NH + h, 1u) == static_cast<unsigned int>(nseg - 1);
+        last = atomicAdd(cnt + ((size_t)l * M + m) * NKV + g, 1u) == static_cast<unsigned int>(nseg - 1);
       }
       __syncthreads();
       if (last) {
         __threadfence();
-        const float* p0 = part + ((size_t)m * NH + h) * PSEG * (HD + 2);
-        for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        for (int e = threadIdx.x; e < GQ * HD; e += blockDim.x) {
+          const int hh = e / HD;
+          const int d = e - hh * HD;
+          const int h = g * GQ + hh;
+          const float* p0 = part + ((size_t)m * NH + h) * PSEG * (HD + 2);
           float mt = __ldcg(p0);
           for (int s2 = 1; s2 < nseg; ++s2) {
             mt = fmaxf(mt, __ldcg(p0 + s2 * (HD + 2)));
