@@ -63,6 +63,19 @@ class CompileError(RuntimeError):
     """The C pass could not be built (no compiler, or it rejected the source)."""
 
 
+def _cpu_identity() -> str:
+    """The machine and its instruction-set flags (Linux ``/proc/cpuinfo``), which
+    ``-march=native`` builds for."""
+    import platform
+
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        flags = next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = platform.processor()
+    return f"{platform.machine()} {flags}"
+
+
 @functools.cache
 def library() -> ctypes.CDLL:
     """The compiled pass (built once per source and flags, cached on disk by their hash).
@@ -74,7 +87,8 @@ def library() -> ctypes.CDLL:
     if shutil.which(cc) is None:
         raise CompileError(f"no C compiler ({cc!r} not on PATH)")
     source = _SOURCE.read_bytes()
-    digest = hashlib.sha1(source + " ".join((cc, *_CFLAGS)).encode()).hexdigest()[:12]
+    # -march=native: a library built on one CPU may not run on another (a shared cache volume)
+    digest = hashlib.sha1(source + " ".join((cc, *_CFLAGS, _cpu_identity())).encode()).hexdigest()[:12]
     out = kernel_dir() / f"specserve_fused_cpu_{digest}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)

@@ -248,3 +248,4 @@ def test_dockerfile(name):
     assert re.search(r'^ENTRYPOINT \["specserve"\]$', runtime, re.M)
     if name == "Dockerfile.cpu":
         assert "libopenblas0-pthread" in runtime
+        assert re.search(r"install .*\bgcc libc6-dev\b", runtime)  # the CPU fused pass compiles at first start
