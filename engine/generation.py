@@ -189,7 +189,8 @@ class Sequence:
         (plain decoding included, also when DSpark is the only drafter), or as a probe on a
         request's first cycle and then after ``DSPARK_PROBE_EVERY`` cycles, an interval that
         doubles after every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets
-        once it wins; it always runs when the request sets ``min_draft_tokens``. A DSpark
+        once it wins, as long as the engine's probes have taken at most 2% of its decode time
+        (``DsparkStats.may_probe``); it always runs when the request sets ``min_draft_tokens``. A DSpark
         forward whose draft is cut to nothing counts as a cycle that yielded nothing, and any
         DSpark forward whose proposal is not verified counts in the request's stats
         (``num_unused_proposals``). Each proposal is cut to the length maximising
@@ -224,11 +225,18 @@ class Sequence:
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1)] + [o[0] for o in options])
             wins = forced or self.dspark_stats.expected_rate(cost) > best_so_far
-            if wins or self.cycles_since_dspark >= self.dspark_probe_every:
-                # a probe runs only while DSpark loses: back off (ds4 backed off after misses too)
+            self.dspark_stats.observe_cycle(cost.T(1))
+            probe = (not wins and self.cycles_since_dspark >= self.dspark_probe_every
+                     and self.dspark_stats.may_probe())
+            if wins or probe:
+                # a probe runs only while DSpark loses: back off (ds4 backed off after misses
+                # too), within the engine-wide probe budget
                 self.dspark_probe_every = (DSPARK_PROBE_EVERY if wins else
                                            min(2 * self.dspark_probe_every, DSPARK_PROBE_MAX))
+                started = time.perf_counter()
                 option = self._propose_dspark(ctx, budget, cost)
+                if probe:
+                    self.dspark_stats.observe_probe(time.perf_counter() - started)
                 dspark_ran = True
                 if option[1] == 0 and not forced:  # paid for, drafted nothing
                     self.dspark_stats.observe([], 0, 0)

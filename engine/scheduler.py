@@ -158,8 +158,12 @@ class DsparkStats:
     rescales the confidence head's prefix survival ``a_k = prod c_i``.
     """
 
+    PROBE_SHARE = 0.02  # losing probes may take at most this share of decode time (engine-wide)
+
     def __init__(self, positions: int = 16, alpha: float = 0.05):
         self.alpha = alpha
+        self.decode_seconds = 0.0  # decode time observed (the verify cost of every cycle)
+        self.probe_seconds = 0.0  # time spent on DSpark forwards that ran as probes
         self.realised = [1.0] * positions
         self.predicted = [1.0] * positions
         self.draft_cost = 0.0  # seconds per propose (EMA)
@@ -189,6 +193,20 @@ class DsparkStats:
         self.accepted_ema += rate * (num_accepted - self.accepted_ema)
         if num_draft:
             self.length_ema += rate * (num_draft - self.length_ema)
+
+    def observe_cycle(self, seconds: float) -> None:
+        """A decode cycle of ``seconds`` (any drafter or none): it earns probe time."""
+        self.decode_seconds += seconds
+
+    def may_probe(self) -> bool:
+        """Whether a probe of a losing DSpark fits the probe budget: the time spent on probes
+        so far stays within :attr:`PROBE_SHARE` of the decode time (one probe always runs
+        first). A drafter that loses thus costs at most ~2% however many requests probe it,
+        while one that starts winning is used every cycle again (probes find that out)."""
+        return self.probe_seconds <= self.PROBE_SHARE * self.decode_seconds
+
+    def observe_probe(self, seconds: float) -> None:
+        self.probe_seconds += seconds
 
     def observe_cost(self, seconds: float) -> None:
         self.draft_cost = seconds if self.draft_cost == 0 else self.draft_cost + 0.1 * (seconds - self.draft_cost)

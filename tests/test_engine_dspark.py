@@ -160,6 +160,51 @@ def test_losing_dspark_is_probed_not_run_every_cycle(tiny, tmp_path, monkeypatch
         eng.stop()
 
 
+def test_losing_dspark_probes_stay_within_the_engine_wide_budget(tiny, tmp_path, monkeypatch):
+    """Every new request would probe DSpark on its first cycle; with a drafter that always
+    loses and costs 50 ms a forward (far more than the tiny target's steps), the engine-wide
+    budget keeps the time spent on probes within 2% of the decode time (plus the probe that
+    always runs first), however many requests arrive."""
+    import time
+
+    from drafters.dspark import DSparkDrafter
+    from engine.scheduler import DsparkStats
+
+    path = make_drafter(tiny, tmp_path / "drafter", {5: 40.0})
+    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40, 300)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    calls = []
+    original = DSparkDrafter.propose
+
+    def slow_propose(self, *args, **kwargs):
+        calls.append(1)
+        time.sleep(0.05)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DSparkDrafter, "propose", slow_propose)
+    try:
+        for p in prompts(8, seed=11):
+            run(eng, p, "dspark", max_tokens=24, ignore_eos=True)
+        ds = eng.dspark_stats
+        assert 1 <= len(calls) < 8  # not one probe per request
+        assert ds.probe_seconds <= DsparkStats.PROBE_SHARE * ds.decode_seconds + 0.1
+    finally:
+        eng.stop()
+
+
+def test_probe_budget_rule():
+    from engine.scheduler import DsparkStats
+
+    ds = DsparkStats()
+    assert ds.may_probe()  # the first probe always runs
+    ds.observe_probe(0.1)
+    assert not ds.may_probe()
+    ds.observe_cycle(4.0)  # 2% of 4 s = 80 ms < 100 ms spent
+    assert not ds.may_probe()
+    ds.observe_cycle(1.0)  # 2% of 5 s = 100 ms
+    assert ds.may_probe()
+
+
 def test_unused_dspark_forwards_are_counted(dspark_engine):
     """DSpark probes on the first cycle of an auto request; on a repeated pattern prompt lookup
     wins, so that forward is paid for and not verified: the request's stats and the server's
