@@ -157,8 +157,9 @@ def unsupported_reason(model: nn.Module, quantized: dict[str, nn.Module] | None 
         return reason
     args = model.args
     hd = args.head_dim or args.hidden_size // args.num_attention_heads
-    if hd % 16 or args.hidden_size % 32 or args.intermediate_size % 32:
-        return f"head dim {hd}, hidden {args.hidden_size}, intermediate {args.intermediate_size} (need 16 | hd, 32 | dims)"
+    if hd % 16 or hd > 256 or args.hidden_size % 32 or args.intermediate_size % 32:
+        return (f"head dim {hd}, hidden {args.hidden_size}, intermediate {args.intermediate_size} "
+                "(need 16 | head dim <= 256, 32 | the others)")
     source = _source(model, quantized)
     layers, head = _paths(model)
     for path in [p for layer in layers for p in layer.values()] + [head]:

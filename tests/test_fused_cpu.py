@@ -49,12 +49,13 @@ def _layer_outputs(model, cache, rows):
     return hidden, model.model.embed_tokens.as_linear(model.model.norm(h))[0]
 
 
-@pytest.mark.parametrize("bits,head_dim", [(4, 64), (8, 64), (4, 80)])
-def test_pass_matches_mlx_lm_and_appends_the_cache(bits, head_dim):
+@pytest.mark.parametrize("bits,head_dim,context", [(4, 64, 37), (8, 64, 37), (4, 80, 37), (4, 64, 600)])
+def test_pass_matches_mlx_lm_and_appends_the_cache(bits, head_dim, context):
     """Logits, every layer's output and the appended keys/values agree with mlx-lm's forward of
-    the same rows over the dequantized weights (to rounding: the reductions differ)."""
+    the same rows over the dequantized weights (to rounding: the reductions differ); at 600
+    cached positions attention combines three 256-key segments."""
     model, stored = _models(bits, head_dim)
-    prompt = mx.random.randint(3, 259, (37,), key=mx.random.key(5)).tolist()
+    prompt = mx.random.randint(3, 259, (context,), key=mx.random.key(5)).tolist()
     rows = [17, 250, 3, 99, 42]
     _, eager_cache = _prefilled(model, prompt)
     hidden, logits = _layer_outputs(model, eager_cache, rows)
@@ -85,10 +86,11 @@ def test_quantized_model_runs_from_its_own_layers():
     assert mx.abs(out.logits - want).max().item() < 1e-3 * mx.abs(want).max().item()
 
 
-@pytest.mark.parametrize("context", [1, 33, 300])
+@pytest.mark.parametrize("context", [1, 33, 250, 300])
 def test_rows_bit_identical_for_every_width(context):
     """Row i of an M-row pass equals the one-row pass at its position, bit for bit, for M up to
-    16 (the exactness greedy speculation rests on), whatever was cached beyond the row."""
+    16 (the exactness greedy speculation rests on), whatever was cached beyond the row; at 250
+    the rows of one pass straddle an attention segment boundary (256 keys)."""
     model, stored = _models(4, 64, seed=2)
     fp = CpuFusedPass(model, stored)
     tokens = mx.random.randint(3, 259, (context + 16,), key=mx.random.key(context)).tolist()

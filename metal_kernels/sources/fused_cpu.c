@@ -207,58 +207,86 @@ static inline v16f reduce16(const v16f *a) {
     return __builtin_shuffle(d[0], d[1], lo4) + __builtin_shuffle(d[0], d[1], hi4);
 }
 
-// Causal attention of one row (position p) for the G query heads of one KV head: scores against
-// the p + 1 cached keys 16 at a time, softmax, weighted sum of values; keys and values are read
-// once for the G heads. Every step depends on p alone (not on the pass's other rows).
-// sc: scratch of G * (p + 16) floats; acc: G * hd / 16 vectors.
-static void attend(const Model *m, const float *q, const float *K, const float *V, int p, float *out,
-                   float *sc, v16f *acc) {
-    const int hd = m->hd, nc = hd / 16, G = m->nh / m->nkv, n = p + 1, np = (n + 15) & ~15;
+#define SEG 256  // keys per attention work unit (a multiple of 16)
+
+// Causal attention of one row (position p) for the G query heads of one KV head, over keys
+// [j0, j1) (a segment: j0 a multiple of SEG, j1 <= p + 1): scores 16 keys at a time, the
+// segment's max, exp, sum and exp-weighted sum of values, unnormalised, into part: per head
+// [max, sum, acc[hd]]. Keys and values are read once for the G heads. Every step depends on
+// the row's position and the segment alone, never on the pass's other rows.
+// sc: scratch of G * SEG floats; acc: G * hd / 16 vectors.
+static void attend_segment(const Model *m, const float *q, const float *K, const float *V, int j0, int j1,
+                           float *part, float *sc, v16f *acc) {
+    const int hd = m->hd, nc = hd / 16, G = m->nh / m->nkv, n = j1 - j0, np = (n + 15) & ~15;
     const v16m lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const v16f ninf = splat(-INFINITY);
-    for (int j0 = 0; j0 < n; j0 += 16) {
-        const int nb = n - j0 < 16 ? n - j0 : 16;
+    for (int b0 = 0; b0 < n; b0 += 16) {
+        const int nb = n - b0 < 16 ? n - b0 : 16;
         for (int h = 0; h < G; h++) {
-            v16f part[16];
+            v16f dots[16];
             for (int t = 0; t < 16; t++) {
-                v16f a = {0};
+                v16f d = {0};
                 if (t < nb) {
-                    const float *k = K + (size_t)(j0 + t) * hd;
-                    for (int c = 0; c < nc; c++) a += load16(q + h * hd + 16 * c) * load16(k + 16 * c);
+                    const float *k = K + (size_t)(j0 + b0 + t) * hd;
+                    for (int c = 0; c < nc; c++) d += load16(q + h * hd + 16 * c) * load16(k + 16 * c);
                 }
-                part[t] = a;
+                dots[t] = d;
             }
-            store16(sc + (size_t)h * np + j0, vsel(lane < nb, reduce16(part), ninf));
+            store16(sc + (size_t)h * SEG + b0, vsel(lane < nb, reduce16(dots), ninf));
         }
     }
-    float inv[16];
     for (int h = 0; h < G; h++) {
-        float *s = sc + (size_t)h * np;
-        v16f mv = load16(s);
+        float *sh = sc + (size_t)h * SEG, *ph = part + (size_t)h * (hd + 2);
+        v16f mv = load16(sh);
         for (int j = 16; j < np; j += 16) {
-            const v16f v = load16(s + j);
+            const v16f v = load16(sh + j);
             mv = vsel(v > mv, v, mv);
         }
         const float mx = hsum_max(mv);
         v16f sum = {0};
         for (int j = 0; j < np; j += 16) {
-            const v16f v = load16(s + j);
+            const v16f v = load16(sh + j);
             const v16f e = vsel(v == ninf, (v16f){0}, vexp(v - mx));  // (masked lanes: exactly 0)
-            store16(s + j, e);
+            store16(sh + j, e);
             sum += e;
         }
-        inv[h] = 1.0f / hsum(sum);
+        ph[0] = mx;
+        ph[1] = hsum(sum);
     }
     for (int i = 0; i < G * nc; i++) acc[i] = (v16f){0};
     for (int j = 0; j < n; j++) {
-        const float *v = V + (size_t)j * hd;
+        const float *v = V + (size_t)(j0 + j) * hd;
         for (int h = 0; h < G; h++) {
-            const v16f e = splat(sc[(size_t)h * np + j]);
+            const v16f e = splat(sc[(size_t)h * SEG + j]);
             for (int c = 0; c < nc; c++) acc[h * nc + c] += e * load16(v + 16 * c);
         }
     }
     for (int h = 0; h < G; h++)
-        for (int c = 0; c < nc; c++) store16(out + h * hd + 16 * c, acc[h * nc + c] * inv[h]);
+        for (int c = 0; c < nc; c++) store16(part + (size_t)h * (hd + 2) + 2 + 16 * c, acc[h * nc + c]);
+}
+
+// The softmax-weighted values of one (row, KV head) from its S segments' partials, combined in
+// segment order (a fixed order: the same for every pass width): out [G, hd].
+static void combine_segments(const Model *m, const float *parts, int S, float *out) {
+    const int hd = m->hd, nc = hd / 16, G = m->nh / m->nkv, stride = G * (hd + 2);
+    for (int h = 0; h < G; h++) {
+        float mx = parts[(size_t)h * (hd + 2)];
+        for (int s = 1; s < S; s++) {
+            const float v = parts[(size_t)s * stride + h * (hd + 2)];
+            mx = v > mx ? v : mx;
+        }
+        float sum = 0.0f;
+        v16f acc[16];  // (hd <= 256)
+        for (int c = 0; c < nc; c++) acc[c] = (v16f){0};
+        for (int s = 0; s < S; s++) {
+            const float *ph = parts + (size_t)s * stride + h * (hd + 2);
+            const float w = expf(ph[0] - mx);
+            sum += ph[1] * w;
+            for (int c = 0; c < nc; c++) acc[c] += load16(ph + 2 + 16 * c) * w;
+        }
+        const float inv = 1.0f / sum;
+        for (int c = 0; c < nc; c++) store16(out + h * hd + 16 * c, acc[c] * inv);
+    }
 }
 
 static inline v16f silu_mul(v16f g, v16f u) { return g / (1.0f + vexp(-g)) * u; }
@@ -270,12 +298,13 @@ static inline v16f silu_mul(v16f g, v16f u) { return g / (1.0f + vexp(-g)) * u; 
 // benchmark's main thread do.)
 typedef struct {
     const Model *m;
-    int M, maxpos;
+    int M;
     const int32_t *pos, *seq, *cap;   // per row: position, sequence; per sequence: cache capacity
     const float *x0;
     float *const *kc, *const *vc;
-    float *logits, *hidden, *ws, *trig, *scratch;
+    float *logits, *hidden, *ws, *trig, *scratch, *parts;
     v16f *acc;
+    const int32_t *unit0;   // [M + 1]: row r's attention units are unit0[r] .. unit0[r + 1] - 1
 } Job;
 
 static struct {
@@ -330,7 +359,7 @@ static void run_pass(const Job *j, int tid) {
     const int G = nh / nkv, nqkv = (nh + 2 * nkv) * hd, h2 = hd / 2;
     float *x = j->ws, *xn = x + M * dm, *qkv = xn + M * dm, *att = qkv + M * nqkv, *gu = att + M * nh * hd;
     float *act = gu + 2 * M * di;
-    float *sc = j->scratch + (size_t)tid * G * (j->maxpos + 17);
+    float *sc = j->scratch + (size_t)tid * G * SEG;
     v16f *acc = j->acc + (size_t)tid * G * (hd / 16);
     for (int l = 0; l < m->nl; l++) {
         const float *nw = m->norms + (size_t)l * 2 * dm;
@@ -352,12 +381,21 @@ static void run_pass(const Job *j, int tid) {
             }
         }
         barrier();
+        // attention units: (row, KV head, segment of SEG keys), then one combine per (row, KV head)
+        FOR_SHARE(u, j->unit0[M]) {
+            int r = 0;
+            while (u >= j->unit0[r + 1]) r++;
+            const int segs = (j->pos[r] + SEG) / SEG, g = (u - j->unit0[r]) / segs, sg = (u - j->unit0[r]) % segs;
+            const int s = j->seq[r], j0 = sg * SEG, j1 = j0 + SEG < j->pos[r] + 1 ? j0 + SEG : j->pos[r] + 1;
+            attend_segment(m, qkv + (size_t)r * nqkv + g * G * hd, j->kc[s * m->nl + l] + (size_t)g * j->cap[s] * hd,
+                           j->vc[s * m->nl + l] + (size_t)g * j->cap[s] * hd, j0, j1,
+                           j->parts + (size_t)u * G * (hd + 2), sc, acc);
+        }
+        barrier();
         FOR_SHARE(u, M * nkv) {
-            const int r = u / nkv, g = u % nkv;
-            const int s = j->seq[r];
-            attend(m, qkv + (size_t)r * nqkv + g * G * hd, j->kc[s * m->nl + l] + (size_t)g * j->cap[s] * hd,
-                   j->vc[s * m->nl + l] + (size_t)g * j->cap[s] * hd, j->pos[r],
-                   att + (size_t)r * nh * hd + g * G * hd, sc, acc);
+            const int r = u / nkv, g = u % nkv, segs = (j->pos[r] + SEG) / SEG;
+            combine_segments(m, j->parts + (size_t)(j->unit0[r] + g * segs) * G * (hd + 2), segs,
+                             att + (size_t)r * nh * hd + g * G * hd);
         }
         barrier();
         project(&m->o[l], tid, att, nh * hd, M, x, dm, 1);
@@ -445,17 +483,19 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
                        float *const *kc, float *const *vc, const int32_t *cap, float *logits, float *hidden) {
     const int dm = m->dm, hd = m->hd, nh = m->nh, nkv = m->nkv, di = m->di, G = nh / nkv;
     const int nqkv = (nh + 2 * nkv) * hd, h2 = hd / 2;
-    int maxpos = 0;
-    for (int r = 0; r < M; r++) maxpos = pos[r] > maxpos ? pos[r] : maxpos;
     pthread_mutex_lock(&pool.call);
     if (pool.want && !pool.threads) start_locked();  // (a forked child)
     const int threads = pool.threads;
     float *ws = malloc(sizeof(float) * (size_t)M * (2 * dm + nqkv + nh * hd + 3 * di));
     float *trig = malloc(sizeof(float) * (size_t)M * hd);
-    float *scratch = malloc(sizeof(float) * (size_t)threads * G * (maxpos + 17));
+    float *scratch = malloc(sizeof(float) * (size_t)threads * G * SEG);
+    int32_t unit0[MAX_ROWS + 1];
+    unit0[0] = 0;
+    for (int r = 0; r < M && r < MAX_ROWS; r++) unit0[r + 1] = unit0[r] + nkv * ((pos[r] + SEG) / SEG);
+    float *parts = malloc(sizeof(float) * (size_t)(M <= MAX_ROWS ? unit0[M] : 1) * G * (hd + 2));
     v16f *acc = aligned_alloc(64, sizeof(v16f) * (size_t)threads * G * (hd / 16));
     int rc = -1;
-    if (threads && ws && trig && scratch && acc) {
+    if (threads && M >= 1 && M <= MAX_ROWS && ws && trig && scratch && acc && parts) {
         memcpy(ws, x0, sizeof(float) * (size_t)M * dm);
         for (int r = 0; r < M; r++)  // cos | sin per row, from the row's position alone
             for (int i = 0; i < h2; i++) {
@@ -463,7 +503,7 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
                 trig[r * hd + i] = cosf(theta);
                 trig[r * hd + h2 + i] = sinf(theta);
             }
-        const Job job = {m, M, maxpos, pos, seq, cap, x0, kc, vc, logits, hidden, ws, trig, scratch, acc};
+        const Job job = {m, M, pos, seq, cap, x0, kc, vc, logits, hidden, ws, trig, scratch, parts, acc, unit0};
         pthread_mutex_lock(&pool.mu);
         pool.job = &job;
         pool.gen++;
@@ -476,6 +516,7 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
     free(ws);
     free(trig);
     free(scratch);
+    free(parts);
     free(acc);
     return rc;
 }
