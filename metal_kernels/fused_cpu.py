@@ -47,6 +47,9 @@ log = logging.getLogger("specserve.fused_cpu")
 
 MAX_ROWS = 16
 SUPPORTED_BITS = (4, 8)
+# Default pool size cap: a pass has ~10 barriers per layer and a few hundred outputs per phase,
+# so beyond ~16 threads the barriers cost more than the split saves (not measured: 2 cores here).
+MAX_THREADS = 16
 _SOURCE = Path(__file__).parent / "sources" / "fused_cpu.c"
 _CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11")
 
@@ -203,8 +206,8 @@ class CpuFusedPass:
         quantized: its quantized layers by path when the model holds dequantized weights
             (:func:`quantized_modules`, taken before dequantizing); None: the model's own.
         threads: threads of the process-wide pool that runs the passes, the caller included
-            (default: the CPUs this process may run on); the first pass built in the process
-            sets it for all.
+            (default: the CPUs this process may run on, at most :data:`MAX_THREADS`); the first
+            pass built in the process sets it for all.
 
     Raises:
         ValueError: the model is not supported (the message says why).
@@ -223,7 +226,7 @@ class CpuFusedPass:
         self.layers, self.hidden_size = len(inner.layers), args.hidden_size
         self.heads, self.kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.head_dim = args.head_dim or args.hidden_size // self.heads
-        self.threads = self.lib.specserve_cpu_threads(min(64, threads or len(os.sched_getaffinity(0))))
+        self.threads = self.lib.specserve_cpu_threads(threads or min(MAX_THREADS, len(os.sched_getaffinity(0))))
         source = _source(model, quantized)
         layers, head = _paths(model)
         self._keep: list[np.ndarray] = []  # arrays the C structs point into
