@@ -225,7 +225,6 @@ class Sequence:
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1)] + [o[0] for o in options])
             wins = forced or self.dspark_stats.expected_rate(cost) > best_so_far
-            self.dspark_stats.observe_cycle(cost.T(1))
             probe = (not wins and self.cycles_since_dspark >= self.dspark_probe_every
                      and self.dspark_stats.may_probe())
             if wins or probe:
@@ -336,7 +335,10 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
     logits, hidden = seq.runner.verify(rows, seq.cache, seq.taps)
     verdict = _verdict(seq, draft, logits)
     mx.eval(*verdict)  # the cycle's only host sync
-    cost.observe(len(rows), time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    cost.observe(len(rows), elapsed)
+    if "dspark" in seq.drafters:
+        seq.dspark_stats.observe_cycle(elapsed)  # (earns DSpark's probe budget)
 
     # 3-5. Accept, roll back, commit.
     return _accept(seq, draft, verdict, hidden)
@@ -378,9 +380,13 @@ def speculative_batch_step(seqs: list[Sequence], cost: CostModel,
         live = list(drafts)
         rows = [[seqs[i].tokens[-1], *drafts[i].tokens] for i in live]
         taps = next((seqs[i].taps for i in live if seqs[i].taps is not None), None)
+        started = time.perf_counter()
         outs = seqs[live[0]].runner.verify_batch(rows, [seqs[i].cache for i in live], taps)
         verdicts = [_verdict(seqs[i], drafts[i], logits) for i, (logits, _) in zip(live, outs)]
         mx.eval(*(a for v in verdicts for a in v))  # the cycle's only host sync
+        stats = next((seqs[i].dspark_stats for i in live if "dspark" in seqs[i].drafters), None)
+        if stats is not None:  # one pass, credited once
+            stats.observe_cycle(time.perf_counter() - started)
         for i, verdict, (_, hidden) in zip(live, verdicts, outs):
             try:
                 out[i] = _accept(seqs[i], drafts[i], verdict, hidden if seqs[i].taps is not None else None)

@@ -162,7 +162,7 @@ class DsparkStats:
 
     def __init__(self, positions: int = 16, alpha: float = 0.05):
         self.alpha = alpha
-        self.decode_seconds = 0.0  # decode time observed (the verify cost of every cycle)
+        self.decode_seconds = 0.0  # measured target-pass time of every cycle with DSpark loaded
         self.probe_seconds = 0.0  # time spent on DSpark forwards that ran as probes
         self.realised = [1.0] * positions
         self.predicted = [1.0] * positions
@@ -195,7 +195,8 @@ class DsparkStats:
             self.length_ema += rate * (num_draft - self.length_ema)
 
     def observe_cycle(self, seconds: float) -> None:
-        """A decode cycle of ``seconds`` (any drafter or none): it earns probe time."""
+        """A target pass of ``seconds`` (measured; any drafter or none, one per batched pass):
+        it earns probe time."""
         self.decode_seconds += seconds
 
     def may_probe(self) -> bool:

@@ -27,6 +27,8 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
+import threading
 from pathlib import Path
 
 import mlx.core as mx
@@ -62,6 +64,19 @@ def kernel_dir() -> Path:
     return Path(root) / "kernels"
 
 
+def default_threads() -> int:
+    """CPUs this process may use: its affinity mask, a cgroup v2 CPU quota (``cpu.max``, as a
+    container's ``--cpus`` sets) if lower, and at most :data:`MAX_THREADS`."""
+    n = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, -(-int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, min(MAX_THREADS, n))
+
+
 class CompileError(RuntimeError):
     """The C pass could not be built (no compiler, or it rejected the source)."""
 
@@ -79,9 +94,25 @@ def _cpu_identity() -> str:
     return f"{platform.machine()} {flags}"
 
 
+def _compiler_identity(cc: str) -> str:
+    """``cc --version``'s first line (a new compiler or libc rebuilds the library)."""
+    import platform
+
+    try:
+        proc = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
+        version = proc.stdout.splitlines()[0] if proc.stdout else ""
+    except (OSError, subprocess.SubprocessError):
+        version = ""
+    return f"{version} {' '.join(platform.libc_ver())}"
+
+
+_BUILD_LOCK = threading.Lock()
+
+
 @functools.cache
 def library() -> ctypes.CDLL:
-    """The compiled pass (built once per source and flags, cached on disk by their hash).
+    """The compiled pass, built once per source, flags, compiler, libc and CPU (cached on disk
+    under :func:`kernel_dir` by their hash; concurrent builders publish atomically).
 
     Raises:
         CompileError: no C compiler (``$CC`` or ``cc``) or the build failed.
@@ -91,16 +122,23 @@ def library() -> ctypes.CDLL:
         raise CompileError(f"no C compiler ({cc!r} not on PATH)")
     source = _SOURCE.read_bytes()
     # -march=native: a library built on one CPU may not run on another (a shared cache volume)
-    digest = hashlib.sha1(source + " ".join((cc, *_CFLAGS, _cpu_identity())).encode()).hexdigest()[:12]
+    key = " ".join((cc, *_CFLAGS, _compiler_identity(cc), _cpu_identity()))
+    digest = hashlib.sha1(source + key.encode()).hexdigest()[:12]
     out = kernel_dir() / f"specserve_fused_cpu_{digest}.so"
-    if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        proc = subprocess.run([cc, *_CFLAGS, "-o", str(tmp), str(_SOURCE), "-lm"], capture_output=True, text=True)
-        if proc.returncode:
-            raise CompileError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, out)  # (atomic: concurrent builders agree)
-        log.info("built %s", out)
+    with _BUILD_LOCK:
+        if not out.exists():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so.tmp", dir=out.parent)
+            os.close(fd)
+            try:
+                proc = subprocess.run([cc, *_CFLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True)
+                if proc.returncode:
+                    raise CompileError(f"{cc} failed: {proc.stderr.strip()[-2000:]}")
+                os.replace(tmp, out)  # (atomic: concurrent builders agree)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            log.info("built %s", out)
     lib = ctypes.CDLL(str(out))
     lib.specserve_cpu_pass.restype = ctypes.c_int
     return lib
@@ -175,6 +213,10 @@ def unsupported_reason(model: nn.Module, quantized: dict[str, nn.Module] | None 
             return f"{path} has a bias"
         if not (_float16_exact(m.scales) and _float16_exact(m.biases)):
             return f"{path}: scales/biases not exact in float16"
+    for lp in layers:  # q|k|v and gate|up are stacked into one matrix: one layout each
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            if len({(source[lp[n]].bits, source[lp[n]].group_size) for n in group}) != 1:
+                return f"{'/'.join(group)} of {lp[group[0]]} differ in bits or group size"
     for layer in model.model.layers:
         if layer.input_layernorm.weight.dtype != mx.float32:
             return f"activations {layer.input_layernorm.weight.dtype} (float32 only)"
@@ -214,7 +256,8 @@ class CpuFusedPass:
     """
 
     max_rows = MAX_ROWS
-    segment = 64  # (the start-up probe prefills 2 * segment - 1 tokens)
+    segment = 256  # attention keys per work unit (SEG in the C source): the start-up probe
+    # prefills 2 * segment - 1 tokens so its rows go through the segment combine
 
     def __init__(self, model: nn.Module, quantized: dict[str, nn.Module] | None = None, threads: int | None = None):
         reason = unsupported_reason(model, quantized)
@@ -226,7 +269,7 @@ class CpuFusedPass:
         self.layers, self.hidden_size = len(inner.layers), args.hidden_size
         self.heads, self.kv_heads = args.num_attention_heads, args.num_key_value_heads
         self.head_dim = args.head_dim or args.hidden_size // self.heads
-        self.threads = self.lib.specserve_cpu_threads(threads or min(MAX_THREADS, len(os.sched_getaffinity(0))))
+        self.threads = self.lib.specserve_cpu_threads(threads or default_threads())
         source = _source(model, quantized)
         layers, head = _paths(model)
         self._keep: list[np.ndarray] = []  # arrays the C structs point into
@@ -249,9 +292,6 @@ class CpuFusedPass:
         self._mats = {"qkv": per_layer(("q_proj", "k_proj", "v_proj")), "o": per_layer(("o_proj",)),
                       "gu": per_layer(("gate_proj", "up_proj")), "down": per_layer(("down_proj",)),
                       "head": qmat([source[head]])}
-        for key, bits in (("qkv", "q_proj"), ("gu", "gate_proj")):
-            if len({source[lp[bits]].bits for lp in layers}) != 1:
-                raise ValueError(f"CPU fused pass unsupported: mixed bit widths in {key}")
         norms = np.stack([np.stack([np.asarray(layer.input_layernorm.weight),
                                     np.asarray(layer.post_attention_layernorm.weight)]) for layer in inner.layers])
         rope = inner.layers[0].self_attn.rope
@@ -323,8 +363,16 @@ class CpuFusedPass:
         seq = np.array([s for s, r in enumerate(rows) for _ in r], np.int32)
         cap = np.array([c[0].keys.shape[2] for c in caches], np.int32)
         n = len(caches) * self.layers
-        keys = (ctypes.c_void_p * n)(*(np.asarray(layer.keys).ctypes.data for c in caches for layer in c))
-        values = (ctypes.c_void_p * n)(*(np.asarray(layer.values).ctypes.data for c in caches for layer in c))
+        # Zero-copy views of the evaluated buffers the pass writes (writable_cache made them the
+        # cache's own and contiguous); kept alive for the call, and checked, since a copy here
+        # would silently drop the pass's keys and values.
+        views = [np.asarray(a) for c in caches for layer in c for a in (layer.keys, layer.values)]
+        shapes = [(1, self.kv_heads, capacity, self.head_dim) for capacity in cap for _ in range(2 * self.layers)]
+        for view, shape in zip(views, shapes):
+            if view.shape != shape or not view.flags.c_contiguous or view.dtype != np.float32:
+                raise ValueError(f"CPU fused pass: cache buffer {view.shape} {view.dtype} is not a contiguous {shape}")
+        keys = (ctypes.c_void_p * n)(*(v.ctypes.data for v in views[::2]))
+        values = (ctypes.c_void_p * n)(*(v.ctypes.data for v in views[1::2]))
         logits = np.empty((m, self._model.vocab), np.float32)
         hidden = np.empty((self.layers, m, self.hidden_size), np.float32)
         x0_np = np.ascontiguousarray(np.asarray(x0))

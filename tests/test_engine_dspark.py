@@ -145,6 +145,7 @@ def test_losing_dspark_is_probed_not_run_every_cycle(tiny, tmp_path, monkeypatch
     calls = []
     original = DSparkDrafter.propose
     monkeypatch.setattr(DSparkDrafter, "propose", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    eng.dspark_stats.decode_seconds = 1e6  # the probe budget is tested below: here only the back-off
     try:
         prompt = prompts(1, seed=3)[0]
         plain, _, _ = run(eng, prompt, "off", max_tokens=120, ignore_eos=True)
@@ -212,6 +213,7 @@ def test_unused_dspark_forwards_are_counted(dspark_engine):
     from server.metrics import Metrics
 
     p = [9, 10, 11, 12, 13] * 6
+    dspark_engine.dspark_stats.decode_seconds += 1e6  # probe budget to spare (tested above)
     _, _, last = run(dspark_engine, p, "x", max_tokens=30, speculative=SpeculativeParams("auto"))
     ds = last.stats.by_drafter["dspark"]
     assert ds.num_unused_proposals >= 1 and last.stats.total.num_unused_proposals == ds.num_unused_proposals

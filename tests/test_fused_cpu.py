@@ -255,6 +255,8 @@ def test_a_forked_child_starts_its_own_threads():
 
     model, stored = _models(4, 64, seed=6)
     fp = CpuFusedPass(model, stored)
+    if fp.threads < 2:
+        pytest.skip("one thread: the pool has no workers to lose")
     _, cache = _prefilled(model, list(range(3, 40)))
     want = np.array(fp([7, 8], cache).logits)
     from metal_kernels.fused import writable_cache
@@ -285,3 +287,28 @@ def test_a_forked_child_starts_its_own_threads():
     os.kill(pid, 9)
     os.waitpid(pid, 0)
     pytest.fail("the forked child's pass did not finish (its workers were never started)")
+
+
+def test_the_avx2_build_computes_the_same_bits(tmp_path):
+    """A build without AVX-512 (4 rows per weight read instead of 16, 8-lane halves of every
+    vector) gives every row the same bits as the default build: the per-row arithmetic is the
+    same whatever the machine's vector width."""
+    import ctypes
+    import os
+    import subprocess
+
+    cc = os.environ.get("CC") or "cc"
+    alt = tmp_path / "avx2.so"
+    subprocess.run([cc, *fused_cpu._CFLAGS, "-mno-avx512f", "-o", str(alt), str(fused_cpu._SOURCE), "-lm"],
+                   check=True, capture_output=True)
+    model, stored = _models(4, 64, seed=7)
+    fp = CpuFusedPass(model, stored)
+    tokens = mx.random.randint(3, 259, (300,), key=mx.random.key(9)).tolist()
+    _, cache = _prefilled(model, tokens[:284])
+    want = np.array(fp(tokens[284:], cache).logits)
+    for c in cache:
+        c.trim(16)
+    fp.lib = ctypes.CDLL(str(alt))
+    fp.lib.specserve_cpu_pass.restype = ctypes.c_int
+    fp.lib.specserve_cpu_threads(2)
+    assert np.array_equal(np.array(fp(tokens[284:], cache).logits), want)

@@ -1,7 +1,7 @@
 // CPU twin of the fused decode/verify pass (metal_kernels/fused_cpu.py): one call runs every
 // decoder layer and the LM head of a small Llama for M = 1..16 rows, reading each quantized
 // weight once for all rows. Built at first use with the system C compiler (-O3 -march=native
-// -fopenmp); portable C with GCC vector extensions, 16 float lanes.
+// -pthread); portable C with GCC vector extensions, 16 float lanes.
 //
 // Row independence: every output of row r is a dot product accumulated in a fixed order (lanes
 // over the input dimension, groups in order, a fixed lane reduction) from row r's inputs only,
@@ -451,6 +451,8 @@ static void start_locked(void) {  // (with pool.call held) the workers, after th
 static void fork_prepare(void) { pthread_mutex_lock(&pool.call); }
 static void fork_parent(void) { pthread_mutex_unlock(&pool.call); }
 static void fork_child(void) {
+    // (a worker may have held pool.mu at fork time; the child has no workers, so re-initialising
+    // the mutex and condition variable is the only way to get usable ones back)
     pthread_mutex_init(&pool.mu, NULL);
     pthread_cond_init(&pool.cv, NULL);
     pool.threads = 0;
