@@ -209,60 +209,85 @@ static inline v16f reduce16(const v16f *a) {
 
 #define SEG 256  // keys per attention work unit (a multiple of 16)
 
-// Causal attention of one row (position p) for the G query heads of one KV head, over keys
-// [j0, j1) (a segment: j0 a multiple of SEG, j1 <= p + 1): scores 16 keys at a time, the
-// segment's max, exp, sum and exp-weighted sum of values, unnormalised, into part: per head
-// [max, sum, acc[hd]]. Keys and values are read once for the G heads. Every step depends on
-// the row's position and the segment alone, never on the pass's other rows.
-// sc: scratch of G * SEG floats; acc: G * hd / 16 vectors.
-static void attend_segment(const Model *m, const float *q, const float *K, const float *V, int j0, int j1,
-                           float *part, float *sc, v16f *acc) {
-    const int hd = m->hd, nc = hd / 16, G = m->nh / m->nkv, n = j1 - j0, np = (n + 15) & ~15;
+// Causal attention over one segment of SEG keys (keys [j0, j0 + SEG) of one KV head) for the
+// rows r0..r1-1 of one sequence (consecutive positions) and the G query heads of the KV head.
+// Row r covers keys [j0, min(j0 + SEG, pos[r] + 1)); rows that end before j0 are skipped. Per
+// (row, head): scores 16 keys at a time, the segment's max, exp, sum and exp-weighted sum of
+// values, unnormalised, into its partial [max, sum, acc[hd]] at parts + unit * G * (hd + 2) + h
+// * (hd + 2), unit = unit0[r] + g * segments(r) + sg. The rows share each key block and value
+// read; each row's arithmetic, in its order, depends on its position and the segment alone.
+// sc: MAX_ROWS * G * SEG floats; acc: MAX_ROWS * G * hd / 16 vectors.
+static void attend_segment(const Model *m, const float *qkv, int nqkv, int r0, int r1, const int32_t *pos,
+                           const float *K, const float *V, int g, int sg, float *parts, const int32_t *unit0,
+                           float *sc, v16f *acc) {
+    const int hd = m->hd, nc = hd / 16, G = m->nh / m->nkv, j0 = sg * SEG;
     const v16m lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
     const v16f ninf = splat(-INFINITY);
-    for (int b0 = 0; b0 < n; b0 += 16) {
-        const int nb = n - b0 < 16 ? n - b0 : 16;
-        for (int h = 0; h < G; h++) {
-            v16f dots[16];
-            for (int t = 0; t < 16; t++) {
-                v16f d = {0};
-                if (t < nb) {
-                    const float *k = K + (size_t)(j0 + b0 + t) * hd;
-                    for (int c = 0; c < nc; c++) d += load16(q + h * hd + 16 * c) * load16(k + 16 * c);
+    while (r0 < r1 && pos[r0] < j0) r0++;
+    if (r0 == r1) return;
+    int n[MAX_ROWS] = {0};
+    for (int r = r0; r < r1; r++) n[r - r0] = (pos[r] + 1 < j0 + SEG ? pos[r] + 1 : j0 + SEG) - j0;
+    const int nmax = n[r1 - 1 - r0];
+    for (int b0 = 0; b0 < nmax; b0 += 16) {
+        for (int r = r0; r < r1; r++) {
+            if (n[r - r0] <= b0) continue;
+            const int nb = n[r - r0] - b0 < 16 ? n[r - r0] - b0 : 16;
+            const float *q = qkv + (size_t)r * nqkv + g * G * hd;
+            for (int h = 0; h < G; h++) {
+                v16f dots[16];
+                for (int t = 0; t < 16; t++) {
+                    v16f d = {0};
+                    if (t < nb) {
+                        const float *k = K + (size_t)(j0 + b0 + t) * hd;
+                        for (int c = 0; c < nc; c++) d += load16(q + h * hd + 16 * c) * load16(k + 16 * c);
+                    }
+                    dots[t] = d;
                 }
-                dots[t] = d;
+                store16(sc + ((size_t)(r - r0) * G + h) * SEG + b0, vsel(lane < nb, reduce16(dots), ninf));
             }
-            store16(sc + (size_t)h * SEG + b0, vsel(lane < nb, reduce16(dots), ninf));
         }
     }
-    for (int h = 0; h < G; h++) {
-        float *sh = sc + (size_t)h * SEG, *ph = part + (size_t)h * (hd + 2);
-        v16f mv = load16(sh);
-        for (int j = 16; j < np; j += 16) {
-            const v16f v = load16(sh + j);
-            mv = vsel(v > mv, v, mv);
-        }
-        const float mx = hsum_max(mv);
-        v16f sum = {0};
-        for (int j = 0; j < np; j += 16) {
-            const v16f v = load16(sh + j);
-            const v16f e = vsel(v == ninf, (v16f){0}, vexp(v - mx));  // (masked lanes: exactly 0)
-            store16(sh + j, e);
-            sum += e;
-        }
-        ph[0] = mx;
-        ph[1] = hsum(sum);
-    }
-    for (int i = 0; i < G * nc; i++) acc[i] = (v16f){0};
-    for (int j = 0; j < n; j++) {
-        const float *v = V + (size_t)(j0 + j) * hd;
+    for (int r = r0; r < r1; r++) {
+        const int np = (n[r - r0] + 15) & ~15, segs = (pos[r] + SEG) / SEG;
+        float *part = parts + (size_t)(unit0[r] + g * segs + sg) * G * (hd + 2);
         for (int h = 0; h < G; h++) {
-            const v16f e = splat(sc[(size_t)h * SEG + j]);
-            for (int c = 0; c < nc; c++) acc[h * nc + c] += e * load16(v + 16 * c);
+            float *sh = sc + ((size_t)(r - r0) * G + h) * SEG, *ph = part + (size_t)h * (hd + 2);
+            v16f mv = load16(sh);
+            for (int j = 16; j < np; j += 16) {
+                const v16f v = load16(sh + j);
+                mv = vsel(v > mv, v, mv);
+            }
+            const float mx = hsum_max(mv);
+            v16f sum = {0};
+            for (int j = 0; j < np; j += 16) {
+                const v16f v = load16(sh + j);
+                const v16f e = vsel(v == ninf, (v16f){0}, vexp(v - mx));  // (masked lanes: exactly 0)
+                store16(sh + j, e);
+                sum += e;
+            }
+            ph[0] = mx;
+            ph[1] = hsum(sum);
         }
     }
-    for (int h = 0; h < G; h++)
-        for (int c = 0; c < nc; c++) store16(part + (size_t)h * (hd + 2) + 2 + 16 * c, acc[h * nc + c]);
+    for (int i = 0; i < (r1 - r0) * G * nc; i++) acc[i] = (v16f){0};
+    for (int j = 0; j < nmax; j++) {
+        const float *v = V + (size_t)(j0 + j) * hd;
+        for (int r = r0; r < r1; r++) {
+            if (j >= n[r - r0]) continue;
+            for (int h = 0; h < G; h++) {
+                const v16f e = splat(sc[((size_t)(r - r0) * G + h) * SEG + j]);
+                v16f *a = acc + ((size_t)(r - r0) * G + h) * nc;
+                for (int c = 0; c < nc; c++) a[c] += e * load16(v + 16 * c);
+            }
+        }
+    }
+    for (int r = r0; r < r1; r++) {
+        const int segs = (pos[r] + SEG) / SEG;
+        float *part = parts + (size_t)(unit0[r] + g * segs + sg) * G * (hd + 2);
+        for (int h = 0; h < G; h++)
+            for (int c = 0; c < nc; c++)
+                store16(part + (size_t)h * (hd + 2) + 2 + 16 * c, acc[((size_t)(r - r0) * G + h) * nc + c]);
+    }
 }
 
 // The softmax-weighted values of one (row, KV head) from its S segments' partials, combined in
@@ -304,7 +329,9 @@ typedef struct {
     float *const *kc, *const *vc;
     float *logits, *hidden, *ws, *trig, *scratch, *parts;
     v16f *acc;
-    const int32_t *unit0;   // [M + 1]: row r's attention units are unit0[r] .. unit0[r + 1] - 1
+    const int32_t *unit0;   // [M + 1]: row r's attention partials are unit0[r] .. unit0[r + 1] - 1
+    const int32_t *units;   // [nunits, 4]: attention units (first row, end row, KV head, segment)
+    int nunits;
 } Job;
 
 static struct {
@@ -359,8 +386,8 @@ static void run_pass(const Job *j, int tid) {
     const int G = nh / nkv, nqkv = (nh + 2 * nkv) * hd, h2 = hd / 2;
     float *x = j->ws, *xn = x + M * dm, *qkv = xn + M * dm, *att = qkv + M * nqkv, *gu = att + M * nh * hd;
     float *act = gu + 2 * M * di;
-    float *sc = j->scratch + (size_t)tid * G * SEG;
-    v16f *acc = j->acc + (size_t)tid * G * (hd / 16);
+    float *sc = j->scratch + (size_t)tid * MAX_ROWS * G * SEG;
+    v16f *acc = j->acc + (size_t)tid * MAX_ROWS * G * (hd / 16);
     for (int l = 0; l < m->nl; l++) {
         const float *nw = m->norms + (size_t)l * 2 * dm;
         FOR_SHARE(r, M) {
@@ -381,15 +408,14 @@ static void run_pass(const Job *j, int tid) {
             }
         }
         barrier();
-        // attention units: (row, KV head, segment of SEG keys), then one combine per (row, KV head)
-        FOR_SHARE(u, j->unit0[M]) {
-            int r = 0;
-            while (u >= j->unit0[r + 1]) r++;
-            const int segs = (j->pos[r] + SEG) / SEG, g = (u - j->unit0[r]) / segs, sg = (u - j->unit0[r]) % segs;
-            const int s = j->seq[r], j0 = sg * SEG, j1 = j0 + SEG < j->pos[r] + 1 ? j0 + SEG : j->pos[r] + 1;
-            attend_segment(m, qkv + (size_t)r * nqkv + g * G * hd, j->kc[s * m->nl + l] + (size_t)g * j->cap[s] * hd,
-                           j->vc[s * m->nl + l] + (size_t)g * j->cap[s] * hd, j0, j1,
-                           j->parts + (size_t)u * G * (hd + 2), sc, acc);
+        // attention units: (sequence, KV head, segment of SEG keys) for all the sequence's rows,
+        // then one combine per (row, KV head)
+        FOR_SHARE(u, j->nunits) {
+            const int32_t *t = j->units + 4 * u;  // first row, end row, KV head, segment
+            const int s = j->seq[t[0]];
+            attend_segment(m, qkv, nqkv, t[0], t[1], j->pos, j->kc[s * m->nl + l] + (size_t)t[2] * j->cap[s] * hd,
+                           j->vc[s * m->nl + l] + (size_t)t[2] * j->cap[s] * hd, t[2], t[3], j->parts, j->unit0,
+                           sc, acc);
         }
         barrier();
         FOR_SHARE(u, M * nkv) {
@@ -490,14 +516,28 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
     const int threads = pool.threads;
     float *ws = malloc(sizeof(float) * (size_t)M * (2 * dm + nqkv + nh * hd + 3 * di));
     float *trig = malloc(sizeof(float) * (size_t)M * hd);
-    float *scratch = malloc(sizeof(float) * (size_t)threads * G * SEG);
+    float *scratch = malloc(sizeof(float) * (size_t)threads * MAX_ROWS * G * SEG);
     int32_t unit0[MAX_ROWS + 1];
     unit0[0] = 0;
     for (int r = 0; r < M && r < MAX_ROWS; r++) unit0[r + 1] = unit0[r] + nkv * ((pos[r] + SEG) / SEG);
     float *parts = malloc(sizeof(float) * (size_t)(M <= MAX_ROWS ? unit0[M] : 1) * G * (hd + 2));
-    v16f *acc = aligned_alloc(64, sizeof(v16f) * (size_t)threads * G * (hd / 16));
+    // attention units: per sequence (rows consecutive), per KV head, per segment of its last row
+    int32_t *units = malloc(sizeof(int32_t) * 4 * (size_t)(M <= MAX_ROWS ? unit0[M] : 1));
+    int nunits = 0;
+    for (int r0 = 0, r1; r0 < M && M <= MAX_ROWS; r0 = r1) {
+        for (r1 = r0 + 1; r1 < M && seq[r1] == seq[r0]; r1++) {}
+        const int segs = (pos[r1 - 1] + SEG) / SEG;
+        for (int g = 0; units && g < nkv; g++)
+            for (int sg = 0; sg < segs; sg++, nunits++) {
+                units[4 * nunits] = r0;
+                units[4 * nunits + 1] = r1;
+                units[4 * nunits + 2] = g;
+                units[4 * nunits + 3] = sg;
+            }
+    }
+    v16f *acc = aligned_alloc(64, sizeof(v16f) * (size_t)threads * MAX_ROWS * G * (hd / 16));
     int rc = -1;
-    if (threads && M >= 1 && M <= MAX_ROWS && ws && trig && scratch && acc && parts) {
+    if (threads && M >= 1 && M <= MAX_ROWS && ws && trig && scratch && acc && parts && units) {
         memcpy(ws, x0, sizeof(float) * (size_t)M * dm);
         for (int r = 0; r < M; r++)  // cos | sin per row, from the row's position alone
             for (int i = 0; i < h2; i++) {
@@ -505,7 +545,7 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
                 trig[r * hd + i] = cosf(theta);
                 trig[r * hd + h2 + i] = sinf(theta);
             }
-        const Job job = {m, M, pos, seq, cap, x0, kc, vc, logits, hidden, ws, trig, scratch, parts, acc, unit0};
+        const Job job = {m, M, pos, seq, cap, x0, kc, vc, logits, hidden, ws, trig, scratch, parts, acc, unit0, units, nunits};
         pthread_mutex_lock(&pool.mu);
         pool.job = &job;
         pool.gen++;
@@ -519,6 +559,7 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
     free(trig);
     free(scratch);
     free(parts);
+    free(units);
     free(acc);
     return rc;
 }
