@@ -389,7 +389,8 @@ class Engine:
         self.runner = TargetRunner(self.loaded.model, prefill_step=cfg.prefill_step, compile=compiled,
                                    max_context=self.loaded.context_length, fused=self._make_fused_pass(compiled))
         log.info("target passes: %s", "compiled (static KV cache)" if compiled
-                 else "fused (one launch per pass)" if self.runner.fused is not None else "eager")
+                 else f"fused (one call per pass: {type(self.runner.fused).__name__})" if self.runner.fused is not None
+                 else "eager")
         rows = cfg.max_verify_rows if cfg.speculation != "off" else 1
         vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
         self.calibration = self.runner.calibrate(
