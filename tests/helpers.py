@@ -30,3 +30,35 @@ def assert_no_leaks(engine, timeout: float = 10.0) -> None:
         assert not engine._live and not engine._cancelled and not engine._abort_errors
         assert engine._queued == 0
     assert not engine._active and not engine._waiting
+
+
+def assert_pass_matches_mlx_lm(model, fused_pass, prompt, rows, prefilled) -> None:
+    """A one-call pass (CUDA ``FusedPass`` or ``CpuFusedPass``) of ``rows`` after ``prompt``:
+    logits, every layer's output and the appended keys/values agree with mlx-lm's own forward of
+    the same rows (to rounding: the reductions differ). ``prefilled(model, tokens)`` returns
+    ``(runner, cache)`` holding ``tokens``."""
+    import mlx.core as mx
+    from mlx_lm.models.base import create_attention_mask
+
+    _, eager_cache = prefilled(model, prompt)
+    h = model.model.embed_tokens(mx.array(rows)[None])
+    mask = create_attention_mask(h, eager_cache[0])
+    hidden = []
+    for layer, c in zip(model.model.layers, eager_cache):
+        h = layer(h, mask, cache=c)
+        hidden.append(h[0])
+    logits = model.model.embed_tokens.as_linear(model.model.norm(h))[0]
+    _, cache = prefilled(model, prompt)
+    out = fused_pass(rows, cache)
+    mx.eval(out.logits, out.hidden)
+    fused_pass.check(out)
+    assert out.logits.shape == logits.shape and out.hidden.shape == (len(hidden), *hidden[0].shape)
+    scale = mx.abs(logits).max().item()
+    assert mx.abs(out.logits - logits).max().item() < 1e-4 * scale
+    for layer, want in enumerate(hidden):
+        assert mx.allclose(out.hidden[layer], want, rtol=1e-4, atol=1e-4).item(), layer
+    assert cache[0].offset == eager_cache[0].offset == len(prompt) + len(rows)
+    for c, e in zip(cache, eager_cache):
+        n = e.offset
+        assert mx.allclose(c.keys[..., :n, :], e.keys[..., :n, :], rtol=1e-4, atol=1e-4).item()
+        assert mx.allclose(c.values[..., :n, :], e.values[..., :n, :], rtol=1e-4, atol=1e-4).item()

@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import run
+from helpers import assert_pass_matches_mlx_lm, run
 from tiny import quantize_like_gguf, tiny_loaded, tiny_model
 
 from engine import Engine, EngineConfig, SpeculativeParams
@@ -134,32 +134,7 @@ def test_fused_pass_matches_mlx_lm_and_appends_the_cache(stand_in, bits):
     forward of the same rows (to rounding: the kernel's reductions differ from MLX's)."""
     model = _quantized_model(seed=1, bits=bits)
     prompt = mx.random.randint(3, 259, (37,), key=mx.random.key(5)).tolist()
-    rows = [17, 250, 3, 99, 42]
-    _, eager_cache = _prefilled(model, prompt)
-    taps_h = []
-    h = model.model.embed_tokens(mx.array(rows)[None])
-    from mlx_lm.models.base import create_attention_mask
-
-    mask = create_attention_mask(h, eager_cache[0])
-    for layer, c in zip(model.model.layers, eager_cache):
-        h = layer(h, mask, cache=c)
-        taps_h.append(h[0])
-    eager = model.model.embed_tokens.as_linear(model.model.norm(h))[0]
-
-    _, cache = _prefilled(model, prompt)
-    fp = FusedPass(model)
-    out = fp(rows, cache)
-    mx.eval(out.logits, out.hidden)
-    fp.check(out)
-    scale = mx.abs(eager).max().item()
-    assert mx.abs(out.logits - eager).max().item() < 1e-4 * scale
-    for layer, want in enumerate(taps_h):
-        assert mx.allclose(out.hidden[layer], want, rtol=1e-4, atol=1e-4).item(), layer
-    assert cache[0].offset == eager_cache[0].offset == len(prompt) + len(rows)
-    for c, e in zip(cache, eager_cache):
-        n = e.offset
-        assert mx.allclose(c.keys[..., :n, :], e.keys[..., :n, :], rtol=1e-4, atol=1e-4).item()
-        assert mx.allclose(c.values[..., :n, :], e.values[..., :n, :], rtol=1e-4, atol=1e-4).item()
+    assert_pass_matches_mlx_lm(model, FusedPass(model), prompt, [17, 250, 3, 99, 42], _prefilled)
 
 
 def test_runner_routes_decode_and_verify_through_the_fused_pass(stand_in):

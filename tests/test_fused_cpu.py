@@ -6,7 +6,7 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import run
+from helpers import assert_pass_matches_mlx_lm, run
 from tiny import quantize_like_gguf, tiny_loaded, tiny_model
 
 from engine import Engine, EngineConfig, SpeculativeParams
@@ -36,19 +36,6 @@ def _prefilled(model, tokens):
     return runner, cache
 
 
-def _layer_outputs(model, cache, rows):
-    """mlx-lm's own forward of ``rows`` after ``cache``: every layer's output and the logits."""
-    from mlx_lm.models.base import create_attention_mask
-
-    h = model.model.embed_tokens(mx.array(rows)[None])
-    mask = create_attention_mask(h, cache[0])
-    hidden = []
-    for layer, c in zip(model.model.layers, cache):
-        h = layer(h, mask, cache=c)
-        hidden.append(h[0])
-    return hidden, model.model.embed_tokens.as_linear(model.model.norm(h))[0]
-
-
 @pytest.mark.parametrize("bits,head_dim,context", [(4, 64, 37), (8, 64, 37), (4, 80, 37), (4, 64, 600)])
 def test_pass_matches_mlx_lm_and_appends_the_cache(bits, head_dim, context):
     """Logits, every layer's output and the appended keys/values agree with mlx-lm's forward of
@@ -56,22 +43,7 @@ def test_pass_matches_mlx_lm_and_appends_the_cache(bits, head_dim, context):
     cached positions attention combines three 256-key segments."""
     model, stored = _models(bits, head_dim)
     prompt = mx.random.randint(3, 259, (context,), key=mx.random.key(5)).tolist()
-    rows = [17, 250, 3, 99, 42]
-    _, eager_cache = _prefilled(model, prompt)
-    hidden, logits = _layer_outputs(model, eager_cache, rows)
-    _, cache = _prefilled(model, prompt)
-    fp = CpuFusedPass(model, stored)
-    out = fp(rows, cache)
-    assert out.logits.shape == (5, 259) and out.hidden.shape == (2, 5, 320)
-    scale = mx.abs(logits).max().item()
-    assert mx.abs(out.logits - logits).max().item() < 1e-4 * scale
-    for layer, want in enumerate(hidden):
-        assert mx.allclose(out.hidden[layer], want, rtol=1e-4, atol=1e-4).item(), layer
-    assert cache[0].offset == eager_cache[0].offset == len(prompt) + len(rows)
-    for c, e in zip(cache, eager_cache):
-        n = e.offset
-        assert mx.allclose(c.keys[..., :n, :], e.keys[..., :n, :], rtol=1e-4, atol=1e-4).item()
-        assert mx.allclose(c.values[..., :n, :], e.values[..., :n, :], rtol=1e-4, atol=1e-4).item()
+    assert_pass_matches_mlx_lm(model, CpuFusedPass(model, stored), prompt, [17, 250, 3, 99, 42], _prefilled)
 
 
 def test_quantized_model_runs_from_its_own_layers():
