@@ -62,3 +62,36 @@ def assert_pass_matches_mlx_lm(model, fused_pass, prompt, rows, prefilled) -> No
         n = e.offset
         assert mx.allclose(c.keys[..., :n, :], e.keys[..., :n, :], rtol=1e-4, atol=1e-4).item()
         assert mx.allclose(c.values[..., :n, :], e.values[..., :n, :], rtol=1e-4, atol=1e-4).item()
+
+
+def assert_writes_only_its_own_buffers(model, fused_pass, prefilled) -> None:
+    """A one-call pass appends keys/values into the cache buffers in place. A prefix-cache hit
+    leaves views of stored arrays: the launcher copies them into buffers of the cache's own
+    first, so the stored arrays keep their bits; later passes reuse that buffer (no copy) until
+    it is full, then it grows by KVCache.step keeping every row."""
+    import mlx.core as mx
+    import numpy as np
+
+    runner, cache = prefilled(model, list(range(3, 253)))  # 250 cached rows
+    stored = [(mx.concatenate([c.keys[..., :250, :], mx.ones_like(c.keys[..., :6, :])], axis=2),
+               mx.concatenate([c.values[..., :250, :], mx.ones_like(c.values[..., :6, :])], axis=2)) for c in cache]
+    mx.eval(stored)
+    snapshot = [(np.array(k), np.array(v)) for k, v in stored]
+    for c, (k, v) in zip(cache, stored):
+        c.state = (k[..., :250, :], v[..., :250, :], 250)  # views of the stored arrays
+    _, reference = prefilled(model, list(range(3, 253)))
+    mx.eval(fused_pass([5, 6, 7], cache).logits)
+    for (k, v), (k0, v0) in zip(stored, snapshot):
+        assert np.array_equal(np.array(k), k0) and np.array_equal(np.array(v), v0)
+    owned = [c.keys for c in cache]
+    assert all(c.keys.shape[2] == 256 and c.offset == 253 for c in cache)
+    mx.eval(fused_pass([8, 9, 10], cache).logits)  # 256 rows: fits, same buffers
+    assert all(c.keys is k for c, k in zip(cache, owned))
+    mx.eval(fused_pass([11], cache).logits)  # 257: grows
+    assert all(c.keys.shape[2] == 512 and c.offset == 257 for c in cache)
+    mx.eval(runner.prefill([5, 6, 7, 8, 9, 10, 11], reference)[0])
+    for c, r in zip(cache, reference):  # the copied rows keep their bits; the new ones agree to rounding
+        assert mx.array_equal(c.keys[..., :250, :], r.keys[..., :250, :]).item()
+        assert mx.array_equal(c.values[..., :250, :], r.values[..., :250, :]).item()
+        assert mx.allclose(c.keys[..., 250:257, :], r.keys[..., 250:257, :], rtol=1e-3, atol=1e-3).item()
+        assert mx.allclose(c.values[..., 250:257, :], r.values[..., 250:257, :], rtol=1e-3, atol=1e-3).item()

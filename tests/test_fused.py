@@ -16,7 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 import pytest
-from helpers import assert_pass_matches_mlx_lm, run
+from helpers import assert_pass_matches_mlx_lm, assert_writes_only_its_own_buffers, run
 from tiny import quantize_like_gguf, tiny_loaded, tiny_model
 
 from engine import Engine, EngineConfig, SpeculativeParams
@@ -392,31 +392,7 @@ def test_pass_writes_only_buffers_of_its_own_and_grows_them(stand_in):
     with MLX's copy-on-write slice assignment, so the stored arrays' check bites on CUDA only;
     the buffer bookkeeping is checked everywhere.)"""
     model = _quantized_model(seed=2)
-    fp = FusedPass(model)
-    runner, cache = _prefilled(model, list(range(3, 253)))  # 250 cached rows
-    stored = [(mx.concatenate([c.keys[..., :250, :], mx.ones_like(c.keys[..., :6, :])], axis=2),
-               mx.concatenate([c.values[..., :250, :], mx.ones_like(c.values[..., :6, :])], axis=2)) for c in cache]
-    mx.eval(stored)
-    snapshot = [(np.array(k), np.array(v)) for k, v in stored]
-    for c, (k, v) in zip(cache, stored):
-        c.state = (k[..., :250, :], v[..., :250, :], 250)  # views of the stored arrays
-    _, reference = _prefilled(model, list(range(3, 253)))
-    out = fp([5, 6, 7], cache)
-    mx.eval(out.logits)
-    for (k, v), (k0, v0) in zip(stored, snapshot):
-        assert np.array_equal(np.array(k), k0) and np.array_equal(np.array(v), v0)
-    owned = [c.keys for c in cache]
-    assert all(c.keys.shape[2] == 256 and c.offset == 253 for c in cache)
-    mx.eval(fp([8, 9, 10], cache).logits)  # 256 rows: fits, same buffers
-    assert all(c.keys is k for c, k in zip(cache, owned))
-    mx.eval(fp([11], cache).logits)  # 257: grows
-    assert all(c.keys.shape[2] == 512 and c.offset == 257 for c in cache)
-    mx.eval(runner.prefill([5, 6, 7, 8, 9, 10, 11], reference)[0])
-    for c, r in zip(cache, reference):  # the copied rows keep their bits; the new ones agree to rounding
-        assert mx.array_equal(c.keys[..., :250, :], r.keys[..., :250, :]).item()
-        assert mx.array_equal(c.values[..., :250, :], r.values[..., :250, :]).item()
-        assert mx.allclose(c.keys[..., 250:257, :], r.keys[..., 250:257, :], rtol=1e-3, atol=1e-3).item()
-        assert mx.allclose(c.values[..., 250:257, :], r.values[..., 250:257, :], rtol=1e-3, atol=1e-3).item()
+    assert_writes_only_its_own_buffers(model, FusedPass(model), _prefilled)
 
 
 def test_lm_head_and_shared_memory_limits_are_checked(stand_in):
