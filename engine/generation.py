@@ -31,6 +31,7 @@ from .stops import StopMatcher
 
 DSPARK_PROBE_EVERY = 32  # cycles before the first re-probe of a DSpark drafter that loses
 DSPARK_PROBE_MAX = 512  # the probe interval doubles after every losing probe, up to this
+PENDING_HIDDEN_MAX = 16  # committed hidden-state slices held before they are folded into one
 MAX_VERIFY_ROWS = 64  # the widest verify pass any setting allows (sizes static caches)
 
 
@@ -271,6 +272,12 @@ class Sequence:
         """Record a verify step and hand committed hidden rows on; returns the drafter's name."""
         if hidden is not None:
             self.pending_hidden.append(hidden[: num_accepted + 1])
+            if len(self.pending_hidden) >= PENDING_HIDDEN_MAX:
+                # Each entry is a lazy slice that keeps its whole pass's hidden states alive (a
+                # fused pass returns every layer's): fold them into one evaluated array so a
+                # sequence that rarely runs DSpark holds only the committed rows.
+                self.pending_hidden = [mx.concatenate(self.pending_hidden)]
+                mx.eval(self.pending_hidden[0])
         name = draft.drafter if draft.tokens else None
         self.stats.observe(name, len(draft.tokens), num_accepted)
         if "dspark" in self.drafters and name != "dspark":

@@ -225,3 +225,39 @@ def test_unused_dspark_forwards_are_counted(dspark_engine):
     # forced DSpark drafts are verified: none unused
     _, _, forced = run(dspark_engine, p, "x", max_tokens=12, speculative=FORCE)
     assert forced.stats.by_drafter["dspark"].num_unused_proposals == 0
+
+
+def test_pending_hidden_states_are_folded_while_dspark_rests(tiny, tmp_path, monkeypatch):
+    """While DSpark is not run (its probes are rare), the committed rows' hidden states pile up
+    for its next forward; they are folded into one evaluated array every PENDING_HIDDEN_MAX
+    cycles instead of holding every pass's full hidden output, and the drafter still gets every
+    committed row."""
+    from drafters.dspark import DSparkDrafter
+    from engine import generation
+
+    path = make_drafter(tiny, tmp_path / "drafter", {5: 40.0})
+    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40,)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    seen = []
+    original = DSparkDrafter.propose
+    monkeypatch.setattr(DSparkDrafter, "propose",
+                        lambda self, ctx, *a, **k: seen.append(None if ctx.hidden is None else ctx.hidden.shape[0])
+                        or original(self, ctx, *a, **k))
+    lengths = []
+    original_observe = generation.Sequence.observe
+
+    def observe(self, *args, **kwargs):
+        out = original_observe(self, *args, **kwargs)
+        lengths.append(len(self.pending_hidden))
+        return out
+
+    monkeypatch.setattr(generation.Sequence, "observe", observe)
+    eng.dspark_stats.decode_seconds = 1e6
+    try:
+        prompt = prompts(1, seed=5)[0]
+        run(eng, prompt, "dspark", max_tokens=100, ignore_eos=True)
+        assert max(lengths) <= generation.PENDING_HIDDEN_MAX
+        # the second forward (the probe after 2 * 32 cycles) got every row committed since the first
+        assert len(seen) == 2 and seen[1] >= 2 * generation.DSPARK_PROBE_EVERY
+    finally:
+        eng.stop()
