@@ -27,6 +27,7 @@ class CostModel:
 
     verify_cost: list[float]  # index k-1
     alpha: float = 0.05  # EMA weight of a new observation
+    far: int = 0  # consecutive observations off the curve by more than 2x
 
     @property
     def max_rows(self) -> int:
@@ -42,8 +43,20 @@ class CostModel:
         return last + (rows - self.max_rows) * max(step, 0.0)
 
     def observe(self, rows: int, seconds: float) -> None:
-        if 1 <= rows <= self.max_rows and seconds > 0:
-            i = rows - 1
+        """A pass of ``rows`` rows took ``seconds``: that width's cost moves toward it (EMA).
+        Three observations in a row more than 2x off the curve rescale the whole curve by the
+        last one's ratio, keeping its shape: a start-up measurement taken while other work
+        loaded the CPU would otherwise freeze the widths that never run (a curve 170x too high
+        at k >= 2 next to a corrected T(1) never lets a draft run, so nothing corrects it)."""
+        if not (1 <= rows <= self.max_rows and seconds > 0):
+            return
+        i = rows - 1
+        ratio = seconds / self.verify_cost[i]
+        self.far = self.far + 1 if not 0.5 <= ratio <= 2.0 else 0
+        if self.far >= 3:
+            self.verify_cost = [t * ratio for t in self.verify_cost]
+            self.far = 0
+        else:
             self.verify_cost[i] += self.alpha * (seconds - self.verify_cost[i])
 
     def relative(self) -> list[float]:

@@ -230,3 +230,21 @@ def test_batching_off_steps_one_sequence_per_pass(tiny):
         assert concurrently(eng, requests(4, 4)) and not rec.batches
     finally:
         eng.stop()
+
+
+def test_cost_curve_measured_under_load_recovers():
+    """A start-up curve measured while the CPU was busy (every width 1.17 s) next to real
+    7 ms decode passes: after three such passes the whole curve follows, so drafts can run
+    again and correct the wider widths; single outliers only nudge their own width."""
+    from engine.scheduler import CostModel, choose_length
+
+    cost = CostModel([1.17 + 0.001 * k for k in range(16)])
+    for _ in range(20):  # without the rescale only T(1) would follow, slowly: drafting never pays
+        cost.observe(1, 0.007)
+    assert cost.T(1) < 0.01 and cost.T(16) < 0.01
+    assert choose_length([0.9] * 8, cost)[0] > 0
+    steady = CostModel([0.01 * (1 + 0.1 * k) for k in range(16)])
+    before = list(steady.verify_cost)
+    steady.observe(4, 0.5)  # one spike: only T(4) moves, a little
+    assert steady.verify_cost[3] > before[3] and steady.verify_cost[:3] == before[:3]
+    assert steady.verify_cost[4:] == before[4:]
