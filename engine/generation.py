@@ -85,6 +85,7 @@ class Sequence:
         # to the drafter wait here (every row is handed over exactly once).
         self.taps = taps if "dspark" in self.drafters else None
         self.pending_hidden: list[mx.array] = []
+        self.pending_folded = 0  # leading entries of pending_hidden that are evaluated chunks
         self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
         self.dspark_probe_every = DSPARK_PROBE_EVERY
         self.max_draft = max_draft
@@ -102,7 +103,7 @@ class Sequence:
         self.cache = cache
         self.num_prefilled = self.cached_tokens = num_tokens
         if self.taps is not None:
-            self.pending_hidden = [hidden]
+            self.pending_hidden, self.pending_folded = [hidden], 0
 
     def prompt_hidden(self) -> mx.array | None:
         """The tapped rows of every prefilled prompt position (before the first cycle hands them
@@ -110,7 +111,7 @@ class Sequence:
         if self.taps is None or not self.pending_hidden:
             return None
         if len(self.pending_hidden) > 1:
-            self.pending_hidden = [mx.concatenate(self.pending_hidden)]
+            self.pending_hidden, self.pending_folded = [mx.concatenate(self.pending_hidden)], 0
         return self.pending_hidden[0]
 
     @property
@@ -258,7 +259,7 @@ class Sequence:
         self.cycles_since_dspark = 0
         if self.pending_hidden:
             ctx.hidden = mx.concatenate(self.pending_hidden) if len(self.pending_hidden) > 1 else self.pending_hidden[0]
-            self.pending_hidden = []
+            self.pending_hidden, self.pending_folded = [], 0
         started = time.perf_counter()
         proposal = self.drafters["dspark"].propose(ctx, budget)
         self.dspark_stats.observe_cost(time.perf_counter() - started)
@@ -272,12 +273,15 @@ class Sequence:
         """Record a verify step and hand committed hidden rows on; returns the drafter's name."""
         if hidden is not None:
             self.pending_hidden.append(hidden[: num_accepted + 1])
-            if len(self.pending_hidden) >= PENDING_HIDDEN_MAX:
-                # Each entry is a lazy slice that keeps its whole pass's hidden states alive (a
-                # fused pass returns every layer's): fold them into one evaluated array so a
-                # sequence that rarely runs DSpark holds only the committed rows.
-                self.pending_hidden = [mx.concatenate(self.pending_hidden)]
-                mx.eval(self.pending_hidden[0])
+            if len(self.pending_hidden) - self.pending_folded >= PENDING_HIDDEN_MAX:
+                # Each new entry is a lazy slice that keeps its whole pass's hidden states alive
+                # (a fused pass returns every layer's): fold the new ones into one evaluated
+                # chunk, so a sequence that rarely runs DSpark holds only the committed rows
+                # (earlier chunks stay as they are: no copy grows with the wait).
+                chunk = mx.concatenate(self.pending_hidden[self.pending_folded:])
+                mx.eval(chunk)
+                self.pending_hidden[self.pending_folded:] = [chunk]
+                self.pending_folded += 1
         name = draft.drafter if draft.tokens else None
         self.stats.observe(name, len(draft.tokens), num_accepted)
         if "dspark" in self.drafters and name != "dspark":

@@ -27,7 +27,7 @@ class CostModel:
 
     verify_cost: list[float]  # index k-1
     alpha: float = 0.05  # EMA weight of a new observation
-    far: int = 0  # consecutive observations off the curve by more than 2x
+    far: list = field(default_factory=list)  # ratios of consecutive observations >2x off, one direction
 
     @property
     def max_rows(self) -> int:
@@ -52,12 +52,17 @@ class CostModel:
             return
         i = rows - 1
         ratio = seconds / self.verify_cost[i]
-        self.far = self.far + 1 if not 0.5 <= ratio <= 2.0 else 0
-        if self.far >= 3:
-            self.verify_cost = [t * ratio for t in self.verify_cost]
-            self.far = 0
-        else:
+        if 0.5 <= ratio <= 2.0:
+            self.far = []
             self.verify_cost[i] += self.alpha * (seconds - self.verify_cost[i])
+            return
+        if self.far and (self.far[-1] > 1) != (ratio > 1):
+            self.far = []  # a streak runs in one direction
+        self.far.append(ratio)
+        if len(self.far) >= 3:  # (no EMA step meanwhile: a lone spike leaves the curve alone)
+            scale = sorted(self.far)[1]
+            self.verify_cost = [t * scale for t in self.verify_cost]
+            self.far = []
 
     def relative(self) -> list[float]:
         return [t / self.verify_cost[0] for t in self.verify_cost]

@@ -147,11 +147,14 @@ def test_batched_pass_rows_equal_each_sequences_own_pass():
     model, stored = _models(4, 64, seed=5)
     runner = TargetRunner(model, fused=CpuFusedPass(model, stored))
     rng = np.random.default_rng(3)
-    for lengths in ([1, 1, 1], [4, 1, 2], [1, 6], [3, 3, 1, 1], [8, 8]):
+    cases = [([1, 1, 1], None), ([4, 1, 2], None), ([1, 6], None), ([3, 3, 1, 1], None), ([8, 8], None),
+             ([8, 1, 3], [250, 600, 37]), ([2, 5, 9], [511, 255, 700]), ([12, 4], [300, 250])]  # segment crossings
+    for lengths, contexts in cases:
         seqs = []
         for i, n in enumerate(lengths):
             cache = runner.make_cache()
-            context = 0 if (i == 1 and n == 1 and len(lengths) == 4) else int(rng.integers(5, 90))
+            context = (contexts[i] if contexts else
+                       0 if (i == 1 and n == 1 and len(lengths) == 4) else int(rng.integers(5, 90)))
             if context:
                 mx.eval(runner.prefill(rng.integers(3, 259, context).tolist(), cache)[0])
             seqs.append((cache, rng.integers(3, 259, n).tolist(), context))

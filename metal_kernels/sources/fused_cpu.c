@@ -208,7 +208,8 @@ static inline v16f reduce16(const v16f *a) {
     return __builtin_shuffle(d[0], d[1], lo4) + __builtin_shuffle(d[0], d[1], hi4);
 }
 
-#define SEG 256  // keys per attention work unit (a multiple of 16)
+#define SEG 256       // keys per attention work unit (a multiple of 16)
+#define ROW_BLOCK 8   // rows per attention work unit (more units for the threads at short contexts)
 
 // Causal attention over one segment of SEG keys (keys [j0, j0 + SEG) of one KV head) for the
 // rows r0..r1-1 of one sequence (consecutive positions) and the G query heads of the KV head.
@@ -560,8 +561,8 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
     // attention units: per sequence (rows consecutive), per KV head, per segment of its last row
     int32_t *units = malloc(sizeof(int32_t) * 4 * (size_t)(M <= MAX_ROWS ? unit0[M] : 1));
     int nunits = 0;
-    for (int r0 = 0, r1; r0 < M && M <= MAX_ROWS; r0 = r1) {
-        for (r1 = r0 + 1; r1 < M && seq[r1] == seq[r0]; r1++) {}
+    for (int r0 = 0, r1; r0 < M && M <= MAX_ROWS; r0 = r1) {  // (a sequence's rows, at most ROW_BLOCK)
+        for (r1 = r0 + 1; r1 < M && r1 - r0 < ROW_BLOCK && seq[r1] == seq[r0]; r1++) {}
         const int segs = (pos[r1 - 1] + SEG) / SEG;
         for (int g = 0; units && g < nkv; g++)
             for (int sg = 0; sg < segs; sg++, nunits++) {
