@@ -44,8 +44,8 @@ class CostModel:
 
     def observe(self, rows: int, seconds: float) -> None:
         """A pass of ``rows`` rows took ``seconds``: that width's cost moves toward it (EMA).
-        Three observations in a row more than 2x off the curve rescale the whole curve by the
-        last one's ratio, keeping its shape: a start-up measurement taken while other work
+        Three observations in a row more than 2x off the curve, in one direction, rescale the
+        whole curve by their median ratio, keeping its shape (a lone outlier changes nothing): a start-up measurement taken while other work
         loaded the CPU would otherwise freeze the widths that never run (a curve 170x too high
         at k >= 2 next to a corrected T(1) never lets a draft run, so nothing corrects it)."""
         if not (1 <= rows <= self.max_rows and seconds > 0):

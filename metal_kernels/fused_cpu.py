@@ -152,7 +152,7 @@ class _QMat(ctypes.Structure):
 class _Model(ctypes.Structure):
     _fields_ = [("nl", ctypes.c_int32), ("dm", ctypes.c_int32), ("nh", ctypes.c_int32), ("nkv", ctypes.c_int32),
                 ("hd", ctypes.c_int32), ("di", ctypes.c_int32), ("vocab", ctypes.c_int32),
-                ("unused", ctypes.c_int32), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("inv_freq", ctypes.c_void_p), ("norms", ctypes.c_void_p), ("fnorm", ctypes.c_void_p),
                 ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gu", ctypes.c_void_p),
                 ("down", ctypes.c_void_p), ("head", ctypes.c_void_p)]
@@ -299,7 +299,7 @@ class CpuFusedPass:
         inv_freq = (rope.scale * rope.base ** -half).astype(np.float32)
         self._model = _Model(
             self.layers, self.hidden_size, self.heads, self.kv_heads, self.head_dim, args.intermediate_size,
-            self._mats["head"].out, 0, inner.layers[0].input_layernorm.eps,
+            self._mats["head"].out, inner.layers[0].input_layernorm.eps,
             inner.layers[0].self_attn.scale, ptr(inv_freq), ptr(np.ascontiguousarray(norms, np.float32)),
             ptr(np.asarray(inner.norm.weight, np.float32)),
             *(ctypes.addressof(self._mats[k]) for k in ("qkv", "o", "gu", "down", "head")))

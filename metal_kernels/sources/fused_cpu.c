@@ -41,7 +41,7 @@ typedef struct {
 } QMat;
 
 typedef struct {
-    int32_t nl, dm, nh, nkv, hd, di, vocab, unused;
+    int32_t nl, dm, nh, nkv, hd, di, vocab;
     float eps, scale;
     const float *inv_freq;     // [hd / 2]
     const float *norms;        // [nl, 2, dm]: input_layernorm, post_attention_layernorm
@@ -327,7 +327,6 @@ typedef struct {
     const Model *m;
     int M;
     const int32_t *pos, *seq, *cap;   // per row: position, sequence; per sequence: cache capacity
-    const float *x0;
     float *const *kc, *const *vc;
     float *logits, *hidden, *ws, *trig, *scratch, *parts;
     v16f *acc;
@@ -582,7 +581,7 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
                 trig[r * hd + i] = cosf(theta);
                 trig[r * hd + h2 + i] = sinf(theta);
             }
-        const Job job = {m, M, pos, seq, cap, x0, kc, vc, logits, hidden, ws, trig, scratch, parts, acc, unit0, units, nunits};
+        const Job job = {m, M, pos, seq, cap, kc, vc, logits, hidden, ws, trig, scratch, parts, acc, unit0, units, nunits};
         pthread_mutex_lock(&pool.mu);
         pool.job = &job;
         pool.gen++;
