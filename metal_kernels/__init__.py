@@ -36,9 +36,10 @@ def fused_unsupported_reason(model, quantized=None) -> str:
     return fused.unsupported_reason(model)
 
 
-def make_fused_pass(model, quantized=None):
+def make_fused_pass(model, quantized=None, cpu_activations: str = "q16"):
     """The backend's one-call decode/verify pass: :class:`metal_kernels.fused_cpu.CpuFusedPass`
-    on the CPU, :class:`metal_kernels.fused.FusedPass` on CUDA (same call interface).
+    on the CPU (``cpu_activations``: its ``activations``, ``q16``, ``q8`` or ``float32``),
+    :class:`metal_kernels.fused.FusedPass` on CUDA (same call interface).
 
     Raises:
         ValueError: unsupported model or backend (the message says why).
@@ -46,7 +47,7 @@ def make_fused_pass(model, quantized=None):
     from metal_kernels import fused, fused_cpu
 
     if fused.backend() == "cpu":
-        return fused_cpu.CpuFusedPass(model, quantized)
+        return fused_cpu.CpuFusedPass(model, quantized, activations=cpu_activations)
     return fused.FusedPass(model)
 
 

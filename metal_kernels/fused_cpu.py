@@ -49,6 +49,7 @@ log = logging.getLogger("specserve.fused_cpu")
 
 MAX_ROWS = 16
 SUPPORTED_BITS = (4, 8)
+ACTIVATIONS = {"q16": 2, "q8": 1, "float32": 0}  # CpuFusedPass(activations=...): 8-bit digits per input
 # Default pool size cap: a pass has ~10 barriers per layer and a few hundred outputs per phase,
 # so beyond ~16 threads the barriers cost more than the split saves (not measured: 2 cores here).
 MAX_THREADS = 16
@@ -155,7 +156,7 @@ class _Model(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("inv_freq", ctypes.c_void_p), ("norms", ctypes.c_void_p), ("fnorm", ctypes.c_void_p),
                 ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("gu", ctypes.c_void_p),
-                ("down", ctypes.c_void_p), ("head", ctypes.c_void_p)]
+                ("down", ctypes.c_void_p), ("head", ctypes.c_void_p), ("digits", ctypes.c_int32)]
 
 
 def quantized_modules(model: nn.Module) -> dict[str, nn.Module]:
@@ -227,16 +228,29 @@ def unsupported_reason(model: nn.Module, quantized: dict[str, nn.Module] | None 
     return ""
 
 
-def _codes(m: nn.Module) -> np.ndarray:
-    """``[out, in * bits / 8]`` uint8 codes in the C pass's layout (see ``fused_cpu.c``)."""
+def _codes(m: nn.Module, integer: bool) -> np.ndarray:
+    """``[out, in * bits / 8]`` uint8 codes in the C pass's layout (see ``fused_cpu.c``). Float32
+    activations: 4 bits, per 32 inputs 16 bytes (inputs 0..15 in the low nibbles, 16..31 in the
+    high ones); 8 bits, one byte per input. ``integer`` activations: per group of ``n <= 16`` blocks of 32
+    inputs, segments of ``4 n`` bytes, segment ``t`` holding inputs ``4t..4t+3`` of each block
+    (4 bits: 4 segments, inputs ``16+4t..`` in the high nibbles; 8 bits: 8 segments)."""
     words = np.asarray(m.weight).view(np.uint32)
     per = 32 // m.bits
     shifts = (np.arange(per, dtype=np.uint32) * m.bits)[None, None, :]
     q = ((words[:, :, None] >> shifts) & ((1 << m.bits) - 1)).astype(np.uint8).reshape(words.shape[0], -1)
+    out, blocks = q.shape[0], q.shape[1] // 32
+    if integer:
+        groups = []
+        for j0 in range(0, blocks, 16):
+            g = q[:, 32 * j0: 32 * min(j0 + 16, blocks)].reshape(out, -1, 32)
+            if m.bits == 4:
+                g = g[:, :, :16] | (g[:, :, 16:] << 4)
+            groups.append(g.reshape(out, g.shape[1], -1, 4).transpose(0, 2, 1, 3).reshape(out, -1))
+        return np.ascontiguousarray(np.concatenate(groups, axis=1))
     if m.bits == 8:
         return np.ascontiguousarray(q)
-    q = q.reshape(q.shape[0], -1, 2, 16)  # per 32 inputs: [0..15], [16..31]
-    return np.ascontiguousarray((q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(q.shape[0], -1))
+    q = q.reshape(out, blocks, 2, 16)  # per 32 inputs: [0..15], [16..31]
+    return np.ascontiguousarray((q[:, :, 0, :] | (q[:, :, 1, :] << 4)).reshape(out, -1))
 
 
 class CpuFusedPass:
@@ -250,6 +264,14 @@ class CpuFusedPass:
         threads: threads of the process-wide pool that runs the passes, the caller included
             (default: the CPUs this process may run on, at most :data:`MAX_THREADS`); the first
             pass built in the process sets it for all.
+        activations: how projections multiply. ``"q16"`` (the default): every projection's
+            input rows are quantized per block of 32 into two 8-bit digits (``x ~ d q + d' q'``,
+            to ~1/32000 of the block's largest input) and multiplied in integers (AVX512-VNNI
+            ``vpdpbusd`` where the CPU has it); the default model's logits stay within ~1e-4 of
+            their scale of float32's. ``"q8"``: one digit, llama.cpp's Q8 activations for its
+            Q4_1/Q8_0 dot products: cheaper verify rows, but logits move by ~2% of their scale,
+            enough to flip near-tied greedy choices. ``"float32"``: float32 inputs and FMAs, within
+            ~1e-5 of mlx-lm's modules. Either way rows are bit-identical for every width.
 
     Raises:
         ValueError: the model is not supported (the message says why).
@@ -259,10 +281,15 @@ class CpuFusedPass:
     segment = 256  # attention keys per work unit (SEG in the C source): the start-up probe
     # prefills 2 * segment - 1 tokens so its rows go through the segment combine
 
-    def __init__(self, model: nn.Module, quantized: dict[str, nn.Module] | None = None, threads: int | None = None):
+    def __init__(self, model: nn.Module, quantized: dict[str, nn.Module] | None = None, threads: int | None = None,
+                 activations: str = "q16"):
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be one of {sorted(ACTIVATIONS)}, got {activations!r}")
         reason = unsupported_reason(model, quantized)
         if reason:
             raise ValueError(f"CPU fused pass unsupported: {reason}")
+        self.activations = activations
+        integer = ACTIVATIONS[activations] > 0
         self.model = model
         self.lib = library()
         args, inner = model.args, model.model
@@ -280,7 +307,7 @@ class CpuFusedPass:
 
         def qmat(modules: list[nn.Module]) -> _QMat:
             m0 = modules[0]
-            codes = np.concatenate([_codes(m) for m in modules])
+            codes = np.concatenate([_codes(m, integer) for m in modules])
             s = np.concatenate([np.asarray(m.scales.astype(mx.float16)) for m in modules])
             b = np.concatenate([np.asarray(m.biases.astype(mx.float16)) for m in modules])
             return _QMat(ptr(codes), ptr(s), ptr(b), codes.shape[1] * 8 // m0.bits, codes.shape[0], m0.bits,
@@ -302,7 +329,7 @@ class CpuFusedPass:
             self._mats["head"].out, inner.layers[0].input_layernorm.eps,
             inner.layers[0].self_attn.scale, ptr(inv_freq), ptr(np.ascontiguousarray(norms, np.float32)),
             ptr(np.asarray(inner.norm.weight, np.float32)),
-            *(ctypes.addressof(self._mats[k]) for k in ("qkv", "o", "gu", "down", "head")))
+            *(ctypes.addressof(self._mats[k]) for k in ("qkv", "o", "gu", "down", "head")), ACTIVATIONS[activations])
         self.passes = 0
         self._ok = mx.zeros((1,), mx.int32)  # FusedOutput.errors: a failed CPU pass raises instead
 
@@ -358,21 +385,14 @@ class CpuFusedPass:
             writable_cache(cache, len(r), self.kv_heads, self.head_dim)
         tokens = [t for r in rows for t in r]
         x0 = self.model.model.embed_tokens(mx.array(tokens, dtype=mx.uint32)).astype(mx.float32)
-        mx.eval(x0, *(a for c in caches for layer in c for a in (layer.keys, layer.values)))
+        pointers = [self._pointers(cache) for cache in caches]
+        mx.eval(x0)
         pos = np.array([c[0].offset + i for r, c in zip(rows, caches) for i in range(len(r))], np.int32)
         seq = np.array([s for s, r in enumerate(rows) for _ in r], np.int32)
         cap = np.array([c[0].keys.shape[2] for c in caches], np.int32)
         n = len(caches) * self.layers
-        # Zero-copy views of the evaluated buffers the pass writes (writable_cache made them the
-        # cache's own and contiguous); kept alive for the call, and checked, since a copy here
-        # would silently drop the pass's keys and values.
-        views = [np.asarray(a) for c in caches for layer in c for a in (layer.keys, layer.values)]
-        shapes = [(1, self.kv_heads, capacity, self.head_dim) for capacity in cap for _ in range(2 * self.layers)]
-        for view, shape in zip(views, shapes):
-            if view.shape != shape or not view.flags.c_contiguous or view.dtype != np.float32:
-                raise ValueError(f"CPU fused pass: cache buffer {view.shape} {view.dtype} is not a contiguous {shape}")
-        keys = (ctypes.c_void_p * n)(*(v.ctypes.data for v in views[::2]))
-        values = (ctypes.c_void_p * n)(*(v.ctypes.data for v in views[1::2]))
+        keys = (ctypes.c_void_p * n)(*(a for ptr in pointers for a in ptr[1]))
+        values = (ctypes.c_void_p * n)(*(a for ptr in pointers for a in ptr[2]))
         logits = np.empty((m, self._model.vocab), np.float32)
         hidden = np.empty((self.layers, m, self.hidden_size), np.float32)
         x0_np = np.ascontiguousarray(np.asarray(x0))
@@ -391,6 +411,27 @@ class CpuFusedPass:
             outs.append(FusedOutput(mx.array(logits[part]), mx.array(hidden[:, part]), x0[part], self._ok))
             at += len(r)
         return outs
+
+    def _pointers(self, cache: list) -> tuple:
+        """``(buffers, key addresses, value addresses, views)`` of the buffers a pass writes for
+        ``cache`` (after :func:`writable_cache`): zero-copy views of the evaluated arrays, checked,
+        since a copy here would silently drop the pass's keys and values. Kept on the cache and
+        reused while its layers hold the same buffers (every pass until one grows them), which
+        saves ~0.3 ms of evaluating and viewing 2 x layers arrays per pass; the entry holds the
+        arrays, so their addresses cannot be reused while it is looked up."""
+        held = cache[0].__dict__.get("_cpu_pass_pointers")
+        if held is not None and all(c.keys is k and c.values is v for c, (k, v) in zip(cache, held[0])):
+            return held
+        buffers = [(c.keys, c.values) for c in cache]
+        mx.eval(*(a for kv in buffers for a in kv))
+        views = [(np.asarray(k), np.asarray(v)) for k, v in buffers]
+        shape = (1, self.kv_heads, cache[0].keys.shape[2], self.head_dim)
+        for view in (v for kv in views for v in kv):
+            if view.shape != shape or not view.flags.c_contiguous or view.dtype != np.float32:
+                raise ValueError(f"CPU fused pass: cache buffer {view.shape} {view.dtype} is not a contiguous {shape}")
+        held = (buffers, [k.ctypes.data for k, _ in views], [v.ctypes.data for _, v in views], views)
+        cache[0].__dict__["_cpu_pass_pointers"] = held
+        return held
 
     def check(self, out: FusedOutput) -> None:
         """Nothing to check on the CPU (a failed pass raises in :meth:`__call__`)."""

@@ -196,6 +196,18 @@ class Settings(BaseSettings):
         "mlx-lm passes with speculation and 0.70x without (an earlier, slower fused kernel), so set "
         "`off` there for many concurrent streams (docs/benchmarks.md).",
     )
+    cpu_activations: Literal["q16", "q8", "float32"] = Field(
+        "q16",
+        description="How the CPU fused pass multiplies. `q16`: each projection's input rows are "
+        "quantized per block of 32 inputs into two 8-bit digits (x ~ d q + d' q', to 1/32000 of the "
+        "block's largest input) and multiplied in integers (AVX512-VNNI where the CPU has it); the "
+        "default model's logits stay within ~1.5e-4 of their scale of float32's. `q8`: one digit "
+        "(llama.cpp's activation scheme for Q4_1/Q8_0 weights): about 1.5x faster passes again, but "
+        "logits move by 2-5% of their scale, enough to flip near-tied greedy choices (the default "
+        "model then answers 'What is the capital of France?' with 'L'Étoile...'). `float32`: float "
+        "inputs and FMAs, within ~1e-5 of mlx-lm's modules. Whichever is chosen, greedy speculative "
+        "output equals plain decoding. CUDA passes ignore it.",
+    )
 
     def engine_config(self):
         from engine import EngineConfig
@@ -208,6 +220,7 @@ class Settings(BaseSettings):
             kernels=self.kernels,
             compile=self.compile,
             fused=self.fused,
+            cpu_activations=self.cpu_activations,
             dspark=self.dspark,
             dspark_drafter=self.dspark_drafter,
             prompt_lookup_min_ngram=self.prompt_lookup_min_ngram,

@@ -4,6 +4,7 @@ decode/verify pass, rows bit-identical for every width, agreeing with mlx-lm's m
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from helpers import assert_pass_matches_mlx_lm, assert_writes_only_its_own_buffers, run
@@ -17,11 +18,11 @@ from metal_kernels.fused_cpu import CpuFusedPass, quantized_modules, unsupported
 pytestmark = pytest.mark.skipif(fused_cpu.backend() != "cpu", reason="the CPU fused pass runs on the CPU backend")
 
 
-def _models(bits=4, head_dim=64, seed=1):
+def _models(bits=4, head_dim=64, seed=1, hidden=320, group_size=32):
     """The same tiny Llama twice: float32 weights dequantized from the quantized ones (as the
     loader serves them on the CPU) with those quantized layers aside, and the quantized one."""
-    model, _ = tiny_model(seed, head_dim=head_dim)
-    quantize_like_gguf(model, bits)
+    model, _ = tiny_model(seed, head_dim=head_dim, hidden=hidden)
+    quantize_like_gguf(model, bits, group_size)
     stored = quantized_modules(model)
     from engine.loader import apply_weight_policy
 
@@ -38,33 +39,106 @@ def _prefilled(model, tokens):
 
 @pytest.mark.parametrize("bits,head_dim,context", [(4, 64, 37), (8, 64, 37), (4, 80, 37), (4, 64, 600)])
 def test_pass_matches_mlx_lm_and_appends_the_cache(bits, head_dim, context):
-    """Logits, every layer's output and the appended keys/values agree with mlx-lm's forward of
-    the same rows over the dequantized weights (to rounding: the reductions differ); at 600
-    cached positions attention combines three 256-key segments."""
+    """Float32 activations: logits, every layer's output and the appended keys/values agree with
+    mlx-lm's forward of the same rows over the dequantized weights (to rounding: the reductions
+    differ); at 600 cached positions attention combines three 256-key segments."""
     model, stored = _models(bits, head_dim)
     prompt = mx.random.randint(3, 259, (context,), key=mx.random.key(5)).tolist()
-    assert_pass_matches_mlx_lm(model, CpuFusedPass(model, stored), prompt, [17, 250, 3, 99, 42], _prefilled)
+    assert_pass_matches_mlx_lm(model, CpuFusedPass(model, stored, activations="float32"), prompt,
+                               [17, 250, 3, 99, 42], _prefilled)
 
 
-def test_quantized_model_runs_from_its_own_layers():
-    """A model served with quantized weights needs no layers aside: the pass reads its own."""
-    model, _ = tiny_model(3, head_dim=64)
-    quantize_like_gguf(model, 4)
-    assert unsupported_reason(model) == ""
-    _, cache = _prefilled(model, list(range(3, 40)))
-    _, reference = _prefilled(model, list(range(3, 40)))
-    out = CpuFusedPass(model)([7, 8], cache)
-    want = TargetRunner(model).verify([7, 8], reference)[0]
-    assert mx.abs(out.logits - want).max().item() < 1e-3 * mx.abs(want).max().item()
+def _quantized(x: mx.array, digits: int) -> mx.array:
+    """``x`` as the C pass quantizes a projection's input, per block of 32: ``d = max|x| / 127``,
+    ``q = round-half-even(x * (127 / max|x|))``, then (two digits) the same for ``x - d q``;
+    returns the sum of ``d q`` over the digits."""
+    rest = x.reshape(*x.shape[:-1], -1, 32)
+    out = mx.zeros_like(rest)
+    for _ in range(digits):
+        amax = mx.abs(rest).max(axis=-1, keepdims=True)
+        part = mx.round(rest * mx.where(amax > 1e-30, 127.0 / amax, 0.0)) * (amax / 127.0)
+        out, rest = out + part, rest - part
+    return out.reshape(x.shape)
 
 
-@pytest.mark.parametrize("context", [1, 33, 250, 300])
-def test_rows_bit_identical_for_every_width(context):
+class _QuantizedInput(nn.Module):
+    def __init__(self, linear, digits):
+        super().__init__()
+        self.linear, self.digits = linear, digits
+
+    def __call__(self, x):
+        return self.linear(_quantized(x, self.digits))
+
+
+def _with_quantized_inputs(model, digits):
+    """``model`` with every projection (and the tied LM head) fed inputs quantized to ``digits``
+    8-bit digits: the arithmetic the C pass's integer activations stand for, in mlx-lm's
+    modules."""
+    for layer in model.model.layers:
+        for owner in (layer.self_attn, layer.mlp):
+            for name, child in list(owner.children().items()):
+                if isinstance(child, nn.Linear):
+                    setattr(owner, name, _QuantizedInput(child, digits))
+    embed = model.model.embed_tokens
+    head = embed.as_linear
+    embed.as_linear = lambda x: head(_quantized(x, digits))
+    return model
+
+
+@pytest.mark.parametrize("activations", ["q16", "q8"])
+@pytest.mark.parametrize("bits,head_dim,hidden,group_size,context", [
+    (4, 64, 320, 32, 37),    # inputs of 10 blocks (a partial 16-block group), 20 (a half-width tail), 16
+    (8, 64, 320, 32, 37),
+    (4, 80, 512, 32, 600),   # 16 and 32 blocks (whole groups only), 20; three attention segments
+    (4, 64, 320, 64, 37),    # a scale per two blocks
+])
+def test_integer_pass_computes_its_layers_on_quantized_inputs(bits, head_dim, hidden, group_size, context,
+                                                              activations):
+    """Integer activations (q16, the default, and q8): each layer's output, the appended
+    keys/values and the logits equal mlx-lm's layer over the dequantized weights, applied to the
+    pass's own output of the layer before, when every projection's input is quantized the same
+    way. Layer by layer, since a rounding difference before quantization (mlx-lm's and the
+    pass's RMSNorm differ in the last bit) can move an input by one step of its block, and later
+    layers would carry that on. The logits also stay close to the float32 pass's (q16 to 1e-3 of
+    their scale, q8 to 5e-2), and differ from them."""
+    from mlx_lm.models.base import create_attention_mask
+
+    model, stored = _models(bits, head_dim, hidden=hidden, group_size=group_size)
+    prompt = mx.random.randint(3, 259, (context,), key=mx.random.key(5)).tolist()
+    rows = [17, 250, 3, 99, 42]
+    _, cache = _prefilled(model, prompt)
+    plain = np.array(CpuFusedPass(model, stored, activations="float32")(rows, cache).logits)
+    _, cache = _prefilled(model, prompt)
+    _, eager = _prefilled(model, prompt)
+    out = CpuFusedPass(model, stored, activations=activations)(rows, cache)
+    logits = np.array(out.logits)
+    scale = np.abs(plain).max()
+    assert 0 < np.abs(logits - plain).max() < (1e-3 if activations == "q16" else 5e-2) * scale
+    assert (logits.argmax(-1) == plain.argmax(-1)).all()
+
+    reference = _with_quantized_inputs(model, 2 if activations == "q16" else 1)
+    h = reference.model.embed_tokens(mx.array(rows)[None])
+    mask = create_attention_mask(h, eager[0])
+    for layer, c, got in zip(reference.model.layers, eager, out.hidden):
+        want = layer(h, mask, cache=c)[0]
+        assert mx.abs(got - want).max().item() < 5e-3 * mx.abs(want).max().item()
+        h = got[None]  # (the pass's own output feeds the next layer)
+    for c, e in zip(cache, eager):
+        n = e.offset
+        for a, b in ((c.keys, e.keys), (c.values, e.values)):
+            assert mx.abs(a[..., :n, :] - b[..., :n, :]).max().item() < 5e-3 * mx.abs(b[..., :n, :]).max().item()
+    want = reference.model.embed_tokens.as_linear(reference.model.norm(out.hidden[-1]))
+    assert mx.abs(out.logits - want).max().item() < 5e-3 * mx.abs(want).max().item()
+
+
+@pytest.mark.parametrize("context,activations", [(1, "q16"), (33, "q16"), (250, "q16"), (300, "q16"),
+                                                 (33, "q8"), (250, "q8"), (33, "float32"), (250, "float32")])
+def test_rows_bit_identical_for_every_width(context, activations):
     """Row i of an M-row pass equals the one-row pass at its position, bit for bit, for M up to
     16 (the exactness greedy speculation rests on), whatever was cached beyond the row; at 250
     the rows of one pass straddle an attention segment boundary (256 keys)."""
     model, stored = _models(4, 64, seed=2)
-    fp = CpuFusedPass(model, stored)
+    fp = CpuFusedPass(model, stored, activations=activations)
     tokens = mx.random.randint(3, 259, (context + 16,), key=mx.random.key(context)).tolist()
     _, cache = _prefilled(model, tokens[:context])
     singles = []
@@ -83,7 +157,8 @@ def test_pass_writes_only_buffers_of_its_own_and_grows_them():
     of stored arrays are copied into buffers of the cache's own first, so the stored arrays keep
     their bits; the buffers grow by KVCache.step keeping every row."""
     model, stored = _models(4, 64, seed=3)
-    assert_writes_only_its_own_buffers(model, CpuFusedPass(model, stored), _prefilled)
+    # (float32 activations: the helper checks the new rows' keys against mlx-lm's to 1e-3)
+    assert_writes_only_its_own_buffers(model, CpuFusedPass(model, stored, activations="float32"), _prefilled)
 
 
 def test_unsupported_models_and_calls_are_refused(monkeypatch, tmp_path):
@@ -242,10 +317,11 @@ def test_a_forked_child_starts_its_own_threads():
     pytest.fail("the forked child's pass did not finish (its workers were never started)")
 
 
-def test_the_avx2_build_computes_the_same_bits(tmp_path):
+@pytest.mark.parametrize("activations", ["q16", "q8", "float32"])
+def test_the_avx2_build_computes_the_same_bits(tmp_path, activations):
     """A build without AVX-512 (4 rows per weight read instead of 16, 8-lane halves of every
-    vector) gives every row the same bits as the default build: the per-row arithmetic is the
-    same whatever the machine's vector width."""
+    vector, integer dot products without VNNI) gives every row the same bits as the default
+    build: the per-row arithmetic is the same whatever the machine's vector width."""
     import ctypes
     import os
     import subprocess
@@ -255,7 +331,7 @@ def test_the_avx2_build_computes_the_same_bits(tmp_path):
     subprocess.run([cc, *fused_cpu._CFLAGS, "-mno-avx512f", "-o", str(alt), str(fused_cpu._SOURCE), "-lm"],
                    check=True, capture_output=True)
     model, stored = _models(4, 64, seed=7)
-    fp = CpuFusedPass(model, stored)
+    fp = CpuFusedPass(model, stored, activations=activations)
     tokens = mx.random.randint(3, 259, (300,), key=mx.random.key(9)).tolist()
     _, cache = _prefilled(model, tokens[:284])
     want = np.array(fp(tokens[284:], cache).logits)

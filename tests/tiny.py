@@ -58,14 +58,14 @@ def tiny_model(seed: int = 0, vocab: int = 259, layers: int = 2, hidden: int = 3
     return model, args
 
 
-def quantize_like_gguf(model, bits: int = 4):
+def quantize_like_gguf(model, bits: int = 4, group_size: int = 32):
     """Quantize ``model`` in place as the default model's Q4_1 GGUF loads: projections to
-    ``bits`` bits, the (tied) embedding to 8 bits, group size 32."""
+    ``bits`` bits, the (tied) embedding to 8 bits, group size 32 (``group_size``: another)."""
     import mlx.nn as nn
 
     nn.quantize(model, class_predicate=lambda _, m: (
-        {"group_size": 32, "bits": 8} if isinstance(m, nn.Embedding)
-        else {"group_size": 32, "bits": bits} if isinstance(m, nn.Linear) else False))
+        {"group_size": group_size, "bits": 8} if isinstance(m, nn.Embedding)
+        else {"group_size": group_size, "bits": bits} if isinstance(m, nn.Linear) else False))
     for _, m in model.named_modules():  # a GGUF stores Q4_1/Q8 scales and minimums in float16
         if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
             m.scales = m.scales.astype(mx.float16).astype(m.scales.dtype)

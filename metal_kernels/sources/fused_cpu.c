@@ -48,6 +48,7 @@ typedef struct {
     const float *fnorm;        // [dm]
     const QMat *qkv, *o, *gu, *down;  // [nl] each: q|k|v rows, o_proj, gate|up rows, down_proj
     const QMat *head;          // the LM head (tied embedding or lm_head)
+    int32_t digits;            // integer activations of 1 (q8) or 2 (q16) 8-bit digits (see below); 0: float32
 } Model;
 
 static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); return v; }
@@ -111,80 +112,6 @@ static inline v16f vexp(v16f x) {
     return p * (v16f)e;
 }
 
-// ---- quantized mat-vec: y[r, o] (=|+=) dot(W[o, :], x[r, :]) for a tile of R rows ----------
-static inline __attribute__((always_inline)) void dot_tile(const int R, const int bits, const QMat *q, int o,
-                                                           const float *x, int xs, float *y, int ys, int add) {
-    v16f acc[TILE];
-    for (int r = 0; r < R; r++) acc[r] = (v16f){0};
-    const int in = q->in, gs = q->gs, ng = in / gs;
-    const _Float16 *s = q->s + (size_t)o * ng, *b = q->b + (size_t)o * ng;
-    const uint8_t *w = q->w + (size_t)o * (size_t)(in * bits / 8);
-    for (int g = 0; g < ng; g++) {
-        const v16f sc = splat((float)s[g]), bi = splat((float)b[g]);
-        for (int c = g * gs; c < (g + 1) * gs; c += 32) {
-            v16f w0, w1;
-            if (bits == 4) {
-                const v16i v = widen(w + c / 2);
-                w0 = __builtin_convertvector(v & 15, v16f) * sc + bi;
-                w1 = __builtin_convertvector(v >> 4, v16f) * sc + bi;
-            } else {
-                w0 = __builtin_convertvector(widen(w + c), v16f) * sc + bi;
-                w1 = __builtin_convertvector(widen(w + c + 16), v16f) * sc + bi;
-            }
-            for (int r = 0; r < R; r++) {
-                acc[r] += w0 * load16(x + (size_t)r * xs + c);
-                acc[r] += w1 * load16(x + (size_t)r * xs + c + 16);
-            }
-        }
-    }
-    for (int r = 0; r < R; r++) {
-        float d = hsum(acc[r]), *dst = y + (size_t)r * ys + o;
-        *dst = add ? *dst + d : d;
-    }
-}
-
-#define TILE_CASE(R)                                                                  \
-    case R:                                                                           \
-        if (q->bits == 4) dot_tile(R, 4, q, o, x + (size_t)r0 * xs, xs, y + (size_t)r0 * ys, ys, add); \
-        else dot_tile(R, 8, q, o, x + (size_t)r0 * xs, xs, y + (size_t)r0 * ys, ys, add); \
-        break;
-
-// Outputs [lo, hi) of a projection (each thread takes one contiguous range).
-static void qmv(const QMat *q, int lo, int hi, const float *x, int xs, int M, float *y, int ys, int add) {
-    for (int o = lo; o < hi; o++) {
-        for (int r0 = 0; r0 < M; r0 += TILE) {
-            switch (M - r0 < TILE ? M - r0 : TILE) {
-                TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
-#if TILE == 16
-                TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
-                TILE_CASE(12) TILE_CASE(13) TILE_CASE(14) TILE_CASE(15) TILE_CASE(16)
-#endif
-            }
-        }
-    }
-}
-
-// ---- row operations --------------------------------------------------------------------------
-static void rms_norm(const float *x, const float *w, float *out, int d, float eps) {
-    v16f ss = {0};
-    for (int c = 0; c < d; c += 16) {
-        v16f v = load16(x + c);
-        ss += v * v;
-    }
-    const float inv = 1.0f / sqrtf(hsum(ss) / (float)d + eps);
-    for (int c = 0; c < d; c += 16) store16(out + c, load16(x + c) * inv * load16(w + c));
-}
-
-// RoPE (non-traditional: dims i and i + hd/2 rotate together) of one head vector, in place.
-static void rope(float *v, const float *cs, const float *sn, int hd, float mul) {
-    const int h2 = hd / 2;
-    for (int i = 0; i < h2; i++) {
-        const float a = v[i], b = v[i + h2];
-        v[i] = (a * cs[i] - b * sn[i]) * mul;
-        v[i + h2] = (a * sn[i] + b * cs[i]) * mul;
-    }
-}
-
 typedef int32_t v16m __attribute__((vector_size(64)));
 
 // The 16 lane sums of a[0..15] as one vector (lane t: sum of a[t]'s lanes), by a fixed
@@ -206,6 +133,370 @@ static inline v16f reduce16(const v16f *a) {
     for (int i = 0; i < 2; i++)  // 2 per key, keys 8i..8i+7
         d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], lo3) + __builtin_shuffle(c[2 * i], c[2 * i + 1], hi3);
     return __builtin_shuffle(d[0], d[1], lo4) + __builtin_shuffle(d[0], d[1], hi4);
+}
+
+// ---- quantized mat-vec: y[r, o] (=|+=) dot(W[o, :], x[r, :]) for a tile of R rows ----------
+// Each dot product first prefetches the codes, scales and biases of the output PF_AHEAD on: with
+// many rows' work between its loads the hardware prefetcher fell behind (the LM head streamed at
+// 12 GB/s for 8 rows against 35 GB/s for 1; a 16-row pass took 15% longer).
+#define PF_AHEAD 8
+static inline void prefetch_output(const QMat *q, int o) {
+    const size_t stride = (size_t)(q->in * q->bits / 8), ng = (size_t)(q->in / q->gs);
+    const uint8_t *w = q->w + (size_t)(o + PF_AHEAD) * stride;
+    for (size_t i = 0; i < stride; i += 64) __builtin_prefetch(w + i, 0, 0);
+    __builtin_prefetch(q->s + (size_t)(o + PF_AHEAD) * ng, 0, 0);
+    __builtin_prefetch(q->b + (size_t)(o + PF_AHEAD) * ng, 0, 0);
+}
+// A dot product's 16 lane partial sums go to part[r * 16] (row r, this output's column of a
+// block of 16 outputs); flush() reduces a block with reduce16, whose tree is hsum's, so each
+// output gets the same bits as one hsum of its lanes, at ~1/10 of the cost.
+static void flush(const v16f *part, int n, int M, float *y, int ys, int ob, int add) {
+    for (int r = 0; r < M; r++) {
+        const v16f v = reduce16(part + 16 * r);
+        float *dst = y + (size_t)r * ys + ob;
+        if (n == 16) store16(dst, add ? load16(dst) + v : v);
+        else {
+            float t[16];
+            memcpy(t, &v, sizeof t);
+            for (int i = 0; i < n; i++) dst[i] = add ? dst[i] + t[i] : t[i];
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_tile(const int R, const int bits, const QMat *q, int o,
+                                                           const float *x, int xs, v16f *part) {
+    v16f acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = (v16f){0};
+    const int in = q->in, gs = q->gs, ng = in / gs;
+    const _Float16 *s = q->s + (size_t)o * ng, *b = q->b + (size_t)o * ng;
+    const uint8_t *w = q->w + (size_t)o * (size_t)(in * bits / 8);
+    prefetch_output(q, o);
+    for (int g = 0; g < ng; g++) {
+        const v16f sc = splat((float)s[g]), bi = splat((float)b[g]);
+        for (int c = g * gs; c < (g + 1) * gs; c += 32) {
+            v16f w0, w1;
+            if (bits == 4) {
+                const v16i v = widen(w + c / 2);
+                w0 = __builtin_convertvector(v & 15, v16f) * sc + bi;
+                w1 = __builtin_convertvector(v >> 4, v16f) * sc + bi;
+            } else {
+                w0 = __builtin_convertvector(widen(w + c), v16f) * sc + bi;
+                w1 = __builtin_convertvector(widen(w + c + 16), v16f) * sc + bi;
+            }
+            for (int r = 0; r < R; r++) {
+                acc[r] += w0 * load16(x + (size_t)r * xs + c);
+                acc[r] += w1 * load16(x + (size_t)r * xs + c + 16);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) part[16 * r] = acc[r];
+}
+
+#define TILE_CASE(R)                                                                  \
+    case R:                                                                           \
+        if (q->bits == 4) dot_tile(R, 4, q, o, x + (size_t)r0 * xs, xs, part + 16 * r0 + (o - ob)); \
+        else dot_tile(R, 8, q, o, x + (size_t)r0 * xs, xs, part + 16 * r0 + (o - ob)); \
+        break;
+
+// Outputs [lo, hi) of a projection (each thread takes one contiguous range).
+static void qmv(const QMat *q, int lo, int hi, const float *x, int xs, int M, float *y, int ys, int add) {
+    v16f part[MAX_ROWS * 16];
+    for (int ob = lo, o; ob < hi; ob += 16) {
+      if (hi - ob < 16) memset(part, 0, sizeof part);
+      for (o = ob; o < hi && o < ob + 16; o++) {
+        for (int r0 = 0; r0 < M; r0 += TILE) {
+            switch (M - r0 < TILE ? M - r0 : TILE) {
+                TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
+#if TILE == 16
+                TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
+                TILE_CASE(12) TILE_CASE(13) TILE_CASE(14) TILE_CASE(15) TILE_CASE(16)
+#endif
+            }
+        }
+      }
+      flush(part, o - ob, M, y, ys, ob, add);
+    }
+}
+
+// ---- integer activations: integer dot products (Model.digits) -------------------------------
+// Each row's input to a projection is quantized per block of 32 inputs, as llama.cpp quantizes
+// activations for its Q4_1/Q8_0 dot products (ggml's Q8_1): d = max|x| / 127 and q =
+// round-half-even(x * (127 / max|x|)) in [-127, 127]. With two digits (q16) the residual
+// x - d q (one rounding: an FMA) is quantized the same way into a second digit q', so x ~ d q +
+// d' q' to ~1/32000 of the block's largest input (one digit: 1/254, which moves the default
+// model's logits by ~2% of their scale). A dot product with affine weights (w = s * c + b per
+// group) is then the sum over blocks j and digits of d_j * s_j * sum_i c_i q_i + b_j * (d_j *
+// sum_i q_i): exact integer inner sums (AVX512-VNNI vpdpbusd, 64 byte products per
+// instruction), then float arithmetic in a fixed order. It computes the weights' dot product
+// with the quantized activations up to float32 rounding, and row r still depends on row r
+// alone. The weights are never converted to floats.
+//
+// Blocks are taken 16 at a time, one block per vector lane, so each lane's integer sum is one
+// block's and the float work (scale, bias) is 3 operations per 16 blocks and row. A lane holds
+// 4 bytes, so one vpdpbusd step covers inputs 4t..4t+3 of 16 blocks:
+//   activations (QAct), per digit, row and group of 16 blocks: 8 vectors of 64 bytes, vector t
+//     lane l = inputs 4t..4t+3 of block 16g + l; per digit and group 16 floats d_j; per group
+//     16 floats sum over digits of d_j * sum q (absent blocks of a last partial group are zero);
+//   4-bit codes, per output and group of n blocks: 4 segments of 4n bytes, segment t lane l =
+//     inputs 4t..4t+3 of the group's block l in the low nibbles and inputs 16+4t..16+4t+3 in
+//     the high ones; 8-bit codes: 8 segments, segment t lane l = inputs 4t..4t+3.
+// A last partial group of at most 8 blocks runs at half width (256-bit vectors); its lanes 8..15
+// add exact zeros, so the arithmetic is the same at every vector width.
+typedef struct {
+    int8_t *q[2];   // per digit
+    float *d[2], *m;
+    int sq, sd;     // per-row strides: bytes of q; floats of d and of m
+} QAct;
+
+// One block of 32 inputs into q (layout above); returns d, sets *sum to sum q and, when res is
+// given, res[i] = x[i] - d q[i] (rounded once).
+static inline float quantize_block(const float *x, int8_t *q, int *sum, float *res) {
+    int8_t v[32];
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const __m512 id = _mm512_set1_ps(amax > 1e-30f ? 127.0f / amax : 0.0f);
+    const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, id)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, id));
+    _mm_storeu_si128((__m128i *)v, _mm512_cvtsepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(v + 16), _mm512_cvtsepi32_epi8(qb));
+    *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+    const float d = amax / 127.0f;
+    if (res) {
+        const __m512 dv = _mm512_set1_ps(d);
+        _mm512_storeu_ps(res, _mm512_fnmadd_ps(dv, _mm512_cvtepi32_ps(qa), a));
+        _mm512_storeu_ps(res + 16, _mm512_fnmadd_ps(dv, _mm512_cvtepi32_ps(qb), b));
+    }
+#else
+    float amax = 0.0f;
+    for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    const float id = amax > 1e-30f ? 127.0f / amax : 0.0f, d = amax / 127.0f;
+    int s = 0;
+    for (int i = 0; i < 32; i++) {
+        const float t = x[i] * id;
+        v[i] = (int8_t)nearbyintf(t);  // (round half to even, as vcvtps2dq)
+        s += v[i];
+        if (res) res[i] = fmaf(-d, (float)v[i], x[i]);
+    }
+    *sum = s;
+#endif
+    for (int t = 0; t < 8; t++) memcpy(q + 64 * t, v + 4 * t, 4);
+    return d;
+}
+
+// Rows [0, M) of x [M, xs] (their first `in` inputs) into a, in `digits` digits.
+static void quantize_rows(const float *x, int xs, int M, int in, const QAct *a, int digits) {
+    const int nb = in / 32, last = (nb - 1) / 16;
+    for (int r = 0; r < M; r++) {
+        float *m = a->m + (size_t)r * a->sd;
+        memset(m + 16 * last, 0, sizeof(float) * 16);  // (a partial group's absent blocks stay zero)
+        for (int k = 0; k < digits; k++) {
+            memset(a->q[k] + (size_t)r * a->sq + (size_t)512 * last, 0, 512);
+            memset(a->d[k] + (size_t)r * a->sd + 16 * last, 0, sizeof(float) * 16);
+        }
+        for (int j = 0; j < nb; j++) {
+            const size_t at = (size_t)r * a->sq + 512 * (j / 16) + 4 * (j % 16);
+            float res[32];
+            int s0, s1;
+            const float d0 = quantize_block(x + (size_t)r * xs + 32 * j, a->q[0] + at, &s0, digits > 1 ? res : NULL);
+            a->d[0][(size_t)r * a->sd + j] = d0;
+            if (digits > 1) {
+                const float d1 = quantize_block(res, a->q[1] + at, &s1, NULL);
+                a->d[1][(size_t)r * a->sd + j] = d1;
+                const float m0 = d0 * (float)s0, m1 = d1 * (float)s1;
+                m[j] = m0 + m1;
+            } else {
+                m[j] = d0 * (float)s0;
+            }
+        }
+    }
+}
+
+// lane l: the scale (or bias) of block j0 + l's group, for l < n; else 0
+static inline v16f lanes16(const _Float16 *s, int j0, int n, int per) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (per == 1)  // (a masked load only for a partial group: it is slow on some CPUs)
+        return (v16f)_mm512_cvtph_ps(n == 16 ? _mm256_loadu_si256((const __m256i *)(s + j0))
+                                             : _mm256_maskz_loadu_epi16((__mmask16)((1u << n) - 1), s + j0));
+#endif
+    float t[16] = {0};
+    for (int l = 0; l < n; l++) t[l] = (float)s[(j0 + l) / per];
+    return load16(t);
+}
+
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+
+// The integer sums of one group of n blocks for rows r0..r0+R-1: the group's codes w (4 or 8
+// segments of 4n bytes), activations at byte offset aoff of each row's QAct.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define Q8_VNNI 1
+static inline __m512i seg512(const uint8_t *w, int n, int t) {
+    return n == 16 ? _mm512_loadu_si512(w + 64 * t) : _mm512_maskz_loadu_epi8((1ULL << (4 * n)) - 1, w + 4 * n * t);
+}
+static inline __m256i seg256(const uint8_t *w, int n, int t) {
+    return _mm256_maskz_loadu_epi8((__mmask32)((1ULL << (4 * n)) - 1), w + 4 * n * t);
+}
+#else
+static inline v16i seg_generic(const uint8_t *w, int n, int t) {
+    v16i v = {0};
+    memcpy(&v, w + 4 * n * t, 4 * n);
+    return v;
+}
+static inline v16i dot_generic(v16i acc, v16i w, const int8_t *a) {  // (the integers of vpdpbusd)
+    v16u av;
+    memcpy(&av, a, 64);
+    for (int i = 0; i < 4; i++)
+        acc += (v16i)(((v16u)w >> (8 * i)) & 0xFF) * ((v16i)(av << (24 - 8 * i)) >> 24);
+    return acc;
+}
+#endif
+
+
+static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const int bits, const int D, const QMat *q,
+                                                              int o, const QAct *a, int r0, v16f *part) {
+    v16f acc[TILE];
+    for (int r = 0; r < R; r++) acc[r] = (v16f){0};
+    const int in = q->in, nb = in / 32, per = q->gs / 32, ng = in / q->gs, full = nb / 16, rest = nb % 16;
+    const _Float16 *s = q->s + (size_t)o * ng, *b = q->b + (size_t)o * ng;
+    const uint8_t *w = q->w + (size_t)o * (size_t)(in * bits / 8);
+    const int segs = bits == 4 ? 4 : 8;
+    prefetch_output(q, o);
+    for (int g = 0; g <= full; g++) {  // the whole groups, then a partial one
+        const int n = g == full ? rest : 16;
+        if (n == 0) continue;
+        const uint8_t *wg = w + (size_t)16 * g * 4 * segs;  // (16 blocks of 4 * segs bytes before it)
+        const v16f sv = lanes16(s, 16 * g, n, per), bv = lanes16(b, 16 * g, n, per);
+// the group's float term of row r and digit k, lanes = blocks: d s I; then the biases: b (d sum q)
+#define GROUP_FLOATS(r, k, I)                                                                     \
+    acc[r] += __builtin_convertvector(I, v16f) * (sv * load16(a->d[k] + (size_t)(r0 + r) * a->sd + 16 * g))
+#define GROUP_BIAS(r) acc[r] += bv * load16(a->m + (size_t)(r0 + r) * a->sd + 16 * g)
+#ifdef Q8_VNNI
+        if (n <= 8) {  // half width
+            __m256i W[8];
+            for (int t = 0; t < 4; t++) W[t] = seg256(wg, n, t);
+            if (bits == 4)
+                for (int t = 0; t < 4; t++) {
+                    W[4 + t] = _mm256_and_si256(_mm256_srli_epi16(W[t], 4), _mm256_set1_epi8(15));
+                    W[t] = _mm256_and_si256(W[t], _mm256_set1_epi8(15));
+                }
+            else
+                for (int t = 4; t < 8; t++) W[t] = seg256(wg, n, t);
+            for (int r = 0; r < R; r++) {
+                for (int k = 0; k < D; k++) {
+                    const int8_t *aq = a->q[k] + (size_t)(r0 + r) * a->sq + 512 * g;
+                    __m256i v = _mm256_setzero_si256();
+                    for (int t = 0; t < 8; t++)
+                        v = _mm256_dpbusd_epi32(v, W[t], _mm256_loadu_si256((const __m256i *)(aq + 64 * t)));
+                    GROUP_FLOATS(r, k, (v16i)_mm512_zextsi256_si512(v));
+                }
+                GROUP_BIAS(r);
+            }
+        } else {
+            __m512i W[8];
+            for (int t = 0; t < 4; t++) W[t] = seg512(wg, n, t);
+            if (bits == 4)
+                for (int t = 0; t < 4; t++) {
+                    W[4 + t] = _mm512_and_si512(_mm512_srli_epi16(W[t], 4), _mm512_set1_epi8(15));
+                    W[t] = _mm512_and_si512(W[t], _mm512_set1_epi8(15));
+                }
+            else
+                for (int t = 4; t < 8; t++) W[t] = seg512(wg, n, t);
+            for (int r = 0; r < R; r++) {
+                for (int k = 0; k < D; k++) {
+                    const int8_t *aq = a->q[k] + (size_t)(r0 + r) * a->sq + 512 * g;
+                    __m512i v = _mm512_setzero_si512();
+                    for (int t = 0; t < 8; t++) v = _mm512_dpbusd_epi32(v, W[t], _mm512_loadu_si512(aq + 64 * t));
+                    GROUP_FLOATS(r, k, (v16i)v);
+                }
+                GROUP_BIAS(r);
+            }
+        }
+#else
+        v16i W[8];
+        for (int t = 0; t < 4; t++) W[t] = seg_generic(wg, n, t);
+        if (bits == 4)
+            for (int t = 0; t < 4; t++) {
+                W[4 + t] = (v16i)((v16u)W[t] >> 4) & 0x0F0F0F0F;
+                W[t] = W[t] & 0x0F0F0F0F;
+            }
+        else
+            for (int t = 4; t < 8; t++) W[t] = seg_generic(wg, n, t);
+        for (int r = 0; r < R; r++) {
+            for (int k = 0; k < D; k++) {
+                const int8_t *aq = a->q[k] + (size_t)(r0 + r) * a->sq + 512 * g;
+                v16i v = {0};
+                for (int t = 0; t < 8; t++) v = dot_generic(v, W[t], aq + 64 * t);
+                GROUP_FLOATS(r, k, v);
+            }
+            GROUP_BIAS(r);
+        }
+#endif
+#undef GROUP_FLOATS
+#undef GROUP_BIAS
+    }
+    for (int r = 0; r < R; r++) part[16 * r] = acc[r];
+}
+
+#define TILE_CASE_Q8(R)                                                                   \
+    case R:                                                                               \
+        if (q->bits == 4) dot_tile_q8(R, 4, D, q, o, a, r0, part + 16 * r0 + (o - ob));   \
+        else dot_tile_q8(R, 8, D, q, o, a, r0, part + 16 * r0 + (o - ob));                \
+        break;
+
+static inline __attribute__((always_inline)) void qmv_q8(const int D, const QMat *q, int lo, int hi, const QAct *a,
+                                                         int M, float *y, int ys, int add) {
+    v16f part[MAX_ROWS * 16];
+    for (int ob = lo, o; ob < hi; ob += 16) {
+      if (hi - ob < 16) memset(part, 0, sizeof part);
+      for (o = ob; o < hi && o < ob + 16; o++) {
+        for (int r0 = 0; r0 < M; r0 += TILE) {
+            switch (M - r0 < TILE ? M - r0 : TILE) {
+                TILE_CASE_Q8(1) TILE_CASE_Q8(2) TILE_CASE_Q8(3) TILE_CASE_Q8(4)
+#if TILE == 16
+                TILE_CASE_Q8(5) TILE_CASE_Q8(6) TILE_CASE_Q8(7) TILE_CASE_Q8(8) TILE_CASE_Q8(9) TILE_CASE_Q8(10)
+                TILE_CASE_Q8(11) TILE_CASE_Q8(12) TILE_CASE_Q8(13) TILE_CASE_Q8(14) TILE_CASE_Q8(15) TILE_CASE_Q8(16)
+#endif
+            }
+        }
+      }
+      flush(part, o - ob, M, y, ys, ob, add);
+    }
+}
+
+static void qmv_q8_1(const QMat *q, int lo, int hi, const QAct *a, int M, float *y, int ys, int add) {
+    qmv_q8(1, q, lo, hi, a, M, y, ys, add);
+}
+static void qmv_q8_2(const QMat *q, int lo, int hi, const QAct *a, int M, float *y, int ys, int add) {
+    qmv_q8(2, q, lo, hi, a, M, y, ys, add);
+}
+
+// Outputs [lo, hi) of y = x W^T: float32 inputs x, or (Model.digits) their quantization a.
+static void matvec(const Model *m, const QMat *q, int lo, int hi, const float *x, int xs, const QAct *a, int M,
+                   float *y, int ys, int add) {
+    if (m->digits == 2) qmv_q8_2(q, lo, hi, a, M, y, ys, add);
+    else if (m->digits == 1) qmv_q8_1(q, lo, hi, a, M, y, ys, add);
+    else qmv(q, lo, hi, x, xs, M, y, ys, add);
+}
+
+// ---- row operations --------------------------------------------------------------------------
+static void rms_norm(const float *x, const float *w, float *out, int d, float eps) {
+    v16f ss = {0};
+    for (int c = 0; c < d; c += 16) {
+        v16f v = load16(x + c);
+        ss += v * v;
+    }
+    const float inv = 1.0f / sqrtf(hsum(ss) / (float)d + eps);
+    for (int c = 0; c < d; c += 16) store16(out + c, load16(x + c) * inv * load16(w + c));
+}
+
+// RoPE (non-traditional: dims i and i + hd/2 rotate together) of one head vector, in place.
+static void rope(float *v, const float *cs, const float *sn, int hd, float mul) {
+    const int h2 = hd / 2;
+    for (int i = 0; i < h2; i++) {
+        const float a = v[i], b = v[i + h2];
+        v[i] = (a * cs[i] - b * sn[i]) * mul;
+        v[i + h2] = (a * sn[i] + b * cs[i]) * mul;
+    }
 }
 
 #define SEG 256       // keys per attention work unit (a multiple of 16)
@@ -330,6 +621,7 @@ typedef struct {
     float *const *kc, *const *vc;
     float *logits, *hidden, *ws, *trig, *scratch, *parts;
     v16f *acc;
+    const QAct *qa;         // [threads]: each thread's quantized rows (Model.digits)
     const int32_t *unit0;   // [M + 1]: row r's attention partials are unit0[r] .. unit0[r + 1] - 1
     const int32_t *units;   // [nunits, 4]: attention units (first row, end row, KV head, segment)
     int nunits;
@@ -410,16 +702,18 @@ static inline void split(int n, int tid, int *lo, int *hi) {
 
 #define FOR_SHARE(var, n) for (int lo_, hi_, var = (split((n), tid, &lo_, &hi_), lo_); var < hi_; var++)
 
-static void project(const QMat *q, int tid, const float *x, int xs, int M, float *y, int ys, int add) {
+static void project(const Model *m, const QMat *q, int tid, const float *x, int xs, const QAct *a, int M, float *y,
+                    int ys, int add) {
     int lo, hi;
     split(q->out, tid, &lo, &hi);
-    qmv(q, lo, hi, x, xs, M, y, ys, add);
+    matvec(m, q, lo, hi, x, xs, a, M, y, ys, add);
     barrier();
 }
 
 // Each thread normalises every row into its own buffer (a few microseconds) instead of sharing
 // one behind a barrier; gate and up outputs of the same columns go to the same thread, which
-// applies SiLU at once. Seven barriers per layer.
+// applies SiLU at once. Seven barriers per layer. With integer activations each thread quantizes
+// every row of each projection's input into its own buffer (no barrier; ~0.1 us per row).
 static void run_pass(const Job *j, int tid) {
     const Model *m = j->m;
     const int M = j->M, dm = m->dm, hd = m->hd, nh = m->nh, nkv = m->nkv, di = m->di;
@@ -428,12 +722,14 @@ static void run_pass(const Job *j, int tid) {
     float *act = gu + 2 * M * di, *xn = act + M * di + (size_t)tid * M * dm;  // (xn: this thread's)
     float *sc = j->scratch + (size_t)tid * MAX_ROWS * G * SEG;
     v16f *acc = j->acc + (size_t)tid * MAX_ROWS * G * (hd / 16);
+    const QAct *qa = j->qa + tid;
     int lo, hi;
     for (int l = 0; l < m->nl; l++) {
         const float *nw = m->norms + (size_t)l * 2 * dm;
         if (l) FOR_SHARE(r, M) memcpy(j->hidden + ((size_t)(l - 1) * M + r) * dm, x + r * dm, sizeof(float) * dm);
         for (int r = 0; r < M; r++) rms_norm(x + r * dm, nw, xn + r * dm, dm, m->eps);
-        project(&m->qkv[l], tid, xn, dm, M, qkv, nqkv, 0);
+        if (m->digits) quantize_rows(xn, dm, M, dm, qa, m->digits);
+        project(m, &m->qkv[l], tid, xn, dm, qa, M, qkv, nqkv, 0);
         FOR_SHARE(u, M * (nh + nkv)) {
             const int r = u / (nh + nkv), t = u % (nh + nkv);
             float *v = qkv + (size_t)r * nqkv + t * hd;
@@ -462,21 +758,25 @@ static void run_pass(const Job *j, int tid) {
                              att + (size_t)r * nh * hd + g * G * hd);
         }
         barrier();
-        project(&m->o[l], tid, att, nh * hd, M, x, dm, 1);
+        if (m->digits) quantize_rows(att, nh * hd, M, nh * hd, qa, m->digits);
+        project(m, &m->o[l], tid, att, nh * hd, qa, M, x, dm, 1);
         for (int r = 0; r < M; r++) rms_norm(x + r * dm, nw + dm, xn + r * dm, dm, m->eps);
+        if (m->digits) quantize_rows(xn, dm, M, dm, qa, m->digits);
         split(di / 16, tid, &lo, &hi);  // columns [16 lo, 16 hi) of gate and of up, then SiLU
-        qmv(&m->gu[l], 16 * lo, 16 * hi, xn, dm, M, gu, 2 * di, 0);
-        qmv(&m->gu[l], di + 16 * lo, di + 16 * hi, xn, dm, M, gu, 2 * di, 0);
+        matvec(m, &m->gu[l], 16 * lo, 16 * hi, xn, dm, qa, M, gu, 2 * di, 0);
+        matvec(m, &m->gu[l], di + 16 * lo, di + 16 * hi, xn, dm, qa, M, gu, 2 * di, 0);
         for (int r = 0; r < M; r++)
             for (int c = 16 * lo; c < 16 * hi; c += 16)
                 store16(act + (size_t)r * di + c, silu_mul(load16(gu + (size_t)r * 2 * di + c),
                                                            load16(gu + (size_t)r * 2 * di + di + c)));
         barrier();
-        project(&m->down[l], tid, act, di, M, x, dm, 1);
+        if (m->digits) quantize_rows(act, di, M, di, qa, m->digits);
+        project(m, &m->down[l], tid, act, di, qa, M, x, dm, 1);
     }
     FOR_SHARE(r, M) memcpy(j->hidden + ((size_t)(m->nl - 1) * M + r) * dm, x + r * dm, sizeof(float) * dm);
     for (int r = 0; r < M; r++) rms_norm(x + r * dm, m->fnorm, xn + r * dm, dm, m->eps);
-    project(m->head, tid, xn, dm, M, j->logits, m->vocab, 0);
+    if (m->digits) quantize_rows(xn, dm, M, dm, qa, m->digits);
+    project(m, m->head, tid, xn, dm, qa, M, j->logits, m->vocab, 0);
 }
 
 static void *worker(void *arg) {
@@ -572,8 +872,21 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
             }
     }
     v16f *acc = aligned_alloc(64, sizeof(v16f) * (size_t)threads * MAX_ROWS * G * (hd / 16));
+    // per thread, its quantized rows of the widest projection input
+    const int in_max = dm > nh * hd ? (dm > di ? dm : di) : (nh * hd > di ? nh * hd : di);
+    const int groups = (in_max / 32 + 15) / 16, sq = 512 * groups, sd = 16 * groups;
+    const size_t per_thread = (size_t)M * 2 * (sq + sizeof(float) * 2 * sd);
+    char *qbuf = m->digits ? aligned_alloc(64, ((per_thread * threads + 63) & ~(size_t)63) + 64) : NULL;
+    QAct *qa = malloc(sizeof(QAct) * (threads ? threads : 1));
+    for (int t = 0; qbuf && qa && t < threads; t++) {
+        char *base = qbuf + per_thread * t;
+        float *f = (float *)(base + (size_t)2 * M * sq);
+        qa[t] = (QAct){{(int8_t *)base, (int8_t *)base + (size_t)M * sq}, {f, f + (size_t)M * sd}, f + (size_t)2 * M * sd,
+                       sq, sd};
+    }
     int rc = -1;
-    if (threads && M >= 1 && M <= MAX_ROWS && ws && trig && scratch && acc && parts && units) {
+    if (threads && M >= 1 && M <= MAX_ROWS && ws && trig && scratch && acc && parts && units && qa &&
+        (qbuf || !m->digits)) {
         memcpy(ws, x0, sizeof(float) * (size_t)M * dm);
         for (int r = 0; r < M; r++)  // cos | sin per row, from the row's position alone
             for (int i = 0; i < h2; i++) {
@@ -581,7 +894,7 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
                 trig[r * hd + i] = cosf(theta);
                 trig[r * hd + h2 + i] = sinf(theta);
             }
-        const Job job = {m, M, pos, seq, cap, kc, vc, logits, hidden, ws, trig, scratch, parts, acc, unit0, units, nunits};
+        const Job job = {m, M, pos, seq, cap, kc, vc, logits, hidden, ws, trig, scratch, parts, acc, qa, unit0, units, nunits};
         pthread_mutex_lock(&pool.mu);
         pool.job = &job;
         pool.gen++;
@@ -597,5 +910,7 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
     free(parts);
     free(units);
     free(acc);
+    free(qbuf);
+    free(qa);
     return rc;
 }
