@@ -3,7 +3,8 @@
 For each model and each mode of ``--modes`` (``eager``: mlx-lm's modules on mlx-lm KV caches,
 the engine's ``SPECSERVE_COMPILE=off SPECSERVE_FUSED=off`` path; ``compiled``: ``mx.compile``d
 passes over the static KV cache, :mod:`engine.static_cache`; ``fused``: one kernel launch per
-pass, :mod:`metal_kernels.fused`, CUDA and supported models only), after a prefill of
+pass, :mod:`metal_kernels.fused`, or the C pass of :mod:`metal_kernels.fused_cpu` on the CPU;
+``fused:q8`` etc. picks the CPU pass's activations, default ``q16``), after a prefill of
 ``--context`` tokens:
 
 - ``step_ms[k]`` for k = 1..16 rows (T(k)): the median of ``build`` (host: building the graph,
@@ -107,7 +108,8 @@ def engine_decode(loaded, mode: str, prompt: list[int], max_tokens: int) -> floa
     from engine.request import GenerationRequest, SamplingParams
 
     cfg = EngineConfig(speculation="off", compile="on" if mode == "compiled" else "off",
-                       fused="on" if mode == "fused" else "off", max_verify_rows=1)
+                       fused="on" if mode.startswith("fused") else "off", max_verify_rows=1,
+                       cpu_activations=_activations(mode))
     eng = Engine(cfg, loaded=loaded).start(wait=True, timeout=600)
     try:
         def run(n):  # tokens/s between the first and the last event (prefill excluded)
@@ -122,14 +124,20 @@ def engine_decode(loaded, mode: str, prompt: list[int], max_tokens: int) -> floa
         eng.stop()
 
 
+def _activations(mode: str) -> str:
+    """The CPU fused pass's activations of ``mode`` (``fused:q8`` -> ``q8``; default ``q16``)."""
+    return mode.split(":", 1)[1] if ":" in mode else "q16"
+
+
 def make_runner(model, mode: str, context_limit=None, quantized=None) -> TargetRunner:
-    """A runner for ``mode`` (eager, compiled or fused: the CUDA kernel, or the C pass on the CPU
-    over ``quantized``, the loader's quantized layers); ValueError if fused is unsupported."""
+    """A runner for ``mode`` (eager, compiled or fused[:activations]: the CUDA kernel, or the C
+    pass on the CPU over ``quantized``, the loader's quantized layers); ValueError if fused is
+    unsupported."""
     fused = None
-    if mode == "fused":
+    if mode.startswith("fused"):
         from metal_kernels import make_fused_pass
 
-        fused = make_fused_pass(model, quantized)
+        fused = make_fused_pass(model, quantized, cpu_activations=_activations(mode))
     return TargetRunner(model, compile=mode == "compiled", max_context=context_limit, fused=fused)
 
 
@@ -177,7 +185,7 @@ def profile_model(name: str, model, vocab: int, args, result: dict, loaded=None,
 def _table(result: dict) -> str:
     lines = []
     for name, entry in result["models"].items():
-        for mode in ("eager", "compiled", "fused"):
+        for mode in [k for k in entry if k.startswith(("eager", "compiled", "fused"))]:
             m = entry.get(mode)
             if not m or "skipped" in m:
                 if m:
@@ -238,7 +246,8 @@ def main(argv=None):
     ap.add_argument("--llama8b", action="store_true", help="also the 8B-shaped random 4-bit Llama")
     ap.add_argument("--dtype", default="bfloat16", help="activation dtype of the 8B-shaped model")
     ap.add_argument("--smoke", action="store_true", help="2-layer 8B-shaped model (CPU harness check)")
-    ap.add_argument("--modes", default="eager,compiled,fused", help="comma-separated: eager, compiled, fused")
+    ap.add_argument("--modes", default="eager,compiled,fused",
+                    help="comma-separated: eager, compiled, fused, fused:ACTIVATIONS (CPU: q16, q8, float32)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--max-k", type=int, default=16)

@@ -623,7 +623,7 @@ typedef struct {
     v16f *acc;
     const QAct *qa;         // [threads]: each thread's quantized rows (Model.digits)
     const int32_t *unit0;   // [M + 1]: row r's attention partials are unit0[r] .. unit0[r + 1] - 1
-    const int32_t *units;   // [nunits, 4]: attention units (first row, end row, KV head, segment)
+    const int32_t *units;   // [nunits, 5]: attention units (first row, end row, KV head, segment, thread)
     int nunits;
 } Job;
 
@@ -744,8 +744,9 @@ static void run_pass(const Job *j, int tid) {
         barrier();
         // attention units: (sequence, KV head, segment of SEG keys) for all the sequence's rows,
         // then one combine per (row, KV head)
-        FOR_SHARE(u, j->nunits) {
-            const int32_t *t = j->units + 4 * u;  // first row, end row, KV head, segment
+        for (int u = 0; u < j->nunits; u++) {
+            const int32_t *t = j->units + 5 * u;  // first row, end row, KV head, segment, thread
+            if (t[4] != tid) continue;
             const int s = j->seq[t[0]];
             attend_segment(m, qkv, nqkv, t[0], t[1], j->pos, j->kc[s * m->nl + l] + (size_t)t[2] * j->cap[s] * hd,
                            j->vc[s * m->nl + l] + (size_t)t[2] * j->cap[s] * hd, t[2], t[3], j->parts, j->unit0,
@@ -858,18 +859,31 @@ int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t 
     for (int r = 0; r < M && r < MAX_ROWS; r++) unit0[r + 1] = unit0[r] + nkv * ((pos[r] + SEG) / SEG);
     float *parts = malloc(sizeof(float) * (size_t)(M <= MAX_ROWS ? unit0[M] : 1) * G * (hd + 2));
     // attention units: per sequence (rows consecutive), per KV head, per segment of its last row
-    int32_t *units = malloc(sizeof(int32_t) * 4 * (size_t)(M <= MAX_ROWS ? unit0[M] : 1));
+    int32_t *units = malloc(sizeof(int32_t) * 5 * (size_t)(M <= MAX_ROWS ? unit0[M] : 1));
     int nunits = 0;
+    long total = 0;  // (work: keys summed over the unit's rows, plus a fixed cost per unit)
     for (int r0 = 0, r1; r0 < M && M <= MAX_ROWS; r0 = r1) {  // (a sequence's rows, at most ROW_BLOCK)
         for (r1 = r0 + 1; r1 < M && r1 - r0 < ROW_BLOCK && seq[r1] == seq[r0]; r1++) {}
         const int segs = (pos[r1 - 1] + SEG) / SEG;
         for (int g = 0; units && g < nkv; g++)
             for (int sg = 0; sg < segs; sg++, nunits++) {
-                units[4 * nunits] = r0;
-                units[4 * nunits + 1] = r1;
-                units[4 * nunits + 2] = g;
-                units[4 * nunits + 3] = sg;
+                int32_t *t = units + 5 * nunits;
+                t[0] = r0, t[1] = r1, t[2] = g, t[3] = sg, t[4] = 32;
+                for (int r = r0; r < r1; r++) {
+                    const int keys = (pos[r] + 1 < (sg + 1) * SEG ? pos[r] + 1 : (sg + 1) * SEG) - sg * SEG;
+                    t[4] += keys > 0 ? keys : 0;
+                }
+                total += t[4];
             }
+    }
+    // contiguous runs of units of about equal work per thread (a unit per (KV head, segment) of
+    // a block of 8 rows and one of a single row cost ~8x apart: an even count split left one
+    // thread with all the heavy ones, doubling the phase at 9 rows); which thread computes a
+    // unit does not change its result
+    for (long u = 0, done = 0; units && u < nunits; u++) {
+        const long cost = units[5 * u + 4];
+        units[5 * u + 4] = (int32_t)(((2 * done + cost) * threads) / (2 * (total ? total : 1)));
+        done += cost;
     }
     v16f *acc = aligned_alloc(64, sizeof(v16f) * (size_t)threads * MAX_ROWS * G * (hd / 16));
     // per thread, its quantized rows of the widest projection input
