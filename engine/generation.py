@@ -318,7 +318,8 @@ def prefill_step(seq: Sequence) -> CommitResult | None:
     if seq.prompt_logprobs is not None and start == 0:
         seq.prompt_logprobs.append(TokenLogprob(seq.tokens[0], None))
     if end > start:
-        logits, hidden = runner.prefill(seq.tokens[start:end], seq.cache, seq.taps)
+        logits, hidden = runner.prefill(seq.tokens[start:end], seq.cache, seq.taps,
+                                        logits=seq.prompt_logprobs is not None)
         if hidden is not None:
             seq.pending_hidden.append(hidden)
         if seq.prompt_logprobs is not None:

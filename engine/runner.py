@@ -146,14 +146,37 @@ class TargetRunner:
             self._taps_alive[key] = taps  # keeps id(taps) unique while its passes live
         return self._passes[key]
 
-    def prefill(self, tokens: list[int], cache, taps=None):
+    def prefill(self, tokens: list[int], cache, taps=None, logits: bool = True):
         """Run ``tokens`` (a prompt chunk) through the target (never compiled: chunk sizes vary).
 
+        A fused pass that ``prefills`` (the CPU twin) takes the chunk ``max_rows`` rows at a time:
+        on the default model with q16 activations that is ~2x OpenBLAS's float32 prefill. Its rows
+        are the decode step's arithmetic, so the cache holds the same bits however the prompt
+        was chunked (the prefix cache relies on that); position 0 goes through mlx-lm's modules,
+        as in decoding.
+
+        Args:
+            logits: False when only the cache (and taps) are wanted: a fused prefill then skips
+                the LM head, and the returned logits are None.
+
         Returns:
-            ``(logits [n, V] float32, hidden [n, m*d] float32 or None)``, lazy; ``hidden`` holds
-            the tapped layers' outputs when ``taps`` (a ``drafters.dspark.TargetTaps``) is given.
+            ``(logits [n, V] float32 or None, hidden [n, m*d] float32 or None)``, lazy;
+            ``hidden`` holds the tapped layers' outputs when ``taps`` (a
+            ``drafters.dspark.TargetTaps``) is given.
         """
-        return self._forward(tokens, cache, taps)
+        if self.fused is None or not getattr(self.fused, "prefills", False) or not tokens:
+            return self._forward(tokens, cache, taps)
+        parts = []
+        if self.cache_length(cache) == 0:
+            parts.append(self._module_pass(tokens[:1], cache, taps))
+            tokens = tokens[1:]
+        for i in range(0, len(tokens), self.fused.max_rows):
+            out = self.fused(tokens[i:i + self.fused.max_rows], cache, logits=logits)
+            self.fused.check(out)
+            parts.append(self._fused_result(out, taps))
+        lg = None if not logits else parts[0][0] if len(parts) == 1 else mx.concatenate([p[0] for p in parts])
+        hidden = None if taps is None else mx.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
+        return lg, hidden
 
     def verify(self, tokens: list[int], cache, taps=None):
         """Decode (one token) or verify (anchor + drafts).
@@ -321,19 +344,23 @@ class TargetRunner:
         return widths
 
     def _measure_cost(self, context: list[int], probe: list[int], widths: int, repeats: int) -> list[float]:
+        """``T(k)`` for ``k = 1..widths``: each width's fastest of ``repeats`` passes, taken in
+        rounds over all widths after one warm-up round, so a burst of other work inflates at most
+        one round (interference only ever adds time; consecutive repeats per width, medians,
+        once made T(1) 4x too high and, with the smoothing below, the curve flat to 11 rows, and
+        under a test suite's load T(3) = 6 T(1), which kept drafts at one token)."""
         cache = self.make_cache()
         mx.eval(self.prefill(context, cache)[0])
-        costs = []
-        for w in range(1, widths + 1):
-            times = []
-            for _ in range(repeats + 1):  # first run warms up this width
+        best = [float("inf")] * widths
+        for round_ in range(repeats + 1):  # round 0 warms every width up
+            for w in range(1, widths + 1):
                 start = time.perf_counter()
                 mx.eval(self.verify(probe[:w], cache)[0])
-                times.append(time.perf_counter() - start)
+                elapsed = time.perf_counter() - start
                 self.trim(cache, w)
-            costs.append(min(times[1:]))  # (interference only ever adds time: a median of 3 taken
-            # while another process ran once made T(1) 4x too high, and with the smoothing below
-            # the whole curve flat up to 11 rows)
+                if round_:
+                    best[w - 1] = min(best[w - 1], elapsed)
+        costs = best
         # A wider pass never costs less than a narrower one for the scheduler's purposes.
         for i in range(1, len(costs)):
             costs[i] = max(costs[i], costs[i - 1])

@@ -338,13 +338,16 @@ class CpuFusedPass:
         :meth:`metal_kernels.fused.FusedPass.supports_cache`)."""
         return 1 <= rows <= MAX_ROWS and len(cache) == self.layers and cache_layout_ok(cache)
 
-    def __call__(self, tokens: list[int], cache: list) -> FusedOutput:
+    prefills = True  # the engine may prefill through it (:meth:`TargetRunner.prefill`, max_rows at a time)
+
+    def __call__(self, tokens: list[int], cache: list, logits: bool = True) -> FusedOutput:
         """Run ``tokens`` (one decode token, or the anchor plus drafts) through the target at the
         cache's current length, appending their keys and values to ``cache``.
 
         Args:
             tokens: 1..16 token ids.
             cache: the sequence's per-layer mlx-lm ``KVCache`` list, prefilled, float32.
+            logits: False skips the LM head (a prefill chunk): ``FusedOutput.logits`` is None.
 
         Returns:
             :class:`metal_kernels.fused.FusedOutput` (``logits [M, V]``, ``hidden [L, M, d]``,
@@ -354,17 +357,18 @@ class CpuFusedPass:
             ValueError: more than 16 or no tokens, or a cache :meth:`supports_cache` rejects.
             MemoryError: the pass could not allocate its workspace.
         """
-        return self.batch([tokens], [cache])[0]
+        return self.batch([tokens], [cache], logits)[0]
 
     batches = True  # several sequences may share a pass (:meth:`batch`)
 
-    def batch(self, rows: list[list[int]], caches: list[list]) -> list[FusedOutput]:
+    def batch(self, rows: list[list[int]], caches: list[list], logits: bool = True) -> list[FusedOutput]:
         """One pass over several sequences' rows (continuous batching): the weights are read once
         for all of them, and each sequence's rows compute exactly what its own pass computes.
 
         Args:
             rows: per sequence, 1..16 token ids (16 rows in all at most).
             caches: per sequence, its own per-layer ``KVCache`` list (see :meth:`supports_cache`).
+            logits: False skips the LM head (``FusedOutput.logits`` is None).
 
         Returns:
             per sequence, :class:`metal_kernels.fused.FusedOutput` of its rows.
@@ -393,13 +397,13 @@ class CpuFusedPass:
         n = len(caches) * self.layers
         keys = (ctypes.c_void_p * n)(*(a for ptr in pointers for a in ptr[1]))
         values = (ctypes.c_void_p * n)(*(a for ptr in pointers for a in ptr[2]))
-        logits = np.empty((m, self._model.vocab), np.float32)
+        out_logits = np.empty((m, self._model.vocab), np.float32) if logits else None
         hidden = np.empty((self.layers, m, self.hidden_size), np.float32)
         x0_np = np.ascontiguousarray(np.asarray(x0))
         rc = self.lib.specserve_cpu_pass(
             ctypes.byref(self._model), m, ctypes.c_void_p(pos.ctypes.data), ctypes.c_void_p(seq.ctypes.data),
             ctypes.c_void_p(x0_np.ctypes.data), keys, values, ctypes.c_void_p(cap.ctypes.data),
-            ctypes.c_void_p(logits.ctypes.data), ctypes.c_void_p(hidden.ctypes.data))
+            ctypes.c_void_p(None if out_logits is None else out_logits.ctypes.data), ctypes.c_void_p(hidden.ctypes.data))
         if rc:
             raise MemoryError("CPU fused pass: workspace allocation failed")
         self.passes += 1
@@ -408,7 +412,8 @@ class CpuFusedPass:
             for layer in cache:
                 layer.offset += len(r)
             part = slice(at, at + len(r))
-            outs.append(FusedOutput(mx.array(logits[part]), mx.array(hidden[:, part]), x0[part], self._ok))
+            outs.append(FusedOutput(None if out_logits is None else mx.array(out_logits[part]),
+                                    mx.array(hidden[:, part]), x0[part], self._ok))
             at += len(r)
         return outs
 

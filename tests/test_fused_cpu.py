@@ -341,3 +341,37 @@ def test_the_avx2_build_computes_the_same_bits(tmp_path, activations):
     fp.lib.specserve_cpu_pass.restype = ctypes.c_int
     fp.lib.specserve_cpu_threads(2)
     assert np.array_equal(np.array(fp(tokens[284:], cache).logits), want)
+
+
+def test_prefill_through_the_pass_equals_decoding_the_prompt():
+    """A runner whose CPU pass prefills takes a prompt 16 rows at a time (position 0 through
+    mlx-lm's modules): the cache, the logits and the tapped hidden states equal feeding the
+    prompt one decode step at a time, bit for bit, however the prompt is chunked; without
+    logits the LM head is skipped and the cache is the same."""
+    from drafters.dspark import TargetTaps
+
+    model, stored = _models(4, 64, seed=8)
+    runner = TargetRunner(model, fused=CpuFusedPass(model, stored))
+    taps = TargetTaps(model, [0, 1])
+    tokens = mx.random.randint(3, 259, (70,), key=mx.random.key(4)).tolist()
+    stepped = runner.make_cache()
+    steps = [runner.verify([t], stepped, taps) for t in tokens]
+    want_logits = np.concatenate([np.array(s[0]) for s in steps])
+    want_hidden = np.concatenate([np.array(s[1]) for s in steps])
+    for chunks in ([70], [1, 69], [37, 33], [16, 16, 38]):
+        cache, at, logits, hidden = runner.make_cache(), 0, [], []
+        for n in chunks:
+            lg, hd = runner.prefill(tokens[at:at + n], cache, taps)
+            logits.append(np.array(lg))
+            hidden.append(np.array(hd))
+            at += n
+        assert np.array_equal(np.concatenate(logits), want_logits), chunks
+        assert np.array_equal(np.concatenate(hidden), want_hidden), chunks
+        for c, s in zip(cache, stepped):
+            assert c.offset == s.offset == 70
+            assert np.array_equal(np.array(c.keys[..., :70, :]), np.array(s.keys[..., :70, :]))
+            assert np.array_equal(np.array(c.values[..., :70, :]), np.array(s.values[..., :70, :]))
+    cache = runner.make_cache()
+    lg, hd = runner.prefill(tokens, cache, logits=False)
+    assert lg is None and hd is None and cache[0].offset == 70
+    assert np.array_equal(np.array(cache[0].keys[..., :70, :]), np.array(stepped[0].keys[..., :70, :]))

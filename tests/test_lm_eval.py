@@ -39,8 +39,12 @@ def loaded():
 def server():
     from benchmarks.peers.servers import Peer, Running
 
+    # (float32 activations on the CPU: the scores are compared with mlx-lm's float32 forward to
+    # 1e-3; the default q16 pass moves logits by ~1e-4 of their scale, which summed over a
+    # continuation's tokens reaches ~1e-3, and test_fused_cpu checks q16 layer by layer)
     peer = Peer("specserve", "specserve", [sys.executable, "-m", "server", "--host", "127.0.0.1",
                                            "--port", "{port}", "--speculation", "off",
+                                           "--cpu-activations", "float32",
                                            "--log-level", "warning"], MODEL, "/ready")
     import tempfile
 

@@ -274,9 +274,9 @@ def test_identical_prompts_arriving_together_prefill_once(engines):
     rows = []
     prefill = warm.runner.prefill
 
-    def counting_prefill(tokens, cache, taps=None):
+    def counting_prefill(tokens, cache, taps=None, **kw):
         rows.append(len(tokens))
-        return prefill(tokens, cache, taps)
+        return prefill(tokens, cache, taps, **kw)
 
     warm.runner.prefill = counting_prefill
 

@@ -775,6 +775,10 @@ static void run_pass(const Job *j, int tid) {
         project(m, &m->down[l], tid, act, di, qa, M, x, dm, 1);
     }
     FOR_SHARE(r, M) memcpy(j->hidden + ((size_t)(m->nl - 1) * M + r) * dm, x + r * dm, sizeof(float) * dm);
+    if (!j->logits) {  // (a prefill chunk: keys, values and hidden states only)
+        barrier();
+        return;
+    }
     for (int r = 0; r < M; r++) rms_norm(x + r * dm, m->fnorm, xn + r * dm, dm, m->eps);
     if (m->digits) quantize_rows(xn, dm, M, dm, qa, m->digits);
     project(m, m->head, tid, xn, dm, qa, M, j->logits, m->vocab, 0);
@@ -841,7 +845,8 @@ int specserve_cpu_threads(int threads) {
 // One pass over M rows of S sequences: row r is sequence seq[r]'s token at position pos[r]
 // (a sequence's rows consecutive and in increasing position). x0 [M, dm] embeddings; kc/vc
 // [S * nl]: sequence s's layer-l cache buffers [nkv, cap[s], hd] at index s * nl + l, holding
-// the positions before its first row (the pass writes its rows' positions); logits [M, vocab];
+// the positions before its first row (the pass writes its rows' positions); logits [M, vocab]
+// (NULL: the LM head is skipped, as a prefill chunk needs only the cache and hidden states);
 // hidden [nl, M, dm] (decoder layer l's output). Returns 0, or -1 when a workspace allocation
 // failed (nothing was written) or the pool was not started.
 int specserve_cpu_pass(const Model *m, int M, const int32_t *pos, const int32_t *seq, const float *x0,
