@@ -48,6 +48,7 @@ from .request import (
     GenerationRequest,
     InvalidRequestError,
     RequestTimeout,
+    SpeculativeParams,
     TokenEvent,
 )
 from .runner import Calibration, TargetRunner, cost_model
@@ -373,9 +374,15 @@ class Engine:
             warm = GenerationRequest(prompt_tokens=self.loaded.tokenizer.encode("Hello, world"),
                                      max_tokens=4)
             warm.sampling = type(warm.sampling)(temperature=0.0)
+            if self.dspark is not None and self.cost.max_rows > 1:
+                # one DSpark forward now: its first one compiles the drafter's kernels (~17 s on
+                # the H200), which would otherwise count as its draft cost and keep it off
+                warm.speculative = SpeculativeParams(method="dspark", min_draft_tokens=1)
             seq = self._make_sequence(warm)
             while not seq.finished:
                 (prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost))
+            # the warm-up's timings and acceptance are no evidence about real requests
+            self.dspark_stats, self.acceptance = DsparkStats(), AcceptanceModel()
         if cfg.prefix_cache_bytes > 0:  # after the warm-up, which must not count in its metrics
             if PrefixCache.supports(self.runner.make_cache()):
                 self.prefix_cache = PrefixCache(cfg.prefill_step, cfg.prefix_cache_bytes)

@@ -219,7 +219,8 @@ class Sequence:
             proposal = lookup.propose(ctx, budget)
             proposal.drafter = "prompt_lookup"
             if proposal.tokens:
-                conditional = self.acceptance.survival(proposal.match_length, len(proposal.tokens))
+                conditional = self.acceptance.survival(proposal.match_length, len(proposal.tokens),
+                                                       optimism=cost.exploration())
                 length, rate = choose_length(conditional, cost)
                 options.append((rate, length, proposal, conditional))
         dspark_ran = False
