@@ -198,24 +198,26 @@ static inline __attribute__((always_inline)) void dot_tile(const int R, const in
         else dot_tile(R, 8, q, o, x + (size_t)r0 * xs, xs, part + 16 * r0 + (o - ob)); \
         break;
 
-// Outputs [lo, hi) of a projection (each thread takes one contiguous range).
-static void qmv(const QMat *q, int lo, int hi, const float *x, int xs, int M, float *y, int ys, int add) {
-    v16f part[MAX_ROWS * 16];
-    for (int ob = lo, o; ob < hi; ob += 16) {
-      if (hi - ob < 16) memset(part, 0, sizeof part);
-      for (o = ob; o < hi && o < ob + 16; o++) {
-        for (int r0 = 0; r0 < M; r0 += TILE) {
-            switch (M - r0 < TILE ? M - r0 : TILE) {
-                TILE_CASE(1) TILE_CASE(2) TILE_CASE(3) TILE_CASE(4)
 #if TILE == 16
-                TILE_CASE(5) TILE_CASE(6) TILE_CASE(7) TILE_CASE(8) TILE_CASE(9) TILE_CASE(10) TILE_CASE(11)
-                TILE_CASE(12) TILE_CASE(13) TILE_CASE(14) TILE_CASE(15) TILE_CASE(16)
+#define TILE_CASES(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8) C(9) C(10) C(11) C(12) C(13) C(14) C(15) C(16)
+#else
+#define TILE_CASES(C) C(1) C(2) C(3) C(4)
 #endif
-            }
-        }
-      }
-      flush(part, o - ob, M, y, ys, ob, add);
+
+// Outputs [lo, hi) of a projection (each thread takes one contiguous range), in blocks of 16
+// outputs (flush), each output's rows in tiles of TILE (CASE(R): one tile of R rows).
+#define OUTPUT_LOOP(CASE)                                                                         \
+    v16f part[MAX_ROWS * 16];                                                                     \
+    for (int ob = lo, o; ob < hi; ob += 16) {                                                     \
+        if (hi - ob < 16) memset(part, 0, sizeof part);                                           \
+        for (o = ob; o < hi && o < ob + 16; o++)                                                  \
+            for (int r0 = 0; r0 < M; r0 += TILE)                                                  \
+                switch (M - r0 < TILE ? M - r0 : TILE) { TILE_CASES(CASE) }                       \
+        flush(part, o - ob, M, y, ys, ob, add);                                                   \
     }
+
+static void qmv(const QMat *q, int lo, int hi, const float *x, int xs, int M, float *y, int ys, int add) {
+    OUTPUT_LOOP(TILE_CASE)
 }
 
 // ---- integer activations: integer dot products (Model.digits) -------------------------------
@@ -352,6 +354,34 @@ static inline v16i dot_generic(v16i acc, v16i w, const int8_t *a) {  // (the int
 #endif
 
 
+#ifdef Q8_VNNI
+#define LOAD256(p) _mm256_loadu_si256((const __m256i *)(p))
+// One group's integer sums at one vector width (256 or 512 bits; `widen` makes a 512-bit vector of
+// the result, zero-extending a 256-bit one): the codes unpacked once, then per row and digit 8
+// vpdpbusd steps and the float terms (GROUP_FLOATS/GROUP_BIAS, defined in dot_tile_q8).
+#define VNNI_GROUP(VEC, seg, and_, srli, set1, zero, dpbusd, load, widen)                            \
+    do {                                                                                          \
+        VEC W[8];                                                                                 \
+        for (int t = 0; t < 4; t++) W[t] = seg(wg, n, t);                                         \
+        if (bits == 4)                                                                            \
+            for (int t = 0; t < 4; t++) {                                                         \
+                W[4 + t] = and_(srli(W[t], 4), set1(15));                                         \
+                W[t] = and_(W[t], set1(15));                                                      \
+            }                                                                                     \
+        else                                                                                      \
+            for (int t = 4; t < 8; t++) W[t] = seg(wg, n, t);                                     \
+        for (int r = 0; r < R; r++) {                                                             \
+            for (int k = 0; k < D; k++) {                                                         \
+                const int8_t *aq = a->q[k] + (size_t)(r0 + r) * a->sq + 512 * g;                   \
+                VEC v = zero();                                                                   \
+                for (int t = 0; t < 8; t++) v = dpbusd(v, W[t], load(aq + 64 * t));               \
+                GROUP_FLOATS(r, k, (v16i)widen(v));                                               \
+            }                                                                                     \
+            GROUP_BIAS(r);                                                                        \
+        }                                                                                         \
+    } while (0)
+#endif
+
 static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const int bits, const int D, const QMat *q,
                                                               int o, const QAct *a, int r0, v16f *part) {
     v16f acc[TILE];
@@ -372,44 +402,11 @@ static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const
 #define GROUP_BIAS(r) acc[r] += bv * load16(a->m + (size_t)(r0 + r) * a->sd + 16 * g)
 #ifdef Q8_VNNI
         if (n <= 8) {  // half width
-            __m256i W[8];
-            for (int t = 0; t < 4; t++) W[t] = seg256(wg, n, t);
-            if (bits == 4)
-                for (int t = 0; t < 4; t++) {
-                    W[4 + t] = _mm256_and_si256(_mm256_srli_epi16(W[t], 4), _mm256_set1_epi8(15));
-                    W[t] = _mm256_and_si256(W[t], _mm256_set1_epi8(15));
-                }
-            else
-                for (int t = 4; t < 8; t++) W[t] = seg256(wg, n, t);
-            for (int r = 0; r < R; r++) {
-                for (int k = 0; k < D; k++) {
-                    const int8_t *aq = a->q[k] + (size_t)(r0 + r) * a->sq + 512 * g;
-                    __m256i v = _mm256_setzero_si256();
-                    for (int t = 0; t < 8; t++)
-                        v = _mm256_dpbusd_epi32(v, W[t], _mm256_loadu_si256((const __m256i *)(aq + 64 * t)));
-                    GROUP_FLOATS(r, k, (v16i)_mm512_zextsi256_si512(v));
-                }
-                GROUP_BIAS(r);
-            }
+            VNNI_GROUP(__m256i, seg256, _mm256_and_si256, _mm256_srli_epi16, _mm256_set1_epi8, _mm256_setzero_si256,
+                       _mm256_dpbusd_epi32, LOAD256, _mm512_zextsi256_si512);
         } else {
-            __m512i W[8];
-            for (int t = 0; t < 4; t++) W[t] = seg512(wg, n, t);
-            if (bits == 4)
-                for (int t = 0; t < 4; t++) {
-                    W[4 + t] = _mm512_and_si512(_mm512_srli_epi16(W[t], 4), _mm512_set1_epi8(15));
-                    W[t] = _mm512_and_si512(W[t], _mm512_set1_epi8(15));
-                }
-            else
-                for (int t = 4; t < 8; t++) W[t] = seg512(wg, n, t);
-            for (int r = 0; r < R; r++) {
-                for (int k = 0; k < D; k++) {
-                    const int8_t *aq = a->q[k] + (size_t)(r0 + r) * a->sq + 512 * g;
-                    __m512i v = _mm512_setzero_si512();
-                    for (int t = 0; t < 8; t++) v = _mm512_dpbusd_epi32(v, W[t], _mm512_loadu_si512(aq + 64 * t));
-                    GROUP_FLOATS(r, k, (v16i)v);
-                }
-                GROUP_BIAS(r);
-            }
+            VNNI_GROUP(__m512i, seg512, _mm512_and_si512, _mm512_srli_epi16, _mm512_set1_epi8, _mm512_setzero_si512,
+                       _mm512_dpbusd_epi32, _mm512_loadu_si512, (__m512i));
         }
 #else
         v16i W[8];
@@ -445,22 +442,7 @@ static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const
 
 static inline __attribute__((always_inline)) void qmv_q8(const int D, const QMat *q, int lo, int hi, const QAct *a,
                                                          int M, float *y, int ys, int add) {
-    v16f part[MAX_ROWS * 16];
-    for (int ob = lo, o; ob < hi; ob += 16) {
-      if (hi - ob < 16) memset(part, 0, sizeof part);
-      for (o = ob; o < hi && o < ob + 16; o++) {
-        for (int r0 = 0; r0 < M; r0 += TILE) {
-            switch (M - r0 < TILE ? M - r0 : TILE) {
-                TILE_CASE_Q8(1) TILE_CASE_Q8(2) TILE_CASE_Q8(3) TILE_CASE_Q8(4)
-#if TILE == 16
-                TILE_CASE_Q8(5) TILE_CASE_Q8(6) TILE_CASE_Q8(7) TILE_CASE_Q8(8) TILE_CASE_Q8(9) TILE_CASE_Q8(10)
-                TILE_CASE_Q8(11) TILE_CASE_Q8(12) TILE_CASE_Q8(13) TILE_CASE_Q8(14) TILE_CASE_Q8(15) TILE_CASE_Q8(16)
-#endif
-            }
-        }
-      }
-      flush(part, o - ob, M, y, ys, ob, add);
-    }
+    OUTPUT_LOOP(TILE_CASE_Q8)
 }
 
 static void qmv_q8_1(const QMat *q, int lo, int hi, const QAct *a, int M, float *y, int ys, int add) {
