@@ -219,8 +219,7 @@ class Sequence:
             proposal = lookup.propose(ctx, budget)
             proposal.drafter = "prompt_lookup"
             if proposal.tokens:
-                conditional = self.acceptance.survival(proposal.match_length, len(proposal.tokens),
-                                                       optimism=cost.exploration())
+                conditional = self.acceptance.survival(proposal.match_length, len(proposal.tokens))
                 length, rate = choose_length(conditional, cost)
                 options.append((rate, length, proposal, conditional))
         dspark_ran = False

@@ -67,17 +67,6 @@ class CostModel:
     def relative(self) -> list[float]:
         return [t / self.verify_cost[0] for t in self.verify_cost]
 
-    def exploration(self) -> float:
-        """How much of an exploration bonus a draft estimate gets (0..1): the full bonus where a
-        one-token draft is nearly free (T(2) ~ T(1): the H200's fused pass), none from T(2) >=
-        1.25 T(1), linearly between. On the CPU pass (T(2)/T(1) = 1.28) the bonus made prompt
-        lookup draft on 2-gram matches early in every request, each failed draft costing 28% of
-        a step: prose 0.98-0.99x and novel code 0.96-0.98x plain with it, 1.01-1.04x and
-        1.03-1.07x without (two paired runs, 2 repeats each; copy 1.73-1.75x against 1.61-1.68x)."""
-        if self.max_rows < 2:
-            return 1.0
-        return min(1.0, max(0.0, 1.0 - 4.0 * (self.verify_cost[1] / self.verify_cost[0] - 1.0)))
-
 
 def _bucket(match_length: int) -> int:
     return min(max(match_length, 1), 4)

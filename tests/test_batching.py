@@ -251,19 +251,3 @@ def test_cost_curve_measured_under_load_recovers():
     steady.observe(4, before[3] * 1.1)  # an ordinary observation: its width moves a little
     assert before[3] < steady.verify_cost[3] < before[3] * 1.1 and steady.verify_cost[:3] == before[:3]
 
-
-def test_exploration_bonus_shrinks_where_a_draft_row_is_dear():
-    """The exploration bonus on prompt-lookup estimates is whole where a one-token draft is free
-    (T(2) = T(1)), gone where it costs a quarter step or more (the CPU pass: 1.28). On that
-    curve a fresh request's 3-gram proposal is then drafted one token deep (its prior alone
-    pays for one), where the bonus had it draft two or three."""
-    from engine.scheduler import AcceptanceModel, CostModel, RequestAcceptance, choose_length
-
-    flat = CostModel([1.0, 1.0, 1.05, 1.1])
-    dear = CostModel([1.0, 1.28, 1.6, 1.9])
-    middle = CostModel([1.0, 1.1, 1.2, 1.3])
-    assert flat.exploration() == 1.0 and dear.exploration() == 0.0 and 0.5 < middle.exploration() < 0.7
-    fresh = RequestAcceptance(AcceptanceModel())
-    assert fresh.survival(3, 3, optimism=flat.exploration())[0] > fresh.survival(3, 3, optimism=dear.exploration())[0]
-    assert choose_length(fresh.survival(3, 3, optimism=dear.exploration()), dear)[0] == 1
-    assert choose_length(fresh.survival(3, 3, optimism=1.0), dear)[0] > 1
