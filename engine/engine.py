@@ -396,11 +396,12 @@ class Engine:
         cfg = self.config
         self.runner = TargetRunner(self.loaded.model, prefill_step=cfg.prefill_step, compile=compiled,
                                    max_context=self.loaded.context_length, fused=self._make_fused_pass(compiled))
+        fused = self.runner.fused
+        activations = getattr(fused, "activations", None)
         log.info("target passes: %s", "compiled (static KV cache)" if compiled
-                 else f"fused (one call per pass: {type(self.runner.fused).__name__}"
-                      f"{', ' + self.runner.fused.activations + ' activations' if hasattr(self.runner.fused, 'activations') else ''})"
-                 if self.runner.fused is not None
-                 else "eager")
+                 else "eager" if fused is None
+                 else f"fused (one call per pass: {type(fused).__name__}"
+                      f"{f', {activations} activations' if activations else ''})")
         rows = cfg.max_verify_rows if cfg.speculation != "off" else 1
         vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
         self.calibration = self.runner.calibrate(
@@ -416,9 +417,12 @@ class Engine:
             raise ValueError(f"fused must be auto, on or off, got {mode!r}")
         if mode == "off":
             return None
-        if self.config.cpu_activations not in ("q16", "q8", "float32"):
-            raise ValueError(f"cpu_activations must be q16, q8 or float32, got {self.config.cpu_activations!r}")
         from metal_kernels import fused_unsupported_reason, make_fused_pass
+        from metal_kernels.fused_cpu import ACTIVATIONS
+
+        if self.config.cpu_activations not in ACTIVATIONS:  # (checked here: `auto` would swallow it below)
+            raise ValueError(f"cpu_activations must be one of {sorted(ACTIVATIONS)}, "
+                             f"got {self.config.cpu_activations!r}")
 
         model, quantized = self.loaded.model, self.loaded.quantized
         reason = ("compiled passes asked for (compile=on)" if compiled
@@ -439,9 +443,8 @@ class Engine:
     def _probe_fused(self, fp) -> None:
         """Two fused rows after a prefill of ``2 * fp.segment - 1`` tokens (so their attention
         spans 2 and 3 key segments and goes through the kernel's cross-segment combine), checked
-        against mlx-lm's modules: raises unless the logits agree to 1e-3 of their scale (5e-2 with
-        the CPU pass's one-digit ``q8`` activations, which move the default model's logits by 2-5%
-        of their scale; a broken pass is off by ~100%)."""
+        against mlx-lm's modules: raises unless the logits agree to the pass's ``probe_tolerance``
+        of their scale (1e-3 unless it says otherwise; a broken pass is off by ~100%)."""
         from metal_kernels import fused
 
         model = self.loaded.model
@@ -456,8 +459,7 @@ class Engine:
         want = probe.verify([4, 5], reference)[0]
         scale = mx.abs(want).max().item()
         err = mx.abs(out.logits - want).max().item()
-        tolerance = 5e-2 if getattr(fp, "activations", "float32") == "q8" else 1e-3
-        if not err <= tolerance * scale:
+        if not err <= getattr(fp, "probe_tolerance", 1e-3) * scale:
             raise fused.FusedPassError(f"probe logits differ from mlx-lm's by {err:.3g} (scale {scale:.3g})")
 
     def _load_dspark(self) -> None:

@@ -174,9 +174,10 @@ class TargetRunner:
             out = self.fused(tokens[i:i + self.fused.max_rows], cache, logits=logits)
             self.fused.check(out)
             parts.append(self._fused_result(out, taps))
-        lg = None if not logits else parts[0][0] if len(parts) == 1 else mx.concatenate([p[0] for p in parts])
-        hidden = None if taps is None else mx.concatenate([p[1] for p in parts]) if len(parts) > 1 else parts[0][1]
-        return lg, hidden
+        def joined(i):
+            return parts[0][i] if len(parts) == 1 else mx.concatenate([p[i] for p in parts])
+
+        return (joined(0) if logits else None), (joined(1) if taps is not None else None)
 
     def verify(self, tokens: list[int], cache, taps=None):
         """Decode (one token) or verify (anchor + drafts).

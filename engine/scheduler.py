@@ -45,9 +45,10 @@ class CostModel:
     def observe(self, rows: int, seconds: float) -> None:
         """A pass of ``rows`` rows took ``seconds``: that width's cost moves toward it (EMA).
         Three observations in a row more than 2x off the curve, in one direction, rescale the
-        whole curve by their median ratio, keeping its shape (a lone outlier changes nothing): a start-up measurement taken while other work
-        loaded the CPU would otherwise freeze the widths that never run (a curve 170x too high
-        at k >= 2 next to a corrected T(1) never lets a draft run, so nothing corrects it)."""
+        whole curve by their median ratio, keeping its shape (a lone outlier changes nothing): a
+        start-up measurement taken while other work loaded the CPU would otherwise freeze the
+        widths that never run (a curve 170x too high at k >= 2 next to a corrected T(1) never lets
+        a draft run, so nothing corrects it)."""
         if not (1 <= rows <= self.max_rows and seconds > 0):
             return
         i = rows - 1
@@ -135,11 +136,10 @@ class RequestAcceptance:
         mean = (self.counts.accepted.get(key, 0.0) + self.weight * prior) / reached
         return min(1.0, mean + optimism * math.sqrt(mean * (1.0 - mean) / (reached + 1.0)))
 
-    def survival(self, match_length: int, length: int, optimism: float = 1.0) -> list[float]:
-        """Conditional acceptance ``c_1..c_length`` for a proposal with this match length
-        (``optimism``: the exploration bonus of :meth:`rate`)."""
+    def survival(self, match_length: int, length: int) -> list[float]:
+        """Conditional acceptance ``c_1..c_length`` for a proposal with this match length."""
         b = _bucket(match_length)
-        return [self.rate(b, pos, optimism) for pos in range(1, length + 1)]
+        return [self.rate(b, pos) for pos in range(1, length + 1)]
 
     def observe(self, match_length: int, num_draft: int, num_accepted: int) -> None:
         b = _bucket(match_length)
