@@ -8,7 +8,8 @@ Three parts, kernel vs ``mx.quantized_matmul`` in one run:
 - ``llama8b``: an 8B-shaped random-weight Llama from mlx-lm's classes (hidden 4096, 32
   layers, 32 heads, 8 KV heads, FFN 14336, vocab 128256), quantized with ``nn.quantize``
   (4-bit, group 64). T(k) = one forward of k tokens on a KV cache holding --context tokens
-  (the cache is trimmed back after each pass).
+  (the cache is trimmed back after each pass). Attention is MLX's (batched), and on CUDA
+  also the row-attention kernel in every pass (``--attention``), the engine's exact path.
 - ``smollm``: random weights with the default model's exact config (SmolLM2-135M: hidden
   576, 30 layers, 9/3 heads, FFN 1536, vocab 49152, tied; 4-bit group 32, 8-bit embedding).
 
@@ -189,12 +190,21 @@ def matmul_weight_bytes(model) -> int:
     return total
 
 
-def time_forward(model, context, reps):
-    from mlx_lm.models.cache import make_prompt_cache
-    cache = make_prompt_cache(model)
+def time_forward(model, context, reps, row_attention=False):
+    """T(k) for k in KS: one forward of k tokens over ``context`` cached tokens (seconds).
+
+    ``row_attention``: every pass (one-token ones included) attends through
+    metal_kernels.attention.row_attention, as the engine does with ``SPECSERVE_EXACT_VERIFY=kernel``
+    (the prompt is prefilled with MLX's attention)."""
+    from engine import exact_attention
+    from metal_kernels.attention import row_attention as kernel
+    if row_attention:
+        exact_attention.install(model)
+    cache = exact_attention.make_cache(model)
     mx.random.seed(1)
     prompt = mx.random.randint(0, model.args.vocab_size, (1, context))
     mx.eval(model(prompt, cache=cache))
+    exact_attention.set_row_exact(cache, row_attention, kernel if row_attention else None)
     times = {}
     for k in KS:
         toks = mx.random.randint(0, model.args.vocab_size, (1, k))
@@ -215,16 +225,23 @@ def bench_model(name, model, args, tuned):
     mx.random.seed(2)
     probe = mx.random.randint(0, model.args.vocab_size, (1, 6))
     ref_logits = model(probe).astype(mx.float32)
-    paths = [("mlx", None), ("kernel", "default")] + ([("kernel", "tuned")] if tuned else [])
-    for path, cfg in paths:
+    # (matmul path, mma split, attention): "row" = the row-attention kernel in every pass
+    paths = [("mlx", None, "mlx"), ("kernel", "default", "mlx")]
+    if tuned:
+        paths.append(("kernel", "tuned", "mlx"))
+    if backend() == "cuda" and "row" in args.attention:
+        paths += [("mlx", None, "row"), ("kernel", "tuned" if tuned else "default", "row")]
+    for path, cfg, attention in paths:
         report = None
         saved = (dict(qmv._WK_OVERRIDE), dict(qmv._NTU_OVERRIDE))
         if cfg == "default":
             qmv.clear_mma_config()
         if path == "kernel":
             report = patch_model(model, "auto")
-        t = time_forward(model, args.context, args.reps)
-        row = {"model": name, "path": path if cfg is None else f"{path}-{cfg}",
+        t = time_forward(model, args.context, args.reps, row_attention=attention == "row")
+        label = path if cfg is None else f"{path}-{cfg}"
+        row = {"model": name, "path": label if attention == "mlx" else f"{label}+row-attention",
+               "attention": attention,
                "weight_bytes": wbytes, "t_ms": {k: v * 1e3 for k, v in t.items()},
                "ratio": {k: t[k] / t[1] for k in KS},
                "bw_tbs": {k: wbytes / t[k] / 1e12 for k in KS}}
@@ -247,12 +264,12 @@ def bench_model(name, model, args, tuned):
 
 
 def _table(rows, unit_key, unit, title):
-    lines = [title, f"{'case':<34}" + "".join(f"{k:>8}" for k in KS)]
+    lines = [title, f"{'case':<52}" + "".join(f"{k:>8}" for k in KS)]
     for r in rows:
         label = f"{r.get('shape', r.get('model'))} {r['path']}"
-        lines.append(f"{label + ' ' + unit:<34}" + "".join(f"{r[unit_key][k]:8.2f}" for k in KS))
-        lines.append(f"{'  T(k)/T(1)':<34}" + "".join(f"{r['ratio'][k]:8.2f}" for k in KS))
-        lines.append(f"{'  TB/s':<34}" + "".join(f"{r['bw_tbs'][k]:8.3f}" for k in KS))
+        lines.append(f"{label + ' ' + unit:<52}" + "".join(f"{r[unit_key][k]:8.2f}" for k in KS))
+        lines.append(f"{'  T(k)/T(1)':<52}" + "".join(f"{r['ratio'][k]:8.2f}" for k in KS))
+        lines.append(f"{'  TB/s':<52}" + "".join(f"{r['bw_tbs'][k]:8.3f}" for k in KS))
     return "\n".join(lines)
 
 
@@ -266,6 +283,8 @@ def main(argv=None):
     ap.add_argument("--tune-reps", type=int, default=7)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--attention", default="mlx,row",
+                    help="model passes also with the row-attention kernel ('row', CUDA only)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the harness)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))

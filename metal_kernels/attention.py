@@ -68,7 +68,8 @@ def supported(queries: mx.array, keys: mx.array, values: mx.array) -> str:
     return ""
 
 
-def row_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float) -> mx.array | None:
+def row_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float,
+                  warps: int = WARPS) -> mx.array | None:
     """Causal attention of ``L`` new query rows over the cache, one launch, rows independent.
 
     Args:
@@ -76,6 +77,8 @@ def row_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
         keys, values: ``[1, KV, S + L, D]``, the cache's contents including the ``L`` new
             positions (strided views are fine), same dtype; ``H % KV == 0``; D 64 or 128.
         scale: the softmax scale (``D ** -0.5`` for Llama-style models).
+        warps: warps per block (a power of two, 1..32). It fixes how keys are split among warps,
+            so it changes the bits, not the row independence; the engine always uses ``WARPS``.
 
     Returns ``[1, H, L, D]`` in the queries' dtype, lazy; or ``None`` when the arrays or the
     backend are not supported (see :func:`supported`), so the caller uses its own path.
@@ -85,6 +88,6 @@ def row_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
     _, h, n, d = queries.shape
     return _kernel()(
         inputs=[queries, keys, values],
-        template=[("T", queries.dtype), ("D", d), ("W", WARPS), ("SCALE_BITS", _scale_bits(float(scale)))],
-        grid=(n * h * 32 * WARPS, 1, 1), threadgroup=(32 * WARPS, 1, 1),
+        template=[("T", queries.dtype), ("D", d), ("W", warps), ("SCALE_BITS", _scale_bits(float(scale)))],
+        grid=(n * h * 32 * warps, 1, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(1, h, n, d)], output_dtypes=[queries.dtype])[0]

@@ -39,8 +39,10 @@ SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _SOURCES = Path(__file__).parent / "sources"
-# Warps in flight the mma split aims for (8 per multiprocessor on a 132-SM H100/H200).
-_TARGET_WARPS = 1024
+# Warps in flight the mma split aims for (16 per multiprocessor on a 132-SM H100/H200). Nsight
+# Compute on the H200 (benchmarks/gpu/mma_sweep.py, ninth session): at M = 1, 4096x4096 took
+# 7.5 us with 16 warps splitting K and one chunk in flight against 8.3 us with 8 warps and two.
+_TARGET_WARPS = 2048
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,7 @@ def _mma_plan(m: int, n: int, k: int, bits: int) -> KernelPlan:
         wk *= 2
     wk = _WK_OVERRIDE.get((n, k, bits), _pow2_at_most(nchunks, wk))
     mb = 8 if m <= 8 else 16
-    nt, u = (2 if n % 32 == 0 and n >= 8192 else 1), (2 if mb == 8 else 1)
+    nt, u = (2 if n % 32 == 0 and n >= 8192 else 1), 1
     nt, u = _NTU_OVERRIDE.get((n, k, bits, mb), (nt, u))
     if n % (16 * nt):
         nt = 1

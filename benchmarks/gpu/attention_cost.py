@@ -1,10 +1,12 @@
-"""Row-attention kernel vs MLX's attention on the GPU: time per layer call (us) for 1 and k rows.
+"""Row-attention kernel vs MLX's attention on the GPU: microseconds per layer call for L new rows.
 
-For each context S and row count L, a graph of --calls independent calls (shape of the default
-model: 9 query heads, 3 KV heads, head dim 64, float32) is built and evaluated; the median over
---reps gives microseconds per call. ``mlx`` is ``mx.fast.scaled_dot_product_attention`` (one call,
-causal for L > 1), ``mlx_rows`` is the engine's row-by-row path (L calls), ``kernel`` is
-metal_kernels.attention.row_attention (one call).
+For each shape (heads, KV heads, head dim, dtype), context S and row count L, a graph of
+--calls independent calls is built and evaluated; the median over --reps gives microseconds per
+call. Paths: ``mlx`` is ``mx.fast.scaled_dot_product_attention`` (one call, causal for L > 1:
+fast, but its rows are not bit-identical to one-row calls), ``mlx_rows`` the engine's
+row-by-row path (L calls of one row), ``kernel_wN`` metal_kernels.attention.row_attention with
+N warps per block (one call; N = 8 is the engine's). Shapes: the default model's (9/3 heads of
+64, float32) and an 8B Llama's (32/8 heads of 128, bfloat16).
 
     python benchmarks/gpu/attention_cost.py [--out attention_cost.json]
 """
@@ -17,6 +19,8 @@ import time
 import mlx.core as mx
 
 from metal_kernels.attention import row_attention
+
+SHAPES = {"smollm-fp32": (9, 3, 64, mx.float32), "llama8b-bf16": (32, 8, 128, mx.bfloat16)}
 
 
 def timed(fn, calls, reps):
@@ -31,41 +35,44 @@ def timed(fn, calls, reps):
     return statistics.median(ts) / calls * 1e6
 
 
-def measure(s: int, n: int, calls: int, reps: int) -> dict:
+def measure(shape: str, s: int, n: int, calls: int, reps: int, warps: list[int]) -> dict:
     """Microseconds per call of each path for ``n`` new rows over a cache of ``s + n`` keys."""
-    kbuf = mx.random.normal((1, 3, s + n + 64, 64))
-    vbuf = mx.random.normal((1, 3, s + n + 64, 64))
+    h, kv, d, dt = SHAPES[shape]
+    kbuf = mx.random.normal((1, kv, s + n + 64, d)).astype(dt)
+    vbuf = mx.random.normal((1, kv, s + n + 64, d)).astype(dt)
     k, v = kbuf[:, :, :s + n], vbuf[:, :, :s + n]  # cache views, as mlx-lm's KVCache returns them
-    q = mx.random.normal((1, 9, n, 64))
+    q = mx.random.normal((1, n, h, d)).astype(dt).transpose(0, 2, 1, 3)  # strided, as in mlx-lm
     mx.eval(k, v, q)
-    sc = 64 ** -0.5
-
-    def mlx():
-        return mx.fast.scaled_dot_product_attention(q, k, v, scale=sc, mask="causal" if n > 1 else None)
-
-    def mlx_rows():
-        return mx.concatenate([mx.fast.scaled_dot_product_attention(
-            q[:, :, i:i + 1], k[:, :, :s + i + 1], v[:, :, :s + i + 1], scale=sc) for i in range(n)], axis=2)
-
-    def kernel():
-        return row_attention(q, k, v, sc)
-
-    return {name: timed(fn, calls, reps) for name, fn in (("mlx", mlx), ("mlx_rows", mlx_rows), ("kernel", kernel))}
+    sc = d ** -0.5
+    paths = {
+        "mlx": lambda: mx.fast.scaled_dot_product_attention(
+            q, k, v, scale=sc, mask="causal" if n > 1 else None),
+        "mlx_rows": lambda: mx.concatenate([mx.fast.scaled_dot_product_attention(
+            q[:, :, i:i + 1], k[:, :, :s + i + 1], v[:, :, :s + i + 1], scale=sc) for i in range(n)], axis=2),
+    }
+    for w in warps:
+        paths[f"kernel_w{w}"] = lambda w=w: row_attention(q, k, v, sc, warps=w)
+    return {name: timed(fn, calls, reps) for name, fn in paths.items()}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="attention_cost.json")
-    ap.add_argument("--calls", type=int, default=60)
+    ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--contexts", default="512,2048")
+    ap.add_argument("--rows", default="1,2,4,8,9,12,16")
+    ap.add_argument("--warps", default="4,8,16")
     args = ap.parse_args()
+    warps = [int(w) for w in args.warps.split(",")]
     rows = []
-    for s in (128, 1024):
-        for n in (1, 4, 8):
-            r = {"context": s, "rows": n, **measure(s, n, args.calls, args.reps)}
-            rows.append(r)
-            print(json.dumps({a: round(b, 2) if isinstance(b, float) else b for a, b in r.items()}), flush=True)
-    json.dump(rows, open(args.out, "w"), indent=1)
+    for shape in SHAPES:
+        for s in map(int, args.contexts.split(",")):
+            for n in map(int, args.rows.split(",")):
+                r = {"shape": shape, "context": s, "rows": n, **measure(shape, s, n, args.calls, args.reps, warps)}
+                rows.append(r)
+                print(json.dumps({a: round(b, 2) if isinstance(b, float) else b for a, b in r.items()}), flush=True)
+                json.dump(rows, open(args.out, "w"), indent=1)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@
 #                            # activations with the matmul kernels
 #   kernels_h200.sh verify   # benchmarks/verify_cost.py: matrices, 8B-shaped stack, default model
 #   kernels_h200.sh check    # benchmarks/kernel_check.py: the GPU correctness tests
+#   kernels_h200.sh attn     # the row-attention kernel: its GPU tests, then
+#                            # benchmarks/gpu/attention_cost.py against MLX's attention
 #   kernels_h200.sh overhead # benchmarks/gpu/kernel_overhead.py (+ ncu device times)
 #   kernels_h200.sh probe    # benchmarks/identity_probe.py: first position/row/layer where verify rows
 #                            # and decode steps part (WEIGHTS, KERNELS, EXACT, WIDTHS, TOKENS)
@@ -39,6 +41,9 @@ case "$1" in
     done ;;
   verify) python3 benchmarks/verify_cost.py --out "$out/verify_cost_h200.json" --parts "${PARTS:-matrices,llama8b,smollm}" \
             --reps "${REPS:-9}" 2>&1 | tail -60 ;;
+  attn)
+    python3 benchmarks/kernel_check.py --out "$out/kernel_check_attention_h200.json" -k row_attention 2>&1 | tail -12
+    python3 benchmarks/gpu/attention_cost.py --out "$out/attention_cost_h200.json" 2>&1 | tail -60 ;;
   check) python3 benchmarks/kernel_check.py --out "$out/kernel_check_h200.json" ${CHECK_K:+-k "$CHECK_K"} 2>&1 | tail -70 ;;
   overhead)
     python3 benchmarks/gpu/kernel_overhead.py --out "$out/kernel_overhead.json" 2>&1 | tail -90
@@ -55,5 +60,5 @@ case "$1" in
     timeout -k 5 "${STEP_LIMIT:-240}" python3 -m benchmarks.step_profile --model "$gguf" --modes "${MODES:-eager,fused}" \
       --out "$out/step_profile_fused_h200.json" ${STEP_ARGS:---reps 10 --decode-tokens 128 --engine-tokens 128 --context 512 --calibrate 16} \
       2>&1 | grep -v "^INFO" | tail -40 ;;
-  *) echo "usage: $0 cal|spec|verify|check|overhead|probe|fused" >&2; exit 2 ;;
+  *) echo "usage: $0 cal|spec|verify|check|attn|overhead|probe|fused" >&2; exit 2 ;;
 esac

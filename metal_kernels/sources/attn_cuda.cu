@@ -48,6 +48,13 @@ const int64_t ks = k_strides[2];
 const int64_t kd = k_strides[3];
 const int64_t vs = v_strides[2];
 const int64_t vd = v_strides[3];
+// Vector loads (same arithmetic, same bits) where rows are contiguous and aligned: a key row
+// in 16-byte pieces, a lane's DL value elements in one load.
+constexpr int KE = 16 / sizeof(T);
+struct alignas(16) KVec { T v[KE]; };
+struct alignas(sizeof(T) * DL) VVec { T v[DL]; };
+const bool kvec = kd == 1 && ks % KE == 0 && reinterpret_cast<uintptr_t>(kb) % 16 == 0;
+const bool vvec = vd == 1 && vs % DL == 0 && reinterpret_cast<uintptr_t>(vb) % sizeof(VVec) == 0;
 float m = NEG_INF;
 float l = 0.0f;
 float acc[DL];
@@ -61,9 +68,20 @@ for (int c0 = warp * 32; c0 < nk; c0 += W * 32) {
   if (j < nk) {
     const T* kr = kb + (int64_t)j * ks;
     float dot = 0.0f;
+    if (kvec) {  // the same sequential sum, 16-byte loads
+#pragma unroll 4
+      for (int d0 = 0; d0 < D; d0 += KE) {
+        const KVec x = *reinterpret_cast<const KVec*>(kr + d0);
+#pragma unroll
+        for (int e = 0; e < KE; ++e) {
+          dot = fmaf(qs[d0 + e], static_cast<float>(x.v[e]), dot);
+        }
+      }
+    } else {
 #pragma unroll 8
-    for (int d = 0; d < D; ++d) {
-      dot = fmaf(qs[d], static_cast<float>(kr[d * kd]), dot);
+      for (int d = 0; d < D; ++d) {
+        dot = fmaf(qs[d], static_cast<float>(kr[d * kd]), dot);
+      }
     }
     s = dot;
   }
@@ -86,12 +104,25 @@ for (int c0 = warp * 32; c0 < nk; c0 += W * 32) {
     acc[dd] *= corr;
   }
   const int jn = min(32, nk - c0);
-  for (int t = 0; t < jn; ++t) {
-    const float pt = __shfl_sync(FULL, p, t);
-    const T* vr = vb + (int64_t)(c0 + t) * vs;
+  if (vvec && jn == 32) {  // the same key-by-key sums, one vector load per key, loads run ahead
+    const T* vr = vb + (int64_t)c0 * vs + lane * DL;
+#pragma unroll 8
+    for (int t = 0; t < 32; ++t) {
+      const float pt = __shfl_sync(FULL, p, t);
+      const VVec x = *reinterpret_cast<const VVec*>(vr + (int64_t)t * vs);
 #pragma unroll
-    for (int dd = 0; dd < DL; ++dd) {
-      acc[dd] = fmaf(pt, static_cast<float>(vr[(lane * DL + dd) * vd]), acc[dd]);
+      for (int dd = 0; dd < DL; ++dd) {
+        acc[dd] = fmaf(pt, static_cast<float>(x.v[dd]), acc[dd]);
+      }
+    }
+  } else {
+    for (int t = 0; t < jn; ++t) {
+      const float pt = __shfl_sync(FULL, p, t);
+      const T* vr = vb + (int64_t)(c0 + t) * vs;
+#pragma unroll
+      for (int dd = 0; dd < DL; ++dd) {
+        acc[dd] = fmaf(pt, static_cast<float>(vr[(lane * DL + dd) * vd]), acc[dd]);
+      }
     }
   }
   m = mn;

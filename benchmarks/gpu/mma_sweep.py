@@ -1,0 +1,154 @@
+"""Sweep the tensor-core (mma) kernel's split per weight shape: time per matmul at M = 1, 8, 16.
+
+For each 4-bit shape, every launchable (WK warps splitting K, NT 16-row tiles per warp, U chunks
+in flight) is timed against ``mx.quantized_matmul`` in one run; each timed graph runs the matmul
+over enough distinct weight sets (>= 256 MB) that L2 never holds them; the median of --reps
+gives microseconds per matmul (wall time of the graph / matmuls, launch gaps included).
+Effective bandwidth = packed weight + scale + bias bytes / time. WK changes a row's reduction
+order (fixed per shape, for every M); NT and U do not.
+
+    python benchmarks/gpu/mma_sweep.py --out mma_sweep.json
+
+Wall time on MLX-CUDA is bound by the host's cost per custom-kernel call (~18 us), so device
+time comes from Nsight Compute: ``--ncu`` launches every configuration twice at M = 1 (and the
+default at M = 16) in a printed order, and ``--parse CSV`` pairs ncu's CSV with that order:
+
+    ncu --clock-control none --kernel-name regex:"qmv|qmm|specserve" --metrics gpu__time_duration.sum \
+        --csv --log-file ncu.csv python benchmarks/gpu/mma_sweep.py --ncu > order.txt
+    python benchmarks/gpu/mma_sweep.py --parse ncu.csv --order order.txt --out mma_ncu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import mlx.core as mx
+
+from benchmarks.verify_cost import _median_time, _nbytes, _weight_sets
+from metal_kernels import plan, qmv, quantized_matmul
+
+SHAPES = ((4096, 4096, 64), (14336, 4096, 64), (4096, 14336, 64), (49152, 576, 32))
+
+
+def time_us(sets, m, k, gs, dtype, kernels, reps):
+    x = mx.random.normal((m, k)).astype(dtype)
+    mx.eval(x)
+    fn = lambda: [quantized_matmul(x, w, s, b, gs, 4, kernels=kernels) for w, s, b in sets]  # noqa: E731
+    return _median_time(fn, reps) / len(sets) * 1e6
+
+
+def _configs(n, k, gs, dtype):
+    p1 = plan(1, n, k, 4, gs, dtype)
+    nchunks = k // (4 * p1.const("VW") * 32 // 4)
+    for wk, nt, u in itertools.product((1, 2, 4, 8, 16), (1, 2, 4), (1, 2, 4)):
+        if wk <= nchunks and not n % (16 * nt) and qmv.mma_config_fits(nt, u, 8, wk):
+            yield wk, nt, u
+
+
+def ncu_run(dtype):
+    """Two launches per case (ncu flushes L2 between kernels); prints the case order."""
+    order = []
+    for n, k, gs in SHAPES:
+        w = _weight_sets(n, k, 4, gs, dtype, 1)[0]
+        cases = [("mlx", 1, None), ("default", 1, None), ("mlx", 16, None), ("default", 16, None)]
+        cases += [("config", 1, c) for c in _configs(n, k, gs, dtype)]
+        for path, m, cfg in cases:
+            x = mx.random.normal((m, k)).astype(dtype)
+            mx.eval(x)
+            if cfg:
+                qmv.set_mma_config(n, k, 4, wk=cfg[0], nt_u={8: cfg[1:]})
+            for _ in range(2):
+                mx.eval(quantized_matmul(x, *w, gs, 4, kernels="off" if path == "mlx" else "auto"))
+            mx.synchronize()
+            qmv.clear_mma_config()
+            order.append({"shape": f"{n}x{k}", "group_size": gs, "weight_bytes": _nbytes(*w), "path": path,
+                          "m": m, "config": cfg})
+    print("NCU_ORDER " + json.dumps(order), flush=True)
+
+
+def parse(csv_path, order_path, out):
+    """Device time (us, the second launch of each case) per case, from ncu's CSV."""
+    import csv
+    order = json.loads(next(line for line in open(order_path) if line.startswith("NCU_ORDER "))[10:])
+    times = [(r["Kernel Name"], float(r["Metric Value"].replace(",", "")), r["Metric Unit"])
+             for r in csv.DictReader(line for line in open(csv_path) if not line.startswith("=="))
+             if r.get("Metric Name") == "gpu__time_duration.sum"]
+    assert len(times) == 2 * len(order), (len(times), len(order))
+    scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+    for i, case in enumerate(order):
+        name, value, unit = times[2 * i + 1]
+        case["us"], case["kernel"] = value * scale[unit], name[:90]
+        case["tbs"] = case["weight_bytes"] / case["us"] / 1e6
+    json.dump(order, open(out, "w"), indent=1)
+    for shape in dict.fromkeys(c["shape"] for c in order):
+        cs = [c for c in order if c["shape"] == shape]
+        mlx1 = next(c for c in cs if c["path"] == "mlx" and c["m"] == 1)
+        best = min((c for c in cs if c["m"] == 1 and c["path"] != "mlx"), key=lambda c: c["us"])
+        line = "  ".join(f"{c['path']}{'' if c['config'] is None else c['config']} M={c['m']} {c['us']:.1f}"
+                         for c in cs if c["config"] is None)
+        print(f"{shape}: {line}; best M=1 {best['path']} {best['config']} {best['us']:.1f} us "
+              f"({best['tbs']:.2f} TB/s, {mlx1['us'] / best['us']:.2f}x MLX)")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--parse", default=None)
+    ap.add_argument("--order", default=None)
+    ap.add_argument("--out", default="mma_sweep.json")
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--dtype", default="bfloat16")
+    args = ap.parse_args()
+    dtype = getattr(mx, args.dtype)
+    if args.ncu:
+        return ncu_run(dtype)
+    if args.parse:
+        return parse(args.parse, args.order, args.out)
+    rows = []
+    for n, k, gs in SHAPES:
+        count = max(2, min(64, -(-256_000_000 // (n * k // 2))))
+        sets = _weight_sets(n, k, 4, gs, dtype, count)
+        nbytes = _nbytes(*sets[0])
+        mlx = {m: time_us(sets, m, k, gs, dtype, "off", args.reps) for m in (1, 8, 16)}
+        default = {m: (plan(m, n, k, 4, gs, dtype).consts, time_us(sets, m, k, gs, dtype, "auto", args.reps))
+                   for m in (1, 8, 16)}
+        print(f"{n}x{k} g{gs}: mlx {mlx}  default {[(dict(c), round(t, 2)) for c, t in default.values()]}",
+              flush=True)
+        p1 = plan(1, n, k, 4, gs, dtype)
+        nchunks = k // (4 * p1.const("VW") * 32 // 4)
+        cases = []
+        for wk, nt, u, in itertools.product((1, 2, 4, 8, 16), (1, 2, 4), (1, 2, 4)):
+            if wk > nchunks or n % (16 * nt):
+                continue
+            res = {}
+            for m, mb in ((1, 8), (8, 8), (16, 16)):
+                if not qmv.mma_config_fits(nt, u, mb, wk):
+                    continue
+                qmv.set_mma_config(n, k, 4, wk=wk, nt_u={mb: (nt, u)})
+                got = dict(plan(m, n, k, 4, gs, dtype).consts)
+                if (got["WK"], got["NT"], got["U"]) != (wk, nt, u):
+                    continue
+                res[m] = time_us(sets, m, k, gs, dtype, "auto", args.reps)
+            qmv.clear_mma_config()
+            if res:
+                cases.append({"wk": wk, "nt": nt, "u": u, "t_us": res})
+                print(f"  wk {wk:2d} nt {nt} u {u}: " + "  ".join(f"M={m} {t:7.2f} us" for m, t in res.items()),
+                      flush=True)
+        best1 = min((c for c in cases if 1 in c["t_us"]), key=lambda c: c["t_us"][1])
+        rows.append({"shape": f"{n}x{k}", "group_size": gs, "weight_bytes": nbytes, "mlx_us": mlx,
+                     "default": {m: {"consts": dict(c), "t_us": t} for m, (c, t) in default.items()},
+                     "cases": cases, "best_m1": best1,
+                     "bw_tbs_m1": {"mlx": nbytes / mlx[1] / 1e6, "default": nbytes / default[1][1] / 1e6,
+                                   "best": nbytes / best1["t_us"][1] / 1e6}})
+        print(f"  -> M=1 TB/s: mlx {rows[-1]['bw_tbs_m1']['mlx']:.2f} default "
+              f"{rows[-1]['bw_tbs_m1']['default']:.2f} best {rows[-1]['bw_tbs_m1']['best']:.2f} "
+              f"({best1['wk']}, {best1['nt']}, {best1['u']})", flush=True)
+        json.dump(rows, open(args.out, "w"), indent=1)
+        del sets
+        mx.clear_cache()
+
+
+if __name__ == "__main__":
+    main()
