@@ -143,6 +143,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dspark", action="store_true", help="load the shipped DSpark drafter")
     ap.add_argument("--workloads", default=None, help="comma-separated names (default: all files)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--freeze-cost", action="store_true",
+                    help="keep the start-up T(k) curve (no online refresh; a diagnostic)")
     ap.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
     ap.add_argument("--out", default=None, help="JSON results path")
     ap.add_argument("--plot", default=None, help="PNG chart path")
@@ -155,6 +157,8 @@ def main(argv=None) -> dict:
                               dspark_drafter=args.dspark_drafter, kernels=args.kernels,
                               exact_verify=args.exact_verify, fused=args.fused)).start(wait=True)
     tok = eng.loaded.tokenizer
+    if args.freeze_cost:
+        eng.cost.alpha = 0.0  # no online refresh of T(k) (a streak of 2x-off passes still rescales it)
     import mlx.core as mx
 
     results = {
@@ -186,7 +190,9 @@ def main(argv=None) -> dict:
         for m in methods:
             summary[m]["speedup"] = summary[m]["decode_tokens_per_s"] / base if base else None
         results["workloads"][w["name"]] = {"description": w["description"], "identical": identical,
-                                           "methods": summary}
+                                           "methods": summary,
+                                           # the scheduler's T(k) (ms) after this workload (online refresh)
+                                           "verify_cost_ms_after": [round(t * 1e3, 4) for t in eng.cost.verify_cost]}
         line = "  ".join(f"{m}: {s['decode_tokens_per_s']:.1f} tok/s x{s['speedup']:.2f}"
                          + (f" acc={s['acceptance_rate']:.2f} mal={s['mean_acceptance_length']:.2f}"
                             if s["acceptance_rate"] is not None else "")

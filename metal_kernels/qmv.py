@@ -39,9 +39,10 @@ SUPPORTED_BITS = (4, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _SOURCES = Path(__file__).parent / "sources"
-# Warps in flight the mma split aims for (16 per multiprocessor on a 132-SM H100/H200). Nsight
-# Compute on the H200 (benchmarks/gpu/mma_sweep.py, ninth session): at M = 1, 4096x4096 took
-# 7.5 us with 16 warps splitting K and one chunk in flight against 8.3 us with 8 warps and two.
+# The mma split's K warps: the smallest power of two with N/32 * WK >= this. Nsight Compute on
+# the H200 (benchmarks/gpu/mma_sweep.py, ninth session): at M = 1, 4096x4096 took 7.5 us with
+# 16 warps splitting K and one chunk in flight against 8.3 us with 8 warps and two (the
+# former defaults, target 1024).
 _TARGET_WARPS = 2048
 
 
