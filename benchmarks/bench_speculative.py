@@ -166,6 +166,9 @@ def main(argv=None) -> dict:
                     "device": str(mx.default_device()), "python": sys.version.split()[0],
                     "mlx": mx.__version__, "blas": engine.BLAS.status},
         "model": eng.info(), "methods": methods, "repeats": args.repeats, "workloads": {},
+        "freeze_cost": args.freeze_cost,
+        # the scheduler's T(k) (ms) when the benchmark starts (after the engine's warm-up passes)
+        "verify_cost_ms_at_start": [round(t * 1e3, 4) for t in eng.cost.verify_cost],
     }
     print(f"device={mx.default_device()} blas={engine.BLAS.status} calibration={eng.calibration.summary()}",
           flush=True)

@@ -12,11 +12,14 @@ prefix that equals the recorded output, and costs ``T(L + 1)`` (+ ``--overhead``
 exactly the plain output, so the replay needs no model. Workloads run in the benchmark's order
 through one engine-wide acceptance model, as in ``bench_speculative``.
 
-Reported per curve and workload: replayed speed-up over plain decoding (``n T(1)`` per ``n``
-tokens), drafts, drafted and accepted tokens. What it leaves out: host time that differs
-between cycles, online refresh of T(k), sampling.
+Reported per curve and workload: replayed speed-up over plain decoding (as the benchmark
+measures it: tokens after the first, over the time after the first cycle), drafts, drafted and
+accepted tokens. What it leaves out: host time that differs between cycles, online refresh of
+T(k), sampling. tests/test_replay_scheduler.py checks that the replay drafts exactly what the
+engine drafts on the tiny model.
 
-    python -m benchmarks.replay_scheduler --outputs benchmarks/results/greedy_outputs_cpu.json
+    python -m benchmarks.replay_scheduler --max-tokens 128 --warmup 16 --repeats 3 \
+        --curves "cpu;h200;benchmarks/results/step_profile_cpu_s8.json:fused:q8;1,1,1,1,1,1,1,1,1.2,1.4"
 """
 
 from __future__ import annotations
@@ -70,64 +73,120 @@ def record_outputs(path: Path, max_tokens: int | None) -> dict:
 
 
 def replay(outputs: dict, curve: list[float], overhead: float = 0.0, draft_overhead: float = 0.0,
-           max_draft: int = 15, min_n: int = 2, max_n: int = 5) -> dict:
-    """Replayed speed-up per workload for one cost curve (relative ``T(k)/T(1)``)."""
-    from drafters import PromptLookupDrafter
-    from drafters.base import DraftContext
-    from engine.scheduler import AcceptanceModel, CostModel, RequestAcceptance, choose_length
+           max_draft: int = 15, min_n: int = 2, max_n: int = 5, *, max_tokens: int | None = None,
+           warmup: int = 0, repeats: int = 1, methods: int = 1, model=None) -> dict:
+    """Replayed speed-up per workload for one cost curve (relative ``T(k)/T(1)``).
 
-    model = AcceptanceModel()
+    Mirrors ``bench_speculative``: every request is first replayed for ``warmup`` tokens (all
+    workloads, before any is measured), then each workload's requests ``repeats`` times, each
+    request ``methods`` times in a row (the benchmark's methods that draft with prompt lookup,
+    e.g. 2 for ``prompt_lookup`` and ``auto``), all through one engine-wide acceptance model
+    (``model``, a fresh ``AcceptanceModel`` by default). The speed-up is the benchmark's: tokens
+    after the first over the time after the first cycle, against plain decoding's. A request
+    allows ``max_tokens`` tokens (default: its recorded output's length; a recorded output that
+    ended early at EOS drafts within the larger budget, as the engine does)."""
+    from engine.scheduler import AcceptanceModel
+
+    model = model or AcceptanceModel()
+    if warmup:
+        for requests in outputs.values():
+            for prompt, output in requests:
+                for _ in range(methods):
+                    _replay_request(prompt, output[:warmup], warmup, curve, model, overhead, draft_overhead,
+                                    max_draft, min_n, max_n)
     result = {}
     for name, requests in outputs.items():
         plain = spec = 0.0
-        drafts = drafted = accepted = 0
-        for prompt, output in requests:
-            cost = CostModel(list(curve))
-            acceptance = RequestAcceptance(model)
-            drafter = PromptLookupDrafter(min_n, max_n)
-            n = 0
-            while n < len(output):
-                tokens = prompt + output[:n]
-                budget = min(len(output) - n - 1, cost.max_rows - 1, max_draft)
-                length = 0
-                proposal = drafter.propose(DraftContext(tokens), budget) if budget > 0 else None
-                if proposal is not None and proposal.tokens:
-                    conditional = acceptance.survival(proposal.match_length, len(proposal.tokens))
-                    length = choose_length(conditional, cost)[0]
-                ok = 0
-                if length:
-                    draft = proposal.tokens[:length]
-                    while ok < length and draft[ok] == output[n + ok]:
-                        ok += 1
-                    acceptance.observe(proposal.match_length, length, ok)
-                    drafts, drafted, accepted = drafts + 1, drafted + length, accepted + ok
-                spec += cost.T(length + 1) + overhead + (draft_overhead if length else 0.0)
-                n += ok + 1
-            plain += len(output) * (1.0 + overhead)
-        result[name] = {"speedup": plain / spec, "drafts": drafts, "drafted": drafted, "accepted": accepted}
+        totals = {"drafts": 0, "drafted": 0, "accepted": 0}
+        for _ in range(repeats):
+            for prompt, output in requests:
+                for _ in range(methods):
+                    out = output[:max_tokens] if max_tokens else output
+                    t, counts = _replay_request(prompt, out, max_tokens or len(out), curve, model, overhead,
+                                                draft_overhead, max_draft, min_n, max_n)
+                    spec += t
+                    plain += (len(out) - 1) * (1.0 + overhead)
+                    for k in totals:
+                        totals[k] += counts[k]
+        result[name] = {"speedup": plain / spec if spec else 1.0, **totals}
     return result
 
 
-def curve_of(name: str) -> list[float]:
-    run = json.loads(CURVES[name].read_text())
+def _replay_request(prompt, output, max_tokens, curve, model, overhead, draft_overhead, max_draft, min_n, max_n):
+    """One request's cycles: (cost after its first cycle in T(1) units, draft counts)."""
+    from drafters import PromptLookupDrafter
+    from drafters.base import DraftContext
+    from engine.scheduler import CostModel, RequestAcceptance, choose_length
+
+    cost = CostModel(list(curve))
+    acceptance = RequestAcceptance(model)
+    drafter = PromptLookupDrafter(min_n, max_n)
+    counts = {"drafts": 0, "drafted": 0, "accepted": 0}
+    n, spent, first = 0, 0.0, True
+    while n < len(output):
+        tokens = prompt + output[:n]
+        budget = min(max_tokens - n - 1, cost.max_rows - 1, max_draft)  # Sequence.draft_budget
+        length = 0
+        proposal = drafter.propose(DraftContext(tokens), budget) if budget > 0 else None
+        if proposal is not None and proposal.tokens:
+            conditional = acceptance.survival(proposal.match_length, len(proposal.tokens))
+            length = choose_length(conditional, cost)[0]
+        ok = 0
+        if length:
+            draft = proposal.tokens[:length]
+            while ok < length and n + ok < len(output) and draft[ok] == output[n + ok]:
+                ok += 1
+            acceptance.observe(proposal.match_length, length, ok)
+            counts["drafts"] += 1
+            counts["drafted"] += length
+            counts["accepted"] += ok
+        if not first:  # (the benchmark times decoding after the first token event)
+            spent += cost.T(length + 1) + overhead + (draft_overhead if length else 0.0)
+        first = False
+        n += ok + 1
+    return spent, counts
+
+
+def curve_of(spec: str) -> list[float]:
+    """A T(k)/T(1) curve: ``h200`` or ``cpu`` (the start-up curves of recorded benchmark runs),
+    ``FILE.json`` (a bench_speculative result: its start-up curve), ``FILE.json:MODE`` (a
+    step_profile result: that mode's ``step_ms`` ratios, e.g. ``fused:q8``), or numbers
+    separated by commas (``1,1,1.1,...``)."""
+    if spec in CURVES:
+        spec = str(CURVES[spec])
+    if spec[0].isdigit():
+        return [float(x) for x in spec.split(",")]
+    path, _, mode = spec.partition(":")
+    run = json.loads(Path(path).read_text())
+    if mode:
+        steps = run["models"]["default"][mode]["step_ms"]
+        return [steps[str(k)]["ratio"] for k in range(1, len(steps) + 1)]
     return run["model"]["verify_cost_relative"]
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--outputs", default=str(RESULTS / "greedy_outputs_cpu.json"))
-    ap.add_argument("--max-tokens", type=int, default=None)
-    ap.add_argument("--curves", default="h200,cpu")
-    ap.add_argument("--overhead", type=float, default=0.0)
-    ap.add_argument("--draft-overhead", type=float, default=0.0)
+    ap.add_argument("--outputs", default=str(RESULTS / "greedy_outputs_cpu.json"),
+                    help="recorded greedy outputs (recorded with the default model if absent)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="cut every request to this many tokens (and its draft budget to it)")
+    ap.add_argument("--curves", default="h200;cpu", help="semicolon-separated curve_of() specs")
+    ap.add_argument("--overhead", type=float, default=0.0, help="per cycle, in T(1)")
+    ap.add_argument("--draft-overhead", type=float, default=0.0, help="per drafted cycle, in T(1)")
+    ap.add_argument("--warmup", type=int, default=0, help="tokens of the benchmark's warm-up pass")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--methods", type=int, default=1, help="prompt-lookup methods sharing the engine")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     path = Path(args.outputs)
-    outputs = json.loads(path.read_text()) if path.exists() else record_outputs(path, args.max_tokens)
+    outputs = json.loads(path.read_text()) if path.exists() else record_outputs(path, None)
     report = {}
-    for name in args.curves.split(","):
-        report[name] = replay(outputs, curve_of(name), args.overhead, args.draft_overhead)
-        print(f"== {name}: " + "  ".join(f"{w} {r['speedup']:.3f}x" for w, r in report[name].items()), flush=True)
+    for spec in args.curves.split(";"):
+        report[spec] = replay(outputs, curve_of(spec), args.overhead, args.draft_overhead,
+                              max_tokens=args.max_tokens, warmup=args.warmup, repeats=args.repeats,
+                              methods=args.methods)
+        print(f"== {spec}: " + "  ".join(f"{w} {r['speedup']:.3f}x" for w, r in report[spec].items()),
+              flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return report

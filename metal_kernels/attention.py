@@ -77,12 +77,17 @@ def row_attention(queries: mx.array, keys: mx.array, values: mx.array, scale: fl
         keys, values: ``[1, KV, S + L, D]``, the cache's contents including the ``L`` new
             positions (strided views are fine), same dtype; ``H % KV == 0``; D 64 or 128.
         scale: the softmax scale (``D ** -0.5`` for Llama-style models).
-        warps: warps per block (a power of two, 1..32). It fixes how keys are split among warps,
-            so it changes the bits, not the row independence; the engine always uses ``WARPS``.
+        warps: warps per block, 1..32. It fixes how keys are split among warps, so it changes the
+            bits, not the row independence; the engine always uses ``WARPS``.
 
     Returns ``[1, H, L, D]`` in the queries' dtype, lazy; or ``None`` when the arrays or the
     backend are not supported (see :func:`supported`), so the caller uses its own path.
+
+    Raises:
+        ValueError: ``warps`` outside 1..32.
     """
+    if not 1 <= warps <= 32:
+        raise ValueError(f"warps must be in 1..32, not {warps}")
     if supported(queries, keys, values):
         return None
     _, h, n, d = queries.shape

@@ -119,6 +119,7 @@ def test_reduction_order_does_not_depend_on_rows(n, k, bits):
         assert k % chunk == 0 and p.const("WK") <= k // chunk
         assert p.grid[0] % p.threadgroup[0] == 0
         assert (p.grid[0] // p.threadgroup[0]) * 16 * p.const("NT") == n
+        assert qmv.mma_config_fits(p.const("NT"), p.const("U"), p.const("MB"), p.const("WK"))
     simd = [plan(m, n, k, bits, 32, mx.float32, "cuda") for m in range(1, 17)]
     assert len({(p.const("R"), p.const("NSG"), p.grid) for p in simd}) == 1
     assert all(p.const("MB") >= m for m, p in enumerate(simd, 1))
@@ -469,3 +470,27 @@ def test_row_attention_matches_sdpa_and_rows_are_exact(dtype, h, kv, d):
         for n in (2, 7, 9):  # an n-row pass over the same cache prefix
             part = row_attn.row_attention(q[:, :, :n], keys[:, :, :start + n], values[:, :, :start + n], scale)
             assert mx.array_equal(part, full[:, :, :n]).item(), f"{n} rows start {start}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.gpu
+@needs_cuda
+def test_row_attention_scalar_fallback_gives_the_same_bits(dtype, d):
+    """Keys/values whose rows are not contiguous and aligned (no vector loads) give exactly the
+    bits of the aligned inputs (vector loads): both paths run the same arithmetic in order."""
+    dt = DTYPES[dtype]
+    scale = d ** -0.5
+    for start in (0, 33, 300):
+        total = start + 16
+        keys, values = _attn_inputs(32, 8, d, total, dt, seed=start)
+        q = mx.random.normal((1, 16, 32, d)).astype(dt).transpose(0, 2, 1, 3)
+        aligned = row_attn.row_attention(q, keys, values, scale)
+        # rows one element wider: a row stride of d + 1 breaks alignment and vector width
+        wide_k = mx.zeros((1, 8, total, d + 1), dt)
+        wide_v = mx.zeros((1, 8, total, d + 1), dt)
+        wide_k[..., 1:] = keys
+        wide_v[..., 1:] = values
+        mx.eval(wide_k, wide_v)
+        odd = row_attn.row_attention(q, wide_k[..., 1:], wide_v[..., 1:], scale)
+        assert mx.array_equal(aligned, odd).item(), (dtype, d, start)

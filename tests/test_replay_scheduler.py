@@ -25,3 +25,44 @@ def test_draft_overhead_is_charged_per_drafted_cycle():
     slow = replay(copying, FLAT, draft_overhead=0.5)["copy"]
     assert slow["drafts"] == base["drafts"] > 0
     assert slow["speedup"] < base["speedup"]
+
+
+def test_replay_drafts_exactly_what_the_engine_drafts(tiny):
+    """On the tiny model, with the cost curve held fixed, the replay of the recorded plain outputs
+    makes the engine's choices: the same drafts, drafted tokens and accepted tokens per request
+    (so the replay measures the engine's policy, not a look-alike)."""
+    from test_engine import prompts
+
+    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
+    from engine.scheduler import AcceptanceModel
+
+    eng = Engine(EngineConfig(speculation="prompt_lookup", max_verify_rows=16, calibration_contexts=(40, 300)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    try:
+        eng.cost.alpha = 0.0  # no online refresh: the replay uses the start-up curve
+        curve = eng.cost.relative()
+        max_tokens = 40
+
+        def run(tokens, method):
+            req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens,
+                                    sampling=SamplingParams(temperature=0.0),
+                                    speculative=SpeculativeParams(method=method))
+            events = list(eng.generate(req, timeout=300))
+            return [t for e in events for t in e.token_ids], events[-1].stats
+
+        requests = [[p, run(p, "off")[0]] for p in prompts(12, seed=5)]
+        engine_counts = []
+        for p, _ in requests:
+            _, stats = run(p, "prompt_lookup")
+            engine_counts.append((stats.total.num_drafts, stats.total.num_draft_tokens,
+                                  stats.total.num_accepted_tokens))
+        assert eng.cost.relative() == curve
+    finally:
+        eng.stop()
+    assert sum(c[0] for c in engine_counts) > 10  # prompt lookup drafted
+    model = AcceptanceModel()
+    cfg = EngineConfig()
+    replayed = [replay({"r": [r]}, curve, max_draft=cfg.prompt_lookup_max_draft, min_n=cfg.prompt_lookup_min_ngram,
+                       max_n=cfg.prompt_lookup_max_ngram, max_tokens=max_tokens, model=model)["r"]
+                for r in requests]
+    assert [(r["drafts"], r["drafted"], r["accepted"]) for r in replayed] == engine_counts

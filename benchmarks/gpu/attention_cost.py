@@ -47,8 +47,9 @@ def measure(shape: str, s: int, n: int, calls: int, reps: int, warps: list[int])
     paths = {
         "mlx": lambda: mx.fast.scaled_dot_product_attention(
             q, k, v, scale=sc, mask="causal" if n > 1 else None),
-        "mlx_rows": lambda: mx.concatenate([mx.fast.scaled_dot_product_attention(
-            q[:, :, i:i + 1], k[:, :, :s + i + 1], v[:, :, :s + i + 1], scale=sc) for i in range(n)], axis=2),
+        "mlx_rows": lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=sc) if n == 1 else mx.concatenate(
+            [mx.fast.scaled_dot_product_attention(q[:, :, i:i + 1], k[:, :, :s + i + 1], v[:, :, :s + i + 1], scale=sc)
+             for i in range(n)], axis=2),  # (what engine/exact_attention.py calls)
     }
     for w in warps:
         paths[f"kernel_w{w}"] = lambda w=w: row_attention(q, k, v, sc, warps=w)

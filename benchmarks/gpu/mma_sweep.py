@@ -7,7 +7,7 @@ gives microseconds per matmul (wall time of the graph / matmuls, launch gaps inc
 Effective bandwidth = packed weight + scale + bias bytes / time. WK changes a row's reduction
 order (fixed per shape, for every M); NT and U do not.
 
-    python benchmarks/gpu/mma_sweep.py --out mma_sweep.json
+    PYTHONPATH=$PWD python benchmarks/gpu/mma_sweep.py --out mma_sweep.json
 
 Wall time on MLX-CUDA is bound by the host's cost per custom-kernel call (~18 us), so device
 time comes from Nsight Compute: ``--ncu`` launches every configuration twice at M = 1 (and the
@@ -15,7 +15,7 @@ default at M = 16) in a printed order, and ``--parse CSV`` pairs ncu's CSV with 
 
     ncu --clock-control none --kernel-name regex:"qmv|qmm|specserve" --metrics gpu__time_duration.sum \
         --csv --log-file ncu.csv python benchmarks/gpu/mma_sweep.py --ncu > order.txt
-    python benchmarks/gpu/mma_sweep.py --parse ncu.csv --order order.txt --out mma_ncu.json
+    PYTHONPATH=$PWD python benchmarks/gpu/mma_sweep.py --parse ncu.csv --order order.txt --out mma_ncu.json
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def main():
         p1 = plan(1, n, k, 4, gs, dtype)
         nchunks = k // (4 * p1.const("VW") * 32 // 4)
         cases = []
-        for wk, nt, u, in itertools.product((1, 2, 4, 8, 16), (1, 2, 4), (1, 2, 4)):
+        for wk, nt, u in itertools.product((1, 2, 4, 8, 16), (1, 2, 4), (1, 2, 4)):
             if wk > nchunks or n % (16 * nt):
                 continue
             res = {}
@@ -137,7 +137,8 @@ def main():
                 print(f"  wk {wk:2d} nt {nt} u {u}: " + "  ".join(f"M={m} {t:7.2f} us" for m, t in res.items()),
                       flush=True)
         best1 = min((c for c in cases if 1 in c["t_us"]), key=lambda c: c["t_us"][1])
-        rows.append({"shape": f"{n}x{k}", "group_size": gs, "weight_bytes": nbytes, "mlx_us": mlx,
+        rows.append({"shape": f"{n}x{k}", "group_size": gs, "weight_bytes": nbytes, "matmuls_per_graph": count,
+                     "reps": args.reps, "mlx_us": mlx,
                      "default": {m: {"consts": dict(c), "t_us": t} for m, (c, t) in default.items()},
                      "cases": cases, "best_m1": best1,
                      "bw_tbs_m1": {"mlx": nbytes / mlx[1] / 1e6, "default": nbytes / default[1][1] / 1e6,
