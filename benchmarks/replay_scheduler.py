@@ -74,7 +74,8 @@ def record_outputs(path: Path, max_tokens: int | None) -> dict:
 
 def replay(outputs: dict, curve: list[float], overhead: float = 0.0, draft_overhead: float = 0.0,
            max_draft: int = 15, min_n: int = 2, max_n: int = 5, *, max_tokens: int | None = None,
-           warmup: int = 0, repeats: int = 1, methods: int = 1, model=None) -> dict:
+           warmup: int = 0, repeats: int = 1, methods: int = 1, model=None,
+           decision_curve: list[float] | None = None) -> dict:
     """Replayed speed-up per workload for one cost curve (relative ``T(k)/T(1)``).
 
     Mirrors ``bench_speculative``: every request is first replayed for ``warmup`` tokens (all
@@ -84,7 +85,9 @@ def replay(outputs: dict, curve: list[float], overhead: float = 0.0, draft_overh
     (``model``, a fresh ``AcceptanceModel`` by default). The speed-up is the benchmark's: tokens
     after the first over the time after the first cycle, against plain decoding's. A request
     allows ``max_tokens`` tokens (default: its recorded output's length; a recorded output that
-    ended early at EOS drafts within the larger budget, as the engine does)."""
+    ended early at EOS drafts within the larger budget, as the engine does). ``decision_curve``:
+    the scheduler decides with this curve while cycles are charged by ``curve`` (e.g. an
+    online-refreshed curve the engine recorded, against the start-up one)."""
     from engine.scheduler import AcceptanceModel
 
     model = model or AcceptanceModel()
@@ -93,7 +96,7 @@ def replay(outputs: dict, curve: list[float], overhead: float = 0.0, draft_overh
             for prompt, output in requests:
                 for _ in range(methods):
                     _replay_request(prompt, output[:warmup], warmup, curve, model, overhead, draft_overhead,
-                                    max_draft, min_n, max_n)
+                                    max_draft, min_n, max_n, decision_curve)
     result = {}
     for name, requests in outputs.items():
         plain = spec = 0.0
@@ -103,7 +106,7 @@ def replay(outputs: dict, curve: list[float], overhead: float = 0.0, draft_overh
                 for _ in range(methods):
                     out = output[:max_tokens] if max_tokens else output
                     t, counts = _replay_request(prompt, out, max_tokens or len(out), curve, model, overhead,
-                                                draft_overhead, max_draft, min_n, max_n)
+                                                draft_overhead, max_draft, min_n, max_n, decision_curve)
                     spec += t
                     plain += (len(out) - 1) * (1.0 + overhead)
                     for k in totals:
@@ -112,25 +115,27 @@ def replay(outputs: dict, curve: list[float], overhead: float = 0.0, draft_overh
     return result
 
 
-def _replay_request(prompt, output, max_tokens, curve, model, overhead, draft_overhead, max_draft, min_n, max_n):
+def _replay_request(prompt, output, max_tokens, curve, model, overhead, draft_overhead, max_draft, min_n, max_n,
+                    decision_curve=None):
     """One request's cycles: (cost after its first cycle in T(1) units, draft counts)."""
     from drafters import PromptLookupDrafter
     from drafters.base import DraftContext
     from engine.scheduler import CostModel, RequestAcceptance, choose_length
 
     cost = CostModel(list(curve))
+    decide = CostModel(list(decision_curve)) if decision_curve else cost
     acceptance = RequestAcceptance(model)
     drafter = PromptLookupDrafter(min_n, max_n)
     counts = {"drafts": 0, "drafted": 0, "accepted": 0}
     n, spent, first = 0, 0.0, True
     while n < len(output):
         tokens = prompt + output[:n]
-        budget = min(max_tokens - n - 1, cost.max_rows - 1, max_draft)  # Sequence.draft_budget
+        budget = min(max_tokens - n - 1, decide.max_rows - 1, max_draft)  # Sequence.draft_budget
         length = 0
         proposal = drafter.propose(DraftContext(tokens), budget) if budget > 0 else None
         if proposal is not None and proposal.tokens:
             conditional = acceptance.survival(proposal.match_length, len(proposal.tokens))
-            length = choose_length(conditional, cost)[0]
+            length = choose_length(conditional, decide)[0]
         ok = 0
         if length:
             draft = proposal.tokens[:length]
@@ -173,6 +178,8 @@ def main(argv=None):
     ap.add_argument("--curves", default="h200;cpu", help="semicolon-separated curve_of() specs")
     ap.add_argument("--overhead", type=float, default=0.0, help="per cycle, in T(1)")
     ap.add_argument("--draft-overhead", type=float, default=0.0, help="per drafted cycle, in T(1)")
+    ap.add_argument("--decision-curve", default=None, help="curve_of() spec the scheduler decides with "
+                    "(default: the charged curve)")
     ap.add_argument("--warmup", type=int, default=0, help="tokens of the benchmark's warm-up pass")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--methods", type=int, default=1, help="prompt-lookup methods sharing the engine")
@@ -184,7 +191,8 @@ def main(argv=None):
     for spec in args.curves.split(";"):
         report[spec] = replay(outputs, curve_of(spec), args.overhead, args.draft_overhead,
                               max_tokens=args.max_tokens, warmup=args.warmup, repeats=args.repeats,
-                              methods=args.methods)
+                              methods=args.methods,
+                              decision_curve=curve_of(args.decision_curve) if args.decision_curve else None)
         print(f"== {spec}: " + "  ".join(f"{w} {r['speedup']:.3f}x" for w, r in report[spec].items()),
               flush=True)
     if args.out:
