@@ -11,25 +11,34 @@ EXTRAS ?= dev
 ifeq ($(UNAME),Linux)
 BACKEND ?= $(if $(shell nvidia-smi -L 2>/dev/null),cuda,cpu)
 INSTALL_EXTRAS := $(EXTRAS),$(BACKEND)
+SERVE_SPEC := .[$(BACKEND)]
 else
 INSTALL_EXTRAS := $(EXTRAS)
+SERVE_SPEC := .
 endif
 
 .PHONY: setup serve test test-tools lint unit bench clean
 
-$(VENV)/.installed-$(EXTRAS): pyproject.toml
+# $(call install,<pip requirement>): the venv, the package (editable) and, on Linux, OpenBLAS.
+define install
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is required"'
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[$(INSTALL_EXTRAS)]'
-ifeq ($(UNAME),Linux)
-	@sh deploy/install-openblas.sh $(PY)
-endif
+	$(PIP) install -q -e '$(1)'
+	$(if $(filter Linux,$(UNAME)),@sh deploy/install-openblas.sh $(PY))
 	@touch $@
+endef
+
+$(VENV)/.installed-$(EXTRAS): pyproject.toml
+	$(call install,.[$(INSTALL_EXTRAS)])
+
+# serving needs only the runtime dependencies (and the MLX backend)
+$(VENV)/.installed-serve: pyproject.toml
+	$(call install,$(SERVE_SPEC))
 
 setup: $(VENV)/.installed-$(EXTRAS)
 
-serve: $(VENV)/.installed-$(EXTRAS)
+serve: $(VENV)/.installed-serve
 	$(VENV)/bin/specserve --host 127.0.0.1 --port 8000
 
 lint: $(VENV)/.installed-dev

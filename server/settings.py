@@ -272,7 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name, field in Settings.model_fields.items():
         base = _base_type(field.annotation)
-        kwargs = {"default": None, "help": f"{field.description} [env {env_name(name)}; default {field.default!r}]"}
+        help_text = f"{field.description} [env {env_name(name)}; default {field.default!r}]"
+        kwargs = {"default": None, "help": help_text.replace("%", "%%")}  # (argparse formats help with %)
         if typing.get_origin(base) is Literal:
             kwargs["choices"] = list(typing.get_args(base))
         elif base is bool:

@@ -35,3 +35,14 @@ def test_invalid_env_value_is_rejected(monkeypatch):
     with pytest.raises(pydantic.ValidationError):
         load_settings([])
     assert os.environ["SPECSERVE_PORT"] == "not-a-port"
+
+
+def test_help_lists_every_flag():
+    """``specserve --help`` renders (argparse formats help text with %, and some descriptions
+    hold a literal percent sign) and names every setting's flag and environment twin."""
+    from server.settings import Settings, build_parser, env_name, flag_name
+
+    text = " ".join(build_parser().format_help().split())  # (argparse wraps lines)
+    for name in Settings.model_fields:
+        assert flag_name(name) in text and env_name(name) in text, name
+    assert "4-8% of their scale" in text
