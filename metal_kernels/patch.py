@@ -67,9 +67,11 @@ class PatchReport:
         return bool(self.patched)
 
     def summary(self) -> str:
+        """One log line (the start-up log: the target's passes are reported separately)."""
+        head = f"small-batch matmul kernels (SPECSERVE_KERNELS={self.mode}) on {self.backend}"
         if not self.patched:
-            return f"kernels {self.mode} on {self.backend}: not patched ({self.reason})"
-        s = f"kernels {self.mode} on {self.backend}: {len(self.patched)} layers patched"
+            return f"{head}: not patched ({self.reason})"
+        s = f"{head}: {len(self.patched)} layers patched"
         return s + (f", {len(self.skipped)} skipped" if self.skipped else "")
 
 
@@ -134,7 +136,7 @@ def patch_model(model: nn.Module, mode: str = "auto") -> PatchReport:
         raise ValueError(f"kernel mode must be one of {MODES}, not {mode!r}")
     report = PatchReport(mode=mode, backend=backend())
     if mode == "off":
-        report.reason = "disabled (mode off)"
+        report.reason = "disabled"
         return report
     if report.backend == "cpu":
         report.reason = "no GPU backend: the CPU uses mx.quantized_matmul"

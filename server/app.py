@@ -22,8 +22,13 @@ from .settings import Settings
 log = logging.getLogger("specserve.server")
 
 
+# Probe endpoints: their 503 answers a probe ("not yet", "not alive") and is no error response.
+_PROBES = ("/health", "/ready")
+
+
 class _CountRequests(BaseHTTPMiddleware):
-    """Count every response by endpoint and status, and errors by OpenAI type."""
+    """Count every response by endpoint and status, and errors by OpenAI type (not the
+    probes' answers: a load balancer polling /ready while the model loads is not an error)."""
 
     async def dispatch(self, request: Request, call_next):
         response = await call_next(request)
@@ -31,7 +36,7 @@ class _CountRequests(BaseHTTPMiddleware):
         route = request.scope.get("route")
         endpoint = getattr(route, "path", "unmatched")
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        if response.status_code >= 400:
+        if response.status_code >= 400 and endpoint not in _PROBES:
             metrics.errors.labels(_error_type(response.status_code)).inc()
         return response
 

@@ -356,3 +356,37 @@ def test_log_requests_setting_logs_text(guarded_server, caplog):
     time.sleep(0.1)
     lines = [rec.getMessage() for rec in caplog.records if rec.name == "specserve.requests"]
     assert any(r["id"] in line and marker in line for line in lines), lines
+
+
+def test_probe_answers_are_not_counted_as_errors():
+    """While the model loads, /ready answers 503 to every probe: counted by endpoint and status,
+    not in errors_total (an operator alerting on error rates would otherwise page during every
+    start-up). A 503 on an API route still counts."""
+    from server.app import create_app
+    from server.metrics import Metrics
+
+    class Loading:  # what the routes and the scrape read from an engine that is still loading
+        ready = False
+        loaded = None
+        cost = None
+
+        def health(self):
+            return {"state": "loading"}
+
+        def queue_depth(self):
+            return 0
+
+        def running(self):
+            return 0
+
+        def prefix_cache_info(self):
+            return None
+
+    app = create_app(Loading(), metrics=Metrics())
+    for _ in range(3):
+        assert_envelope(_get(app, "/ready"), 503, "unavailable_error")
+    assert _get(app, "/v1/models").status_code == 200  # (no model yet: an empty list)
+    scrape = _get(app, "/metrics").text
+    assert 'specserve:requests_total{endpoint="/ready",status="503"} 3.0' in scrape
+    assert 'specserve:engine_ready 0.0' in scrape
+    assert "specserve:errors_total{" not in scrape  # (no error response yet)
