@@ -76,22 +76,25 @@ def run_once(eng: Engine, tokens: list[int], method: str, max_tokens: int) -> di
     }
 
 
-def run_prompt(eng: Engine, tok, prompt: dict, method: str, max_tokens: int) -> tuple[list[int], list[dict]]:
+def run_turns(eng: Engine, tok, prompt: dict, method: str, max_tokens: int) -> list[tuple[list[int], dict]]:
     """One prompt (or every turn of a session, with the assistant's replies appended to the
-    history) under one method. Returns all generated ids and one measurement row per turn."""
+    history) under one method: ``(prompt tokens, run_once's row with its "ids")`` per request."""
     if prompt["kind"] != "session":
-        r = run_once(eng, prompt_tokens(tok, prompt), method, max_tokens)
-        return r.pop("ids"), [r]
-    messages, ids, rows = [], [], []
+        tokens = prompt_tokens(tok, prompt)
+        return [(tokens, run_once(eng, tokens, method, max_tokens))]
+    messages, out = [], []
     for turn in prompt["turns"]:
         messages.append({"role": "user", "content": turn})
         tokens = list(tok.apply_chat_template(messages, add_generation_prompt=True))
-        r = run_once(eng, tokens, method, max_tokens)
-        reply = r.pop("ids")
-        ids += reply
-        rows.append(r)
-        messages.append({"role": "assistant", "content": eng.loaded.token_table.decode(reply)})
-    return ids, rows
+        out.append((tokens, run_once(eng, tokens, method, max_tokens)))
+        messages.append({"role": "assistant", "content": eng.loaded.token_table.decode(out[-1][1]["ids"])})
+    return out
+
+
+def run_prompt(eng: Engine, tok, prompt: dict, method: str, max_tokens: int) -> tuple[list[int], list[dict]]:
+    """:func:`run_turns`, as all generated ids and one measurement row per turn (ids removed)."""
+    rows = [r for _, r in run_turns(eng, tok, prompt, method, max_tokens)]
+    return [t for r in rows for t in r.pop("ids")], rows
 
 
 def summarize(rows: list[dict]) -> dict:

@@ -36,36 +36,17 @@ def record_outputs(path: Path, max_tokens: int | None) -> dict:
     """Greedy (prompt tokens, output tokens) per workload, request by request (session turns
     included), with the default model and speculation off; cached at ``path``."""
     import engine  # noqa: F401  (OpenBLAS before mlx.core)
-    from benchmarks.bench_speculative import load_workloads, prompt_tokens
-    from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
+    from benchmarks.bench_speculative import load_workloads, run_turns
+    from engine import Engine, EngineConfig
 
     eng = Engine(EngineConfig(speculation="off")).start(wait=True)
-    tok = eng.loaded.tokenizer
-
-    def generate(tokens, n):
-        req = GenerationRequest(prompt_tokens=tokens, max_tokens=n, sampling=SamplingParams(temperature=0.0),
-                                speculative=SpeculativeParams(method="off"))
-        return [t for ev in eng.generate(req, timeout=3600) for t in ev.token_ids]
-
     out = {}
     try:
         for w in load_workloads(None):
             n = max_tokens or w.get("max_tokens", 128)
-            requests = []
-            for prompt in w["prompts"]:
-                if prompt["kind"] != "session":
-                    tokens = prompt_tokens(tok, prompt)
-                    requests.append([tokens, generate(tokens, n)])
-                    continue
-                messages = []
-                for turn in prompt["turns"]:
-                    messages.append({"role": "user", "content": turn})
-                    tokens = list(tok.apply_chat_template(messages, add_generation_prompt=True))
-                    reply = generate(tokens, n)
-                    requests.append([tokens, reply])
-                    messages.append({"role": "assistant", "content": eng.loaded.token_table.decode(reply)})
-            out[w["name"]] = requests
-            print(f"recorded {w['name']}: {len(requests)} requests", flush=True)
+            out[w["name"]] = [[tokens, row["ids"]] for prompt in w["prompts"]
+                              for tokens, row in run_turns(eng, eng.loaded.tokenizer, prompt, "off", n)]
+            print(f"recorded {w['name']}: {len(out[w['name']])} requests", flush=True)
     finally:
         eng.close()
     path.write_text(json.dumps(out))

@@ -41,7 +41,7 @@ SUPPORTED_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 _SOURCES = Path(__file__).parent / "sources"
 # The mma split's K warps: the smallest power of two with N/32 * WK >= this. Nsight Compute on
 # the H200 (benchmarks/gpu/mma_sweep.py, ninth session): at M = 1, 4096x4096 took 7.5 us with
-# 16 warps splitting K and one chunk in flight against 8.3 us with 8 warps and two (the
+# 16 warps splitting K and one chunk in flight against 8.2 us with 8 warps and two (the
 # former defaults, target 1024).
 _TARGET_WARPS = 2048
 

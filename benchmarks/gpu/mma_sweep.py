@@ -39,11 +39,12 @@ def time_us(sets, m, k, gs, dtype, kernels, reps):
     return _median_time(fn, reps) / len(sets) * 1e6
 
 
-def _configs(n, k, gs, dtype):
+def _configs(n, k, gs, dtype, mb=None):
+    """(WK, NT, U) the kernel can take for this shape (and that fit at row bucket ``mb``)."""
     p1 = plan(1, n, k, 4, gs, dtype)
     nchunks = k // (4 * p1.const("VW") * 32 // 4)
     for wk, nt, u in itertools.product((1, 2, 4, 8, 16), (1, 2, 4), (1, 2, 4)):
-        if wk <= nchunks and not n % (16 * nt) and qmv.mma_config_fits(nt, u, 8, wk):
+        if wk <= nchunks and not n % (16 * nt) and (mb is None or qmv.mma_config_fits(nt, u, mb, wk)):
             yield wk, nt, u
 
 
@@ -53,7 +54,7 @@ def ncu_run(dtype):
     for n, k, gs in SHAPES:
         w = _weight_sets(n, k, 4, gs, dtype, 1)[0]
         cases = [("mlx", 1, None), ("default", 1, None), ("mlx", 16, None), ("default", 16, None)]
-        cases += [("config", 1, c) for c in _configs(n, k, gs, dtype)]
+        cases += [("config", 1, c) for c in _configs(n, k, gs, dtype, mb=8)]
         for path, m, cfg in cases:
             x = mx.random.normal((m, k)).astype(dtype)
             mx.eval(x)
@@ -116,12 +117,8 @@ def main():
                    for m in (1, 8, 16)}
         print(f"{n}x{k} g{gs}: mlx {mlx}  default {[(dict(c), round(t, 2)) for c, t in default.values()]}",
               flush=True)
-        p1 = plan(1, n, k, 4, gs, dtype)
-        nchunks = k // (4 * p1.const("VW") * 32 // 4)
         cases = []
-        for wk, nt, u in itertools.product((1, 2, 4, 8, 16), (1, 2, 4), (1, 2, 4)):
-            if wk > nchunks or n % (16 * nt):
-                continue
+        for wk, nt, u in _configs(n, k, gs, dtype):
             res = {}
             for m, mb in ((1, 8), (8, 8), (16, 16)):
                 if not qmv.mma_config_fits(nt, u, mb, wk):
