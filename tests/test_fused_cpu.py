@@ -317,20 +317,26 @@ def test_a_forked_child_starts_its_own_threads():
     pytest.fail("the forked child's pass did not finish (its workers were never started)")
 
 
-@pytest.mark.parametrize("activations", ["q16", "q8", "float32"])
-def test_the_avx2_build_computes_the_same_bits(tmp_path, activations):
+@pytest.mark.parametrize("flag,activations,group_size", [
+    ("-mno-avx512f", "q16", 32), ("-mno-avx512f", "q8", 32), ("-mno-avx512f", "float32", 32),
+    ("-mno-avx2", "q16", 32), ("-mno-avx2", "q8", 64), ("-mno-avx2", "float32", 32)])
+def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations, group_size):
     """A build without AVX-512 (4 rows per weight read instead of 16, 8-lane halves of every
-    vector, integer dot products without VNNI) gives every row the same bits as the default
-    build: the per-row arithmetic is the same whatever the machine's vector width."""
+    vector, integer dot products by vpmaddubsw instead of VNNI) and one without AVX2 (the
+    generic vector code) give every row the same bits as the machine's own build: the per-row
+    arithmetic is the same whatever the vector width. (On a CPU without AVX-512 the first
+    compares the AVX2 build with itself, and the second checks its AVX2 code.) Hidden size 320
+    and intermediate 640 give the integer path whole groups of 16 blocks, a partial group
+    spanning both 8-block halves (10 blocks) and one within the first (4)."""
     import ctypes
     import os
     import subprocess
 
     cc = os.environ.get("CC") or "cc"
-    alt = tmp_path / "avx2.so"
-    subprocess.run([cc, *fused_cpu._CFLAGS, "-mno-avx512f", "-o", str(alt), str(fused_cpu._SOURCE), "-lm"],
+    alt = tmp_path / "alt.so"
+    subprocess.run([cc, *fused_cpu._CFLAGS, flag, "-o", str(alt), str(fused_cpu._SOURCE), "-lm"],
                    check=True, capture_output=True)
-    model, stored = _models(4, 64, seed=7)
+    model, stored = _models(4, 64, seed=7, group_size=group_size)
     fp = CpuFusedPass(model, stored, activations=activations)
     tokens = mx.random.randint(3, 259, (300,), key=mx.random.key(9)).tolist()
     _, cache = _prefilled(model, tokens[:284])

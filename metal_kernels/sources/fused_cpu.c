@@ -268,6 +268,32 @@ static inline float quantize_block(const float *x, int8_t *q, int *sum, float *r
         _mm512_storeu_ps(res, _mm512_fnmadd_ps(dv, _mm512_cvtepi32_ps(qa), a));
         _mm512_storeu_ps(res + 16, _mm512_fnmadd_ps(dv, _mm512_cvtepi32_ps(qb), b));
     }
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 xv[4];
+    __m256 mx = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int i = 0; i < 4; i++) {
+        xv[i] = _mm256_loadu_ps(x + 8 * i);
+        mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, xv[i]));
+    }
+    float m8[8];
+    _mm256_storeu_ps(m8, mx);
+    float amax = 0.0f;
+    for (int i = 0; i < 8; i++) amax = m8[i] > amax ? m8[i] : amax;
+    const float d = amax / 127.0f;
+    const __m256 id = _mm256_set1_ps(amax > 1e-30f ? 127.0f / amax : 0.0f), dv = _mm256_set1_ps(d);
+    int32_t qi[32];
+    for (int i = 0; i < 4; i++) {
+        const __m256i qv = _mm256_cvtps_epi32(_mm256_mul_ps(xv[i], id));  // (round half to even)
+        _mm256_storeu_si256((__m256i *)(qi + 8 * i), qv);
+        if (res) _mm256_storeu_ps(res + 8 * i, _mm256_fnmadd_ps(dv, _mm256_cvtepi32_ps(qv), xv[i]));
+    }
+    int s = 0;
+    for (int i = 0; i < 32; i++) {  // |q| <= 127 already: the saturation of vpmovsdb never bites
+        v[i] = (int8_t)qi[i];
+        s += qi[i];
+    }
+    *sum = s;
 #else
     float amax = 0.0f;
     for (int i = 0; i < 32; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
@@ -338,6 +364,21 @@ static inline __m512i seg512(const uint8_t *w, int n, int t) {
 static inline __m256i seg256(const uint8_t *w, int n, int t) {
     return _mm256_maskz_loadu_epi8((__mmask32)((1ULL << (4 * n)) - 1), w + 4 * n * t);
 }
+#elif defined(__AVX2__)
+#define Q8_AVX2 1
+// AVX2 without VNNI: vpmaddubsw (u8 x s8, adjacent products summed into s16) and vpmaddwd by
+// ones (s16 pairs into the lane's s32) give each lane's 4-product sum, the integers vpdpbusd
+// gives. Exact, with no saturation: 4-bit codes are at most 15 and activations within [-127,
+// 127], so a pair is at most 3810 and the 8 steps of a group sum to at most 30480 < 2^15 in s16;
+// 8-bit codes are split into their two nibbles the same way (c = lo + 16 hi). A 512-bit group
+// is two 256-bit halves: lanes (blocks) 0..7, then 8..15.
+static inline __m256i seg_half(const uint8_t *w, int n, int t, int h) {  // lanes 8h..8h+7 of segment t
+    if (n == 16) return _mm256_loadu_si256((const __m256i *)(w + 64 * t + 32 * h));
+    const int have = n - 8 * h > 8 ? 8 : n - 8 * h;  // (>= 1: a half with no block is skipped)
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_epi32((const int *)(w + 4 * n * t + 32 * h),
+                                 _mm256_cmpgt_epi32(_mm256_set1_epi32(have), lane));
+}
 #else
 static inline v16i seg_generic(const uint8_t *w, int n, int t) {
     v16i v = {0};
@@ -382,6 +423,73 @@ static inline v16i dot_generic(v16i acc, v16i w, const int8_t *a) {  // (the int
     } while (0)
 #endif
 
+#ifdef Q8_AVX2
+// Scales (or biases) of blocks j0 + 8h .. j0 + 8h + 7 as floats (lanes of absent blocks 0): the
+// half h of lanes16, converted by F16C.
+static inline __m256 lanes8(const _Float16 *s, int j0, int n, int per, int h) {
+    if (per == 1 && n == 16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + j0 + 8 * h)));
+    uint16_t t[8] = {0};
+    for (int l = 0; l < 8 && 8 * h + l < n; l++) memcpy(t + l, s + (j0 + 8 * h + l) / per, 2);
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
+}
+
+// dot_tile_q8 on AVX2 in native 256-bit halves (blocks 0..7 of a group, then 8..15): GCC lowers
+// the generic 16-lane vectors through the stack on CPUs without AVX-512. Per lane the same
+// operations in the same order as the generic code (integer sums, then d s I and b m, fused).
+static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const int bits, const int D, const QMat *q,
+                                                              int o, const QAct *a, int r0, v16f *part) {
+    __m256 acc[TILE][2];
+    for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const int in = q->in, nb = in / 32, per = q->gs / 32, ng = in / q->gs, full = nb / 16, rest = nb % 16;
+    const _Float16 *s = q->s + (size_t)o * ng, *b = q->b + (size_t)o * ng;
+    const uint8_t *w = q->w + (size_t)o * (size_t)(in * bits / 8);
+    const int segs = bits == 4 ? 4 : 8;
+    const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+    prefetch_output(q, o);
+    for (int g = 0; g <= full; g++) {  // the whole groups, then a partial one
+        const int n = g == full ? rest : 16;
+        const uint8_t *wg = w + (size_t)16 * g * 4 * segs;
+        for (int h = 0; 8 * h < n; h++) {  // (a half with no block adds nothing)
+            const __m256 sv = lanes8(s, 16 * g, n, per, h), bv = lanes8(b, 16 * g, n, per, h);
+            __m256i W[8];
+            for (int t = 0; t < 4; t++) W[t] = seg_half(wg, n, t, h);
+            if (bits == 4)
+                for (int t = 0; t < 4; t++) {
+                    W[4 + t] = _mm256_and_si256(_mm256_srli_epi16(W[t], 4), low4);
+                    W[t] = _mm256_and_si256(W[t], low4);
+                }
+            else
+                for (int t = 4; t < 8; t++) W[t] = seg_half(wg, n, t, h);
+            for (int r = 0; r < R; r++) {
+                const size_t at = (size_t)(r0 + r) * a->sd + 16 * g + 8 * h;
+                for (int k = 0; k < D; k++) {
+                    const int8_t *aq = a->q[k] + (size_t)(r0 + r) * a->sq + 512 * g + 32 * h;
+                    __m256i lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();
+                    for (int t = 0; t < 8; t++) {
+                        const __m256i av = _mm256_loadu_si256((const __m256i *)(aq + 64 * t));
+                        if (bits == 4) {
+                            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(W[t], av));
+                        } else {
+                            lo = _mm256_add_epi16(lo, _mm256_maddubs_epi16(_mm256_and_si256(W[t], low4), av));
+                            hi = _mm256_add_epi16(
+                                hi, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(W[t], 4), low4), av));
+                        }
+                    }
+                    __m256i v = _mm256_madd_epi16(lo, ones);
+                    if (bits == 8) v = _mm256_add_epi32(v, _mm256_slli_epi32(_mm256_madd_epi16(hi, ones), 4));
+                    acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(sv, _mm256_loadu_ps(a->d[k] + at)),
+                                                acc[r][h]);
+                }
+                acc[r][h] = _mm256_fmadd_ps(bv, _mm256_loadu_ps(a->m + at), acc[r][h]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_ps((float *)(part + 16 * r), acc[r][0]);
+        _mm256_storeu_ps((float *)(part + 16 * r) + 8, acc[r][1]);
+    }
+}
+#else
 static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const int bits, const int D, const QMat *q,
                                                               int o, const QAct *a, int r0, v16f *part) {
     v16f acc[TILE];
@@ -433,6 +541,7 @@ static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const
     }
     for (int r = 0; r < R; r++) part[16 * r] = acc[r];
 }
+#endif
 
 #define TILE_CASE_Q8(R)                                                                   \
     case R:                                                                               \
