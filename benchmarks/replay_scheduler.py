@@ -14,8 +14,8 @@ through one engine-wide acceptance model, as in ``bench_speculative``.
 
 Reported per curve and workload: replayed speed-up over plain decoding (as the benchmark
 measures it: tokens after the first, over the time after the first cycle), drafts, drafted and
-accepted tokens. What it leaves out: host time that differs between cycles, online refresh of
-T(k), sampling. tests/test_replay_scheduler.py checks that the replay drafts exactly what the
+accepted tokens. What it leaves out: host time that differs between cycles, sampling; the online refresh of
+T(k) only with ``--online``. tests/test_replay_scheduler.py checks that the replay drafts exactly what the
 engine drafts on the tiny model.
 
     python -m benchmarks.replay_scheduler --max-tokens 128 --warmup 16 --repeats 3 \
@@ -56,7 +56,7 @@ def record_outputs(path: Path, max_tokens: int | None) -> dict:
 def replay(outputs: dict, curve: list[float], overhead: float = 0.0, draft_overhead: float = 0.0,
            max_draft: int = 15, min_n: int = 2, max_n: int = 5, *, max_tokens: int | None = None,
            warmup: int = 0, repeats: int = 1, methods: int = 1, model=None,
-           decision_curve: list[float] | None = None) -> dict:
+           decision_curve: list[float] | None = None, online: str | None = None) -> dict:
     """Replayed speed-up per workload for one cost curve (relative ``T(k)/T(1)``).
 
     Mirrors ``bench_speculative``: every request is first replayed for ``warmup`` tokens (all
@@ -68,10 +68,18 @@ def replay(outputs: dict, curve: list[float], overhead: float = 0.0, draft_overh
     allows ``max_tokens`` tokens (default: its recorded output's length; a recorded output that
     ended early at EOS drafts within the larger budget, as the engine does). ``decision_curve``:
     the scheduler decides with this curve while cycles are charged by ``curve`` (e.g. an
-    online-refreshed curve the engine recorded, against the start-up one)."""
-    from engine.scheduler import AcceptanceModel
+    online-refreshed curve the engine recorded, against the start-up one). ``online``: the
+    scheduler decides with one engine-wide cost model that starts from ``decision_curve`` (or
+    ``curve``) and observes every pass after a request's first, as the engine's does, each
+    costing ``curve[k] + overhead`` (the overhead being host time a start-up pass does not
+    see): ``shared`` is the engine's ``CostModel``, ``per-width`` the rule it replaced (each
+    width refreshed on its own)."""
+    from engine.scheduler import AcceptanceModel, CostModel
 
     model = model or AcceptanceModel()
+    if online:
+        decide = {"shared": CostModel, "per-width": PerWidthCost}[online](list(decision_curve or curve))
+        decision_curve = decide
     if warmup:
         for requests in outputs.values():
             for prompt, output in requests:
@@ -104,7 +112,10 @@ def _replay_request(prompt, output, max_tokens, curve, model, overhead, draft_ov
     from engine.scheduler import CostModel, RequestAcceptance, choose_length
 
     cost = CostModel(list(curve))
-    decide = CostModel(list(decision_curve)) if decision_curve else cost
+    if isinstance(decision_curve, CostModel):  # engine-wide, refreshed online
+        decide, online = decision_curve, True
+    else:
+        decide, online = (CostModel(list(decision_curve)) if decision_curve else cost), False
     acceptance = RequestAcceptance(model)
     drafter = PromptLookupDrafter(min_n, max_n)
     counts = {"drafts": 0, "drafted": 0, "accepted": 0}
@@ -128,9 +139,25 @@ def _replay_request(prompt, output, max_tokens, curve, model, overhead, draft_ov
             counts["accepted"] += ok
         if not first:  # (the benchmark times decoding after the first token event)
             spent += cost.T(length + 1) + overhead + (draft_overhead if length else 0.0)
+            if online:  # (the engine does not observe a request's first pass either)
+                decide.observe(length + 1, cost.T(length + 1) + overhead)
         first = False
         n += ok + 1
     return spent, counts
+
+
+def PerWidthCost(curve: list[float]):
+    """A cost model refreshed the way the engine's was before the tenth session: each width's
+    own EMA, no shift shared between widths (for ``--online per-width``)."""
+    from engine.scheduler import CostModel
+
+    class PerWidth(CostModel):
+        def observe(self, rows: int, seconds: float) -> None:
+            if 1 <= rows <= self.max_rows and 0.5 <= seconds / self.T(rows) <= 2.0:
+                self.shape[rows - 1] += self.alpha * (seconds - self.shape[rows - 1])
+                self._curve = list(self.shape)
+
+    return PerWidth(curve)
 
 
 def curve_of(spec: str) -> list[float]:
@@ -161,6 +188,9 @@ def main(argv=None):
     ap.add_argument("--draft-overhead", type=float, default=0.0, help="per drafted cycle, in T(1)")
     ap.add_argument("--decision-curve", default=None, help="curve_of() spec the scheduler decides with "
                     "(default: the charged curve)")
+    ap.add_argument("--online", choices=("shared", "per-width"), default=None,
+                    help="decide with an engine-wide cost model refreshed by every pass (each "
+                         "costing the curve + --overhead): the engine's rule, or the one it replaced")
     ap.add_argument("--warmup", type=int, default=0, help="tokens of the benchmark's warm-up pass")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--methods", type=int, default=1, help="prompt-lookup methods sharing the engine")
@@ -173,7 +203,8 @@ def main(argv=None):
         report[spec] = replay(outputs, curve_of(spec), args.overhead, args.draft_overhead,
                               max_tokens=args.max_tokens, warmup=args.warmup, repeats=args.repeats,
                               methods=args.methods,
-                              decision_curve=curve_of(args.decision_curve) if args.decision_curve else None)
+                              decision_curve=curve_of(args.decision_curve) if args.decision_curve else None,
+                              online=args.online)
         print(f"== {spec}: " + "  ".join(f"{w} {r['speedup']:.3f}x" for w, r in report[spec].items()),
               flush=True)
     if args.out:

@@ -352,7 +352,8 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
     # so the pass's whole hidden output is freed at once and a later fold is one concatenation
     mx.eval(*verdict, *(() if hidden is None else (hidden,)))
     elapsed = time.perf_counter() - started
-    cost.observe(len(rows), elapsed)
+    if seq.num_generated:  # a request's first pass runs cold after its prefill: not a width's cost
+        cost.observe(len(rows), elapsed)
     if "dspark" in seq.drafters:
         seq.dspark_stats.observe_cycle(elapsed)  # (earns DSpark's probe budget)
 

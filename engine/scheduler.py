@@ -4,7 +4,7 @@ For a proposal of up to ``L_max`` tokens, committed tokens per verify step are
 ``E(L) = 1 + sum_{k=1..L} prod_{i<=k} c_i`` (accepted drafts plus the bonus/recovered token),
 where ``c_i`` is the probability that draft ``i`` is accepted given drafts ``1..i-1`` were. A
 step costs ``T(L + 1)``, the verify cost of ``L + 1`` rows (measured at start-up, refreshed
-online). The scheduler picks ``L`` maximising ``E(L) / T(L + 1)``; ``L = 0`` (plain decoding,
+online by a shift shared by every width, :class:`CostModel`). The scheduler picks ``L`` maximising ``E(L) / T(L + 1)``; ``L = 0`` (plain decoding,
 rate ``1 / T(1)``) whenever no draft length beats it. ``L`` is fixed before verification, so
 the admission of draft ``k`` never depends on draft ``k`` being accepted (lossless).
 
@@ -21,52 +21,96 @@ import threading
 from dataclasses import dataclass, field
 
 
-@dataclass
 class CostModel:
-    """Verify cost ``T(k)`` in seconds for ``k = 1..max_rows`` rows, with online refresh."""
+    """Verify cost ``T(k)`` in seconds for ``k = 1..max_rows`` rows, with online refresh.
 
-    verify_cost: list[float]  # index k-1
-    alpha: float = 0.05  # EMA weight of a new observation
-    far: list = field(default_factory=list)  # ratios of consecutive observations >2x off, one direction
+    ``T(k) = shape[k] + offset + residual[k]``, made non-decreasing in ``k``:
+
+    * ``shape`` is the start-up curve (each width timed alone, :meth:`Runner.calibrate`);
+    * ``offset`` (EMA over every pass, any width, of its time minus its start-up time) is what a
+      pass costs in the engine beyond its start-up time: the cycle's accept/logprob kernels, the host sync, the context grown longer
+      than calibration's. It moves every width alike, so the one width that runs most (one row,
+      whenever nothing is drafted) cannot drift away from widths that rarely run: refreshing
+      each width on its own once let an in-engine T(1) rise 30% on the H200 while T(2..16) kept
+      their start-up values, and the scheduler, seeing drafts as nearly free, drafted 13.6
+      tokens per draft on novel chat and ran at 0.92x plain;
+    * ``residual[k]`` (EMA over width ``k``'s own passes of what the offset leaves) corrects the
+      curve's shape where the widths that run disagree with start-up in different ways; a
+      width that never runs keeps its start-up time plus the offset.
+
+    Raises:
+        ValueError: an empty curve.
+    """
+
+    def __init__(self, verify_cost: list[float], alpha: float = 0.05):
+        if not verify_cost:
+            raise ValueError("a cost curve needs at least T(1)")
+        self.alpha = alpha  # EMA weight of a new observation
+        self.far: list[float] = []  # ratios of consecutive observations >2x off, one direction
+        self.reset(verify_cost)
+
+    def reset(self, verify_cost: list[float]) -> None:
+        """Start again from ``verify_cost`` (seconds, index ``k - 1``): no offset, no residuals."""
+        self.shape = [float(t) for t in verify_cost]
+        self.offset = 0.0
+        self.residual = [0.0] * len(self.shape)
+        self.observations = [0] * len(self.shape)  # passes observed per width (diagnostics)
+        self._refresh()
+
+    def _refresh(self) -> None:
+        curve, floor = [], 0.0
+        for base, res in zip(self.shape, self.residual):
+            # never below half the start-up time (a streak of faster passes rescales instead)
+            floor = max(floor, base + self.offset + res, 0.5 * base)
+            curve.append(floor)
+        self._curve = curve
+
+    @property
+    def verify_cost(self) -> list[float]:
+        """The current curve ``T(1..max_rows)`` in seconds (a copy)."""
+        return list(self._curve)
 
     @property
     def max_rows(self) -> int:
-        return len(self.verify_cost)
+        return len(self._curve)
 
     def T(self, rows: int) -> float:
         """Seconds for a pass of ``rows`` rows; past the measured range (wide batched passes),
         extrapolated linearly from the last two points."""
-        if rows <= self.max_rows:
-            return self.verify_cost[rows - 1]
-        last = self.verify_cost[-1]
-        step = last - self.verify_cost[-2] if self.max_rows > 1 else last
-        return last + (rows - self.max_rows) * max(step, 0.0)
+        curve = self._curve
+        if rows <= len(curve):
+            return curve[rows - 1]
+        last = curve[-1]
+        step = last - curve[-2] if len(curve) > 1 else last
+        return last + (rows - len(curve)) * max(step, 0.0)
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A pass of ``rows`` rows took ``seconds``: that width's cost moves toward it (EMA).
-        Three observations in a row more than 2x off the curve, in one direction, rescale the
-        whole curve by their median ratio, keeping its shape (a lone outlier changes nothing): a
-        start-up measurement taken while other work loaded the CPU would otherwise freeze the
-        widths that never run (a curve 170x too high at k >= 2 next to a corrected T(1) never lets
-        a draft run, so nothing corrects it)."""
+        """A pass of ``rows`` rows took ``seconds``: the offset, and that width's residual,
+        move toward it (EMA). Three observations in a row more than 2x off the curve, in one
+        direction, rescale the whole curve by their median ratio, keeping its shape (a lone
+        outlier changes nothing): a start-up measurement taken while other work loaded the CPU
+        would otherwise leave the curve far off for hundreds of passes."""
         if not (1 <= rows <= self.max_rows and seconds > 0):
             return
         i = rows - 1
-        ratio = seconds / self.verify_cost[i]
+        ratio = seconds / self._curve[i]
         if 0.5 <= ratio <= 2.0:
             self.far = []
-            self.verify_cost[i] += self.alpha * (seconds - self.verify_cost[i])
+            self.observations[i] += 1
+            self.offset += self.alpha * (seconds - self.shape[i] - self.offset)
+            self.residual[i] += self.alpha * (seconds - self.shape[i] - self.offset - self.residual[i])
+            self._refresh()
             return
         if self.far and (self.far[-1] > 1) != (ratio > 1):
             self.far = []  # a streak runs in one direction
         self.far.append(ratio)
         if len(self.far) >= 3:  # (no EMA step meanwhile: a lone spike leaves the curve alone)
             scale = sorted(self.far)[1]
-            self.verify_cost = [t * scale for t in self.verify_cost]
+            self.reset([t * scale for t in self._curve])
             self.far = []
 
     def relative(self) -> list[float]:
-        return [t / self.verify_cost[0] for t in self.verify_cost]
+        return [t / self._curve[0] for t in self._curve]
 
 
 def _bucket(match_length: int) -> int:

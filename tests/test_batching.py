@@ -102,8 +102,8 @@ def test_few_sequences_draft_long_within_their_share(pair):
     """Three sequences share 12 rows: up to 4 each, drafts of 3 tokens (row-exact attention).
     The batched engine's verify cost is made flat, so the scheduler spends those rows on drafts."""
     solo, batched, rec = pair
-    saved = list(batched.cost.verify_cost)
-    batched.cost.verify_cost[:] = [saved[0]] * len(saved)
+    saved = batched.cost.verify_cost
+    batched.cost.reset([saved[0]] * len(saved))
     reqs = []
     for i in range(3):
         p = prompts(1, seed=20 + i)[0]  # a repeated pattern: prompt lookup drafts long
@@ -115,7 +115,7 @@ def test_few_sequences_draft_long_within_their_share(pair):
         for _ in range(2):
             assert concurrently(batched, reqs) == [collect(solo, r) for r in reqs]
     finally:
-        batched.cost.verify_cost[:] = saved
+        batched.cost.reset(saved)
     assert any(n == 3 and c > 3 for n, c in rec.batches[before:])  # batched passes accepted drafts
 
 
@@ -248,6 +248,7 @@ def test_cost_curve_measured_under_load_recovers():
     steady.observe(4, 0.5)  # a lone spike, then normal passes: the curve is left alone
     steady.observe(1, 0.0001)  # (a miss the other way starts a new streak)
     assert steady.verify_cost == before
-    steady.observe(4, before[3] * 1.1)  # an ordinary observation: its width moves a little
-    assert before[3] < steady.verify_cost[3] < before[3] * 1.1 and steady.verify_cost[:3] == before[:3]
+    steady.observe(4, before[3] * 1.1)  # an ordinary observation: the curve moves a little
+    after = steady.verify_cost
+    assert before[3] < after[3] < before[3] * 1.1 and all(b < a < b * 1.1 for a, b in zip(after, before))
 

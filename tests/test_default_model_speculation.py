@@ -67,8 +67,8 @@ def test_greedy_identity_on_default_model(default_engine):
     assert len(prompts) >= 50
     accepted = {"prompt_lookup": 0, "dspark": 0, "auto": 0}
     cost = default_engine.cost
-    saved = (list(cost.verify_cost), cost.alpha)
-    cost.verify_cost[:] = [cost.verify_cost[0] * (1 + 0.25 * k) for k in range(cost.max_rows)]
+    saved = (cost.verify_cost, cost.alpha)
+    cost.reset([cost.T(1) * (1 + 0.25 * k) for k in range(cost.max_rows)])
     cost.alpha = 0.0
     try:
         for i, (ids, kw) in enumerate(prompts):
@@ -83,7 +83,8 @@ def test_greedy_identity_on_default_model(default_engine):
                 assert last.completion_tokens == len(spec)
                 accepted[method] += last.stats.total.num_accepted_tokens
     finally:
-        cost.verify_cost[:], cost.alpha = saved
+        cost.reset(saved[0])
+        cost.alpha = saved[1]
     print("ACCEPTED", accepted)
     assert accepted["prompt_lookup"] > 200
     assert accepted["dspark"] > 100 and accepted["auto"] > 200, accepted

@@ -1,0 +1,161 @@
+"""Where a speculative cycle's time goes, by verify width, in the running engine.
+
+The scheduler prices a cycle of ``k`` rows at ``T(k)`` from its cost curve (measured at
+start-up, each width timed alone, then refreshed online from the verify window of every cycle).
+This runs benchmark workloads through the engine, as ``bench_speculative`` does, and records
+every cycle of every request:
+
+* ``rows``: the verify pass's width (anchor + drafts); ``committed``: tokens it committed;
+* ``verify_ms``: the window the cost model observes (the pass, the accept decision, the sync);
+* ``step_ms``: all of ``speculative_step`` (drafting, verify, accept, rollback, commit);
+* ``wall_ms``: from this cycle's start to the request's next (what the request really pays:
+  the worker loop and the event hand-off to the client included);
+
+and reports per method and width the count and the median of each, next to the start-up curve,
+the curve the engine ends with, and ``T(k)`` timed again start-up style at the contexts the
+requests ran at. A width whose in-engine ``verify_ms`` sits above its re-timed ``T(k)`` by more
+than the one-row gap is dearer in the engine than the curve says; a ``wall_ms - verify_ms``
+that is the same for every width is a per-cycle overhead plain decoding pays too.
+
+    python -m benchmarks.cycle_profile --workloads novel_chat,prose,copy --out cycles.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import engine  # noqa: F401  (OpenBLAS before mlx.core)
+from benchmarks.bench_speculative import load_workloads, run_prompt
+from engine import Engine, EngineConfig
+from engine import engine as engine_module
+from engine import generation
+
+
+def instrument(eng: Engine) -> list[dict]:
+    """Wrap the engine's cycle functions; returns the list each cycle's record is appended to."""
+    records: list[dict] = []
+    runner_cls = type(eng.runner)
+    verify, accept, step = runner_cls.verify, generation._accept, engine_module.speculative_step
+    marks: dict = {}
+
+    def timed_verify(self, *args, **kwargs):
+        marks.setdefault("verify", time.perf_counter())
+        return verify(self, *args, **kwargs)
+
+    def timed_accept(*args, **kwargs):
+        marks.setdefault("accept", time.perf_counter())
+        return accept(*args, **kwargs)
+
+    def timed_step(seq, cost):
+        marks.clear()
+        context = len(seq.tokens)
+        started = time.perf_counter()
+        result = step(seq, cost)
+        ended = time.perf_counter()
+        drafter, drafted, accepted, _ = getattr(result, "verify_step", None) or (None, 0, 0, 0.0)
+        records.append({"seq": id(seq), "method": seq.request.speculative.method, "drafter": drafter,
+                        "rows": drafted + 1, "accepted": accepted, "committed": len(result.token_ids),
+                        "context": context, "position": seq.num_generated - len(result.token_ids),
+                        "start": started, "end": ended,
+                        "verify_ms": 1e3 * (marks.get("accept", ended) - marks.get("verify", started))})
+        return result
+
+    runner_cls.verify = timed_verify
+    generation._accept = timed_accept
+    engine_module.speculative_step = timed_step
+    return records
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per method and width: cycles, and medians of verify/step/wall time (ms); the first cycle
+    of each request (after its prefill) is kept apart."""
+    by_seq = defaultdict(list)
+    for r in records:
+        by_seq[r["seq"]].append(r)
+    for cycles in by_seq.values():
+        for a, b in zip(cycles, cycles[1:]):
+            a["wall_ms"] = 1e3 * (b["start"] - a["start"])
+    groups = defaultdict(list)
+    for r in records:
+        groups[(r["method"], "first" if r["position"] == 0 else r["rows"])].append(r)
+    out: dict = {}
+    for (method, rows), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]).zfill(5))):
+        def med(key, rs=rs):
+            values = [r[key] for r in rs if key in r]
+            return round(statistics.median(values), 4) if values else None
+        out.setdefault(method, {})[str(rows)] = {
+            "cycles": len(rs), "verify_ms": med("verify_ms"),
+            "step_ms": round(statistics.median(r["end"] - r["start"] for r in rs) * 1e3, 4),
+            "wall_ms": med("wall_ms"), "committed": round(statistics.mean(r["committed"] for r in rs), 3),
+            "context": round(statistics.median(r["context"] for r in rs))}
+    return out
+
+
+def retime(eng: Engine, contexts: list[int], repeats: int = 5) -> dict:
+    """``T(k)`` (ms) for every width of the curve, timed start-up style at these contexts."""
+    import mlx.core as mx
+
+    vocab = eng.loaded.vocab_size if hasattr(eng.loaded, "vocab_size") else 32000
+    width = eng.cost.max_rows
+    out = {}
+    for context in contexts:
+        ids = mx.random.randint(3, min(vocab, 32000), (context + width,), key=mx.random.key(7)).tolist()
+        costs = eng.runner._measure_cost(ids[:context], ids[context:], width, repeats)
+        out[str(context)] = [round(t * 1e3, 4) for t in costs]
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--methods", default="off,prompt_lookup")
+    ap.add_argument("--workloads", default="novel_chat,prose,copy,agent_turn")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--fused", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_FUSED")
+    ap.add_argument("--dspark", action="store_true", help="load the shipped DSpark drafter")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    methods = args.methods.split(",")
+    eng = Engine(EngineConfig(speculation="auto", fused=args.fused,
+                              dspark=args.dspark or bool({"dspark", "auto"} & set(methods)))).start(wait=True)
+    try:
+        tok = eng.loaded.tokenizer
+        start_curve = eng.cost.verify_cost
+        workloads = load_workloads(args.workloads.split(","))
+        for w in workloads:  # warm-up, as the benchmark does
+            for p in w["prompts"]:
+                for m in methods:
+                    run_prompt(eng, tok, p, m, 16)
+        records = instrument(eng)
+        report = {"model": eng.info(), "start_curve_ms": [round(t * 1e3, 4) for t in start_curve],
+                  "workloads": {}}
+        for w in workloads:
+            first = len(records)
+            for _ in range(args.repeats):
+                for p in w["prompts"]:
+                    for m in methods:
+                        run_prompt(eng, tok, p, m, args.max_tokens)
+            report["workloads"][w["name"]] = summarize(records[first:])
+        report["end_curve_ms"] = [round(t * 1e3, 4) for t in eng.cost.verify_cost]
+        contexts = sorted({r["context"] for r in records})
+        report["retimed_ms"] = retime(eng, [contexts[len(contexts) // 2], contexts[-1]] if contexts else [256])
+        report["all"] = summarize(records)
+    finally:
+        eng.stop()
+    for method, widths in report["all"].items():
+        print(method, " ".join(f"{k}:{v['cycles']}x v{v['verify_ms']} w{v['wall_ms']}" for k, v in widths.items()))
+    print("start", report["start_curve_ms"][:8], "\nend  ", report["end_curve_ms"][:8])
+    for c, curve in report["retimed_ms"].items():
+        print(f"ctx {c}", curve[:8])
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()

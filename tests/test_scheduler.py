@@ -1,0 +1,70 @@
+"""The scheduler's verify-cost model (engine/scheduler.py::CostModel) and draft-length choice."""
+
+import pytest
+
+from engine.scheduler import CostModel, choose_length
+
+MS = 1e-3
+
+
+def h200_like() -> CostModel:
+    """A start-up curve shaped like the default model's fused pass on the H200: T(k) = 1.5 ms
+    (1 + 0.04 (k - 1)), 16 rows."""
+    return CostModel([1.5 * MS * (1 + 0.04 * k) for k in range(16)])
+
+
+def test_one_row_drift_moves_every_width():
+    """Passes of one row (what runs whenever nothing is drafted) that cost 0.45 ms more in the
+    engine than at start-up shift the whole curve, so drafting does not look cheaper than it
+    is. Refreshing each width on its own left T(2..16) at their start-up values, and a draft
+    whose acceptance cannot pay for its row (3% against a 4% dearer pass) then looked worth
+    verifying."""
+    cost = h200_like()
+    weak = [0.03] * 15
+    assert choose_length(weak, cost)[0] == 0
+    start = cost.verify_cost
+    for _ in range(300):
+        cost.observe(1, 1.95 * MS)
+    assert cost.T(1) == pytest.approx(1.95 * MS, rel=0.01)
+    shift = [a - b for a, b in zip(cost.verify_cost, start)]
+    assert min(shift) > 0.4 * MS and max(shift) - min(shift) < 0.05 * MS
+    assert choose_length(weak, cost)[0] == 0
+    assert choose_length([0.9] * 15, cost)[0] == 15  # a good draft still runs, full length
+
+
+def test_widths_that_run_correct_their_own_cost():
+    """When two widths run and disagree with start-up in different ways, each converges to what
+    it costs (the shared shift plus a residual per width)."""
+    cost = CostModel([1.0 * MS] * 8)
+    for _ in range(1500):
+        cost.observe(1, 1.2 * MS)
+        cost.observe(8, 1.8 * MS)
+    assert cost.T(1) == pytest.approx(1.2 * MS, rel=0.03)
+    assert cost.T(8) == pytest.approx(1.8 * MS, rel=0.03)
+    assert cost.T(1) <= cost.T(4) <= cost.T(8)
+
+
+def test_curve_stays_non_decreasing_and_positive():
+    """A wider pass never reads cheaper than a narrower one, however the observations fall, and
+    no width drops below half its start-up time without a rescale."""
+    cost = h200_like()
+    start = cost.verify_cost
+    for _ in range(400):
+        cost.observe(2, 0.8 * MS)  # two-row passes cheaper than one-row ones were at start-up
+    curve = cost.verify_cost
+    assert all(a <= b for a, b in zip(curve, curve[1:]))
+    assert all(t >= 0.5 * s for t, s in zip(curve, start))
+    assert cost.T(20) >= cost.T(16)  # extrapolated past the measured range
+
+
+def test_reset_forgets_online_state_and_rejects_empty_curves():
+    cost = h200_like()
+    for _ in range(50):
+        cost.observe(3, 3 * MS)
+    cost.reset([1 * MS, 2 * MS])
+    assert cost.verify_cost == [1 * MS, 2 * MS] and cost.offset == 0 and cost.max_rows == 2
+    cost.observe(5, 1 * MS)  # wider than the curve: ignored
+    cost.observe(1, -1.0)  # nonsense: ignored
+    assert cost.verify_cost == [1 * MS, 2 * MS]
+    with pytest.raises(ValueError):
+        CostModel([])
