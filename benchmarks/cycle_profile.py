@@ -31,9 +31,8 @@ from pathlib import Path
 
 import engine  # noqa: F401  (OpenBLAS before mlx.core)
 from benchmarks.bench_speculative import load_workloads, run_prompt
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, generation
 from engine import engine as engine_module
-from engine import generation
 
 
 def instrument(eng: Engine) -> list[dict]:
