@@ -17,7 +17,7 @@ from drafters import Draft, DraftContext
 
 from .detokenizer import StreamingDetokenizer, TokenTable
 from .request import FinishReason, GenerationRequest, SpecStats, TokenEvent, TokenLogprob
-from .runner import TargetRunner
+from .runner import LayerRows, TargetRunner, join_rows
 from .sampling import LogitsPipeline, raw_logprobs
 from .scheduler import (
     CostModel,
@@ -84,7 +84,7 @@ class Sequence:
         # DSpark reads tapped target hidden states: rows of committed positions not yet given
         # to the drafter wait here (every row is handed over exactly once).
         self.taps = taps if "dspark" in self.drafters else None
-        self.pending_hidden: list[mx.array] = []
+        self.pending_hidden: list = []  # [n, taps * d] arrays and LayerRows
         self.pending_folded = 0  # leading entries of pending_hidden that are evaluated chunks
         self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
         self.dspark_probe_every = DSPARK_PROBE_EVERY
@@ -110,8 +110,8 @@ class Sequence:
         to the drafter), merged into one array; None without taps."""
         if self.taps is None or not self.pending_hidden:
             return None
-        if len(self.pending_hidden) > 1:
-            self.pending_hidden, self.pending_folded = [mx.concatenate(self.pending_hidden)], 0
+        if len(self.pending_hidden) > 1 or isinstance(self.pending_hidden[0], LayerRows):
+            self.pending_hidden, self.pending_folded = [join_rows(self.pending_hidden)], 0
         return self.pending_hidden[0]
 
     @property
@@ -258,7 +258,7 @@ class Sequence:
     def _propose_dspark(self, ctx: DraftContext, budget: int, cost: CostModel):
         self.cycles_since_dspark = 0
         if self.pending_hidden:
-            ctx.hidden = mx.concatenate(self.pending_hidden) if len(self.pending_hidden) > 1 else self.pending_hidden[0]
+            ctx.hidden = join_rows(self.pending_hidden)
             self.pending_hidden, self.pending_folded = [], 0
         started = time.perf_counter()
         proposal = self.drafters["dspark"].propose(ctx, budget)
@@ -274,13 +274,14 @@ class Sequence:
         if hidden is not None:
             self.pending_hidden.append(hidden[: num_accepted + 1])
             if len(self.pending_hidden) - self.pending_folded >= PENDING_HIDDEN_MAX:
-                # Each new entry is a slice of its pass's tapped rows (evaluated with the
-                # verdict): fold the new ones into one chunk, so a sequence that rarely runs
-                # DSpark holds one array per 16 cycles and only the committed rows (earlier
-                # chunks stay as they are: no copy grows with the wait). It used to slice the
-                # lazy taps of each pass, and the fold's synchronous evaluation of 16 of them
-                # cost auto ~0.1 ms per cycle on the H200 (5% of a step).
-                chunk = mx.concatenate(self.pending_hidden[self.pending_folded:])
+                # Each new entry is a slice of its pass's tapped rows (a fused pass's
+                # LayerRows, or rows evaluated with the verdict): fold the new ones into one
+                # chunk, so a sequence that rarely runs DSpark holds one array per 16 cycles and
+                # only the committed rows (earlier chunks stay as they are: no copy grows with
+                # the wait). It used to slice the lazy taps of each pass, and the fold's
+                # synchronous evaluation of 16 of them cost auto ~0.1 ms per cycle on the H200
+                # (5% of a step).
+                chunk = join_rows(self.pending_hidden[self.pending_folded:])
                 mx.async_eval(chunk)  # (no host sync: the next pass queues behind it)
                 self.pending_hidden[self.pending_folded:] = [chunk]
                 self.pending_folded += 1
@@ -346,11 +347,11 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
 
     # 2. Verify: one target pass; row r decides the token after anchor + draft[:r].
     started = time.perf_counter()
-    logits, hidden = seq.runner.verify(rows, seq.cache, seq.taps)
+    logits, hidden = seq.runner.verify(rows, seq.cache, seq.taps, layer_rows=True)
     verdict = _verdict(seq, draft, logits)
-    # the cycle's only host sync; the tapped hidden rows (DSpark's context) are computed in it,
-    # so the pass's whole hidden output is freed at once and a later fold is one concatenation
-    mx.eval(*verdict, *(() if hidden is None else (hidden,)))
+    # the cycle's only host sync; tapped hidden rows (DSpark's context) are computed in it,
+    # unless they are a fused pass's LayerRows (already computed: laid out at the next fold)
+    mx.eval(*verdict, *(() if hidden is None or isinstance(hidden, LayerRows) else (hidden,)))
     elapsed = time.perf_counter() - started
     if seq.num_generated:  # a request's first pass runs cold after its prefill: not a width's cost
         cost.observe(len(rows), elapsed)

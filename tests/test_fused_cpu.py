@@ -381,3 +381,51 @@ def test_prefill_through_the_pass_equals_decoding_the_prompt():
     lg, hd = runner.prefill(tokens, cache, logits=False)
     assert lg is None and hd is None and cache[0].offset == 70
     assert np.array_equal(np.array(cache[0].keys[..., :70, :]), np.array(stepped[0].keys[..., :70, :]))
+
+
+def test_tapped_rows_are_the_tapped_layers_side_by_side():
+    """A fused pass's taps (one gather) are, row by row, the tapped layers' hidden states side by
+    side in the drafter's order ([rows, taps * hidden]), as DSpark's context projection reads
+    them; taps that include the embeddings (layer -1) take the per-layer path."""
+    from drafters.dspark import TargetTaps
+
+    model, stored = _models(4, 64, seed=9)
+    fp = CpuFusedPass(model, stored)
+    _, cache = _prefilled(model, list(range(3, 40)))
+    out = fp([7, 8, 9], cache)
+    for ids in ([1, 0], [0, 1], [1], [-1, 1]):
+        _, hidden = TargetRunner._fused_result(out, TargetTaps(model, ids))
+        layers = [np.array(out.embeddings if i < 0 else out.hidden[i]) for i in ids]
+        assert hidden.shape == (3, len(ids) * 320) and hidden.dtype == mx.float32
+        assert np.array_equal(np.array(hidden), np.concatenate(layers, axis=-1)), ids
+
+
+def test_layer_rows_join_to_the_laid_out_taps():
+    """A cycle keeps its fused pass's tapped rows as LayerRows (a view, no copy); joined with
+    other passes' rows and prompt rows, in order and cut to the committed rows, they equal the
+    rows laid out pass by pass."""
+    from drafters.dspark import TargetTaps
+    from engine.runner import LayerRows, join_rows
+
+    model, stored = _models(4, 64, seed=10)
+    fp = CpuFusedPass(model, stored)
+    runner = TargetRunner(model, fused=fp)
+    taps = TargetTaps(model, [1, 0])
+    _, cache = _prefilled(model, list(range(3, 30)))
+    _, twin = _prefilled(model, list(range(3, 30)))
+    prompt_rows = mx.random.normal((5, 2 * 320))
+    entries, want = [prompt_rows], [np.array(prompt_rows)]
+    for tokens, keep in (([7, 8, 9], 2), ([4], 1), ([5, 6], 2)):
+        _, rows = runner.verify(tokens, cache, taps, layer_rows=True)
+        _, laid_out = runner.verify(tokens, twin, taps)  # the same pass, laid out at once
+        assert isinstance(rows, LayerRows) and len(rows) == len(tokens)
+        assert not isinstance(laid_out, LayerRows)
+        entries.append(rows[:keep])
+        want.append(np.array(laid_out)[:keep])
+        runner.trim(cache, len(tokens) - keep)
+        runner.trim(twin, len(tokens) - keep)
+    joined = join_rows(entries)
+    assert joined.shape == (5 + 5, 2 * 320)
+    assert np.array_equal(np.array(joined), np.concatenate(want))
+    with pytest.raises(ValueError):
+        join_rows([])
