@@ -57,7 +57,7 @@ def instrument(eng: Engine) -> list[dict]:
         result = step(seq, cost)
         ended = time.perf_counter()
         drafter, drafted, accepted, _ = getattr(result, "verify_step", None) or (None, 0, 0, 0.0)
-        records.append({"seq": id(seq), "method": seq.request.speculative.method, "drafter": drafter,
+        records.append({"seq": seq.request.request_id, "method": seq.request.speculative.method, "drafter": drafter,
                         "rows": drafted + 1, "accepted": accepted, "committed": len(result.token_ids),
                         "context": context, "position": seq.num_generated - len(result.token_ids),
                         "start": started, "end": ended,
@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
                         run_prompt(eng, tok, p, m, args.max_tokens)
             report["workloads"][w["name"]] = summarize(records[first:])
         report["end_curve_ms"] = [round(t * 1e3, 4) for t in eng.cost.verify_cost]
-        contexts = sorted({r["context"] for r in records})
+        contexts = sorted(r["context"] for r in records)  # (the cycles' median context, and the longest)
         report["retimed_ms"] = retime(eng, [contexts[len(contexts) // 2], contexts[-1]] if contexts else [256])
         report["all"] = summarize(records)
     finally:

@@ -148,7 +148,8 @@ def _replay_request(prompt, output, max_tokens, curve, model, overhead, draft_ov
 
 def PerWidthCost(curve: list[float]):
     """A cost model refreshed the way the engine's was before the tenth session: each width's
-    own EMA, no shift shared between widths (for ``--online per-width``)."""
+    own EMA, no shift shared between widths (for ``--online per-width``; the old rule's rescale
+    after three passes more than 2x off is left out: replayed costs never are)."""
     from engine.scheduler import CostModel
 
     class PerWidth(CostModel):

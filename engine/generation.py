@@ -269,7 +269,7 @@ class Sequence:
         length, rate = choose_length(conditional, cost)
         return rate, length, proposal, conditional
 
-    def observe(self, draft: Draft, num_accepted: int, hidden: mx.array | None) -> str | None:
+    def observe(self, draft: Draft, num_accepted: int, hidden: mx.array | LayerRows | None) -> str | None:
         """Record a verify step and hand committed hidden rows on; returns the drafter's name."""
         if hidden is not None:
             self.pending_hidden.append(hidden[: num_accepted + 1])
@@ -432,7 +432,7 @@ def _verdict(seq: Sequence, draft: Draft, logits: mx.array) -> tuple:
     return (row_tokens, passed, *lp)
 
 
-def _accept(seq: Sequence, draft: Draft, verdict: tuple, hidden: mx.array | None) -> CommitResult:
+def _accept(seq: Sequence, draft: Draft, verdict: tuple, hidden: mx.array | LayerRows | None) -> CommitResult:
     row_tokens, passed, *lp = verdict
     # 3. Accept the drafts up to the first rejection, plus the bonus/recovered token.
     num_accepted = next((i for i, ok in enumerate(passed.tolist()) if not ok), len(draft.tokens))

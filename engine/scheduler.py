@@ -26,31 +26,36 @@ class CostModel:
 
     ``T(k) = shape[k] + offset + residual[k]``, made non-decreasing in ``k``:
 
-    * ``shape`` is the start-up curve (each width timed alone, :meth:`Runner.calibrate`);
-    * ``offset`` (EMA over every pass, any width, of its time minus its start-up time) is what a
-      pass costs in the engine beyond its start-up time: the cycle's accept/logprob kernels, the host sync, the context grown longer
-      than calibration's. It moves every width alike, so the one width that runs most (one row,
-      whenever nothing is drafted) cannot drift away from widths that rarely run: refreshing
-      each width on its own once let an in-engine T(1) rise 30% on the H200 while T(2..16) kept
-      their start-up values, and the scheduler, seeing drafts as nearly free, drafted 13.6
-      tokens per draft on novel chat and ran at 0.92x plain;
-    * ``residual[k]`` (EMA over width ``k``'s own passes of what the offset leaves) corrects the
-      curve's shape where the widths that run disagree with start-up in different ways; a
-      width that never runs keeps its start-up time plus the offset.
+    * ``shape`` is the start-up curve (each width timed alone, :meth:`TargetRunner.calibrate`);
+    * ``offset`` (EMA over one-row passes of their time minus the start-up T(1)) is what a pass
+      costs in the engine beyond its start-up time: the cycle's accept/logprob kernels, the host
+      sync, the context grown longer than calibration's. It moves every width alike, so the one
+      width that runs most (one row, whenever nothing is drafted) cannot drift away from widths
+      that rarely run: refreshing each width on its own once let an in-engine T(1) rise 30% on
+      the H200 while T(2..16) kept their start-up values, and the scheduler, seeing drafts as
+      nearly free, drafted 13.6 tokens per draft on novel chat and ran at 0.92x plain;
+    * ``residual[k]`` (EMA over width ``k``'s own passes, ``k > 1``, of what the offset leaves)
+      corrects the curve's shape where the widths that run disagree with start-up; a width that
+      never runs keeps its start-up time plus the offset.
 
     Raises:
         ValueError: an empty curve.
     """
 
     def __init__(self, verify_cost: list[float], alpha: float = 0.05):
-        if not verify_cost:
-            raise ValueError("a cost curve needs at least T(1)")
         self.alpha = alpha  # EMA weight of a new observation
-        self.far: list[float] = []  # ratios of consecutive observations >2x off, one direction
         self.reset(verify_cost)
 
     def reset(self, verify_cost: list[float]) -> None:
-        """Start again from ``verify_cost`` (seconds, index ``k - 1``): no offset, no residuals."""
+        """Start again from ``verify_cost`` (seconds, index ``k - 1``): no offset, no residuals,
+        no streak of far-off passes.
+
+        Raises:
+            ValueError: an empty curve.
+        """
+        if not verify_cost:
+            raise ValueError("a cost curve needs at least T(1)")
+        self.far: list[float] = []  # ratios of consecutive observations >2x off, one direction
         self.shape = [float(t) for t in verify_cost]
         self.offset = 0.0
         self.residual = [0.0] * len(self.shape)
@@ -85,32 +90,46 @@ class CostModel:
         return last + (rows - len(curve)) * max(step, 0.0)
 
     def observe(self, rows: int, seconds: float) -> None:
-        """A pass of ``rows`` rows took ``seconds``: the offset, and that width's residual,
-        move toward it (EMA). Three observations in a row more than 2x off the curve, in one
-        direction, rescale the whole curve by their median ratio, keeping its shape (a lone
+        """A pass of ``rows`` rows took ``seconds``.
+
+        A one-row pass moves the offset (EMA): it runs most often, and its excess over start-up
+        is the per-pass overhead every width pays. A wider pass moves only its width's residual,
+        by an observation clipped to [0.5, 2] x the curve (a lone spike moves it by at most
+        ``alpha`` of T(k); a width that start-up timed 2x off converges over ~20 passes). Wide
+        passes used to move the shared offset too, and their errors, large in absolute terms,
+        dragged T(1) along: on a 2-vCPU AVX2 CPU the curve went flat (T(1..16) = 15.7-16.5
+        ms against 18.7-219 ms measured) and prompt lookup ran novel chat at 0.66x plain.
+        Three one-row passes in a row more than 2x off the curve, in one direction, rescale the
+        start-up shape so that T(1) lands on their median and start the refresh again (a lone
         outlier changes nothing): a start-up measurement taken while other work loaded the CPU
         would otherwise leave the curve far off for hundreds of passes."""
         if not (1 <= rows <= self.max_rows and seconds > 0):
             return
         i = rows - 1
-        ratio = seconds / self._curve[i]
+        current = self._curve[i]
+        if i > 0:
+            self.observations[i] += 1
+            seen = min(max(seconds, 0.5 * current), 2.0 * current)
+            self.residual[i] += self.alpha * (seen - self.shape[i] - self.offset - self.residual[i])
+            self._refresh()
+            return
+        ratio = seconds / current
         if 0.5 <= ratio <= 2.0:
             self.far = []
-            self.observations[i] += 1
-            self.offset += self.alpha * (seconds - self.shape[i] - self.offset)
-            self.residual[i] += self.alpha * (seconds - self.shape[i] - self.offset - self.residual[i])
+            self.observations[0] += 1
+            self.offset += self.alpha * (seconds - self.shape[0] - self.offset)
             self._refresh()
             return
         if self.far and (self.far[-1] > 1) != (ratio > 1):
             self.far = []  # a streak runs in one direction
         self.far.append(ratio)
         if len(self.far) >= 3:  # (no EMA step meanwhile: a lone spike leaves the curve alone)
-            scale = sorted(self.far)[1]
-            self.reset([t * scale for t in self._curve])
-            self.far = []
+            scale = sorted(self.far)[1] * current / self.shape[0]
+            self.reset([t * scale for t in self.shape])
 
     def relative(self) -> list[float]:
-        return [t / self._curve[0] for t in self._curve]
+        curve = self._curve
+        return [t / curve[0] for t in curve]
 
 
 def _bucket(match_length: int) -> int:
@@ -172,7 +191,7 @@ class RequestAcceptance:
 
     OPTIMISM = 0.5  # standard deviations of exploration bonus
 
-    def rate(self, bucket: int, pos: int, optimism: float = OPTIMISM) -> float:
+    def rate(self, bucket: int, pos: int, optimism: float | None = None) -> float:
         """Posterior mean of ``c_pos`` plus ``optimism`` standard deviations (exploration: a
         request with little evidence still probes short drafts, so a good source of drafts is
         found; each failed probe shrinks the bonus). Half a deviation, not one: with one, the
@@ -180,6 +199,7 @@ class RequestAcceptance:
         benchmark workloads (novel chat: 356 against 94), and the scheduler's replay on the
         H200 curve, refreshed online, ran 2-5% faster on 7 of 8 workloads with half (1% slower
         on adversarial; on the CPU curve copy lost 4%, novel code gained 7.5%; docs/benchmarks.md)."""
+        optimism = self.OPTIMISM if optimism is None else optimism
         key = (bucket, pos)
         prior = self.model.global_rate(bucket, pos)
         reached = self.counts.reached.get(key, 0.0) + self.weight

@@ -54,7 +54,8 @@ ACTIVATIONS = {"q16": 2, "q8": 1, "float32": 0}  # CpuFusedPass(activations=...)
 # so beyond ~16 threads the barriers cost more than the split saves (not measured: 2 cores here).
 MAX_THREADS = 16
 _SOURCE = Path(__file__).parent / "sources" / "fused_cpu.c"
-_CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11")
+_CFLAGS = ("-O3", "-march=native", "-pthread", "-shared", "-fPIC", "-std=gnu11",
+           "-ffp-contract=fast")  # (the generic code's a += b * c must fuse as the intrinsics do)
 
 
 def kernel_dir() -> Path:

@@ -317,17 +317,20 @@ def test_a_forked_child_starts_its_own_threads():
     pytest.fail("the forked child's pass did not finish (its workers were never started)")
 
 
-@pytest.mark.parametrize("flag,activations,group_size", [
-    ("-mno-avx512f", "q16", 32), ("-mno-avx512f", "q8", 32), ("-mno-avx512f", "float32", 32),
-    ("-mno-avx2", "q16", 32), ("-mno-avx2", "q8", 64), ("-mno-avx2", "float32", 32)])
-def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations, group_size):
+@pytest.mark.parametrize("flag,activations,group_size,bits", [
+    ("-mno-avx512f", "q16", 32, 4), ("-mno-avx512f", "q8", 32, 4), ("-mno-avx512f", "float32", 32, 4),
+    ("-mno-avx512f", "q16", 32, 8),
+    ("-mno-avx2", "q16", 32, 4), ("-mno-avx2", "q8", 64, 4), ("-mno-avx2", "float32", 32, 4),
+    ("-mno-avx2", "q16", 32, 8)])
+def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations, group_size, bits):
     """A build without AVX-512 (4 rows per weight read instead of 16, 8-lane halves of every
     vector, integer dot products by vpmaddubsw instead of VNNI) and one without AVX2 (the
     generic vector code) give every row the same bits as the machine's own build: the per-row
     arithmetic is the same whatever the vector width. (On a CPU without AVX-512 the first
     compares the AVX2 build with itself, and the second checks its AVX2 code.) Hidden size 320
     and intermediate 640 give the integer path whole groups of 16 blocks, a partial group
-    spanning both 8-block halves (10 blocks) and one within the first (4)."""
+    spanning both 8-block halves (10 blocks) and one within the first (4), in 4-bit and (bits
+    = 8, the nibble-split path) 8-bit projections."""
     import ctypes
     import os
     import subprocess
@@ -336,7 +339,7 @@ def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations
     alt = tmp_path / "alt.so"
     subprocess.run([cc, *fused_cpu._CFLAGS, flag, "-o", str(alt), str(fused_cpu._SOURCE), "-lm"],
                    check=True, capture_output=True)
-    model, stored = _models(4, 64, seed=7, group_size=group_size)
+    model, stored = _models(bits, 64, seed=7, group_size=group_size)
     fp = CpuFusedPass(model, stored, activations=activations)
     tokens = mx.random.randint(3, 259, (300,), key=mx.random.key(9)).tolist()
     _, cache = _prefilled(model, tokens[:284])
@@ -384,9 +387,9 @@ def test_prefill_through_the_pass_equals_decoding_the_prompt():
 
 
 def test_tapped_rows_are_the_tapped_layers_side_by_side():
-    """A fused pass's taps (one gather) are, row by row, the tapped layers' hidden states side by
-    side in the drafter's order ([rows, taps * hidden]), as DSpark's context projection reads
-    them; taps that include the embeddings (layer -1) take the per-layer path."""
+    """A fused pass's taps are, row by row, the tapped layers' hidden states side by side in the
+    drafter's order ([rows, taps * hidden] float32), as DSpark's context projection reads them,
+    the embeddings (layer -1) included."""
     from drafters.dspark import TargetTaps
 
     model, stored = _models(4, 64, seed=9)
@@ -415,17 +418,17 @@ def test_layer_rows_join_to_the_laid_out_taps():
     _, twin = _prefilled(model, list(range(3, 30)))
     prompt_rows = mx.random.normal((5, 2 * 320))
     entries, want = [prompt_rows], [np.array(prompt_rows)]
-    for tokens, keep in (([7, 8, 9], 2), ([4], 1), ([5, 6], 2)):
-        _, rows = runner.verify(tokens, cache, taps, layer_rows=True)
+    for tokens, keep, as_rows in (([7, 8, 9], 2, True), ([4], 1, True), ([1, 2], 1, False), ([5, 6], 2, True)):
+        _, rows = runner.verify(tokens, cache, taps, layer_rows=as_rows)  # (an array: a batched cycle's)
         _, laid_out = runner.verify(tokens, twin, taps)  # the same pass, laid out at once
-        assert isinstance(rows, LayerRows) and len(rows) == len(tokens)
+        assert isinstance(rows, LayerRows) == as_rows and len(rows) == len(tokens)
         assert not isinstance(laid_out, LayerRows)
         entries.append(rows[:keep])
         want.append(np.array(laid_out)[:keep])
         runner.trim(cache, len(tokens) - keep)
         runner.trim(twin, len(tokens) - keep)
     joined = join_rows(entries)
-    assert joined.shape == (5 + 5, 2 * 320)
+    assert joined.shape == (5 + 6, 2 * 320)
     assert np.array_equal(np.array(joined), np.concatenate(want))
     with pytest.raises(ValueError):
         join_rows([])

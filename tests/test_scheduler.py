@@ -44,6 +44,24 @@ def test_widths_that_run_correct_their_own_cost():
     assert cost.T(1) <= cost.T(4) <= cost.T(8)
 
 
+def test_wide_widths_timed_wrong_at_start_up_do_not_drag_the_curve():
+    """A 2-vCPU AVX2 CPU: start-up timed T(1) at 13.3 ms and T(16) at 491 ms; in the engine one
+    row costs 18.7 ms and sixteen 219. One-row passes set the shared offset, and the few wide
+    passes correct their own width: T(1) follows its passes, T(16) converges toward its own,
+    and the curve stays steep. When wide passes moved the shared offset too, their large
+    absolute errors dragged every width along and the curve went flat (T(1..16) = 15.7-16.5
+    ms), so prompt lookup drafted 11 tokens at a time on novel text and ran at 0.66x."""
+    shape = [13.3 * MS * (1 + 0.6 * k) for k in range(15)] + [491 * MS]
+    truth = [18.7 * MS * (1 + 0.7 * k) for k in range(16)]
+    cost = CostModel(shape)
+    for step in range(600):
+        cost.observe(16 if step % 10 == 9 else 1, truth[15] if step % 10 == 9 else truth[0])
+    assert cost.T(1) == pytest.approx(truth[0], rel=0.05)
+    assert cost.T(16) == pytest.approx(truth[15], rel=0.3)
+    assert cost.T(8) / cost.T(1) > 3
+    assert choose_length([0.1] * 15, cost)[0] == 0  # a weak draft does not pay for its rows
+
+
 def test_curve_stays_non_decreasing_and_positive():
     """A wider pass never reads cheaper than a narrower one, however the observations fall, and
     no width drops below half its start-up time without a rescale."""

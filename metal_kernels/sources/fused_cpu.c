@@ -1,7 +1,9 @@
 // CPU twin of the fused decode/verify pass (metal_kernels/fused_cpu.py): one call runs every
 // decoder layer and the LM head of a small Llama for M = 1..16 rows, reading each quantized
 // weight once for all rows. Built at first use with the system C compiler (-O3 -march=native
-// -pthread); portable C with GCC vector extensions, 16 float lanes.
+// -pthread); portable C with GCC vector extensions, 16 float lanes, plus intrinsics where the
+// generic code is slow: the integer dot products (AVX512-VNNI, or AVX2 in 256-bit halves, since
+// GCC lowers 64-byte generic vectors through the stack on CPUs without AVX-512).
 //
 // Row independence: every output of row r is a dot product accumulated in a fixed order (lanes
 // over the input dimension, groups in order, a fixed lane reduction) from row r's inputs only,
@@ -229,7 +231,8 @@ static void qmv(const QMat *q, int lo, int hi, const float *x, int xs, int M, fl
 // model's logits by ~2% of their scale). A dot product with affine weights (w = s * c + b per
 // group) is then the sum over blocks j and digits of d_j * s_j * sum_i c_i q_i + b_j * (d_j *
 // sum_i q_i): exact integer inner sums (AVX512-VNNI vpdpbusd, 64 byte products per
-// instruction), then float arithmetic in a fixed order. It computes the weights' dot product
+// instruction; on AVX2 vpmaddubsw and vpmaddwd, see Q8_AVX2), then float arithmetic in a fixed
+// order. It computes the weights' dot product
 // with the quantized activations up to float32 rounding, and row r still depends on row r
 // alone. The weights are never converted to floats.
 //
@@ -364,7 +367,7 @@ static inline __m512i seg512(const uint8_t *w, int n, int t) {
 static inline __m256i seg256(const uint8_t *w, int n, int t) {
     return _mm256_maskz_loadu_epi8((__mmask32)((1ULL << (4 * n)) - 1), w + 4 * n * t);
 }
-#elif defined(__AVX2__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #define Q8_AVX2 1
 // AVX2 without VNNI: vpmaddubsw (u8 x s8, adjacent products summed into s16) and vpmaddwd by
 // ones (s16 pairs into the lane's s32) give each lane's 4-product sum, the integers vpdpbusd
