@@ -201,9 +201,10 @@ class Settings(BaseSettings):
         "q16",
         description="How the CPU fused pass multiplies. `q16`: each projection's input rows are "
         "quantized per block of 32 inputs into two 8-bit digits (x ~ d q + d' q', to 1/32000 of the "
-        "block's largest input) and multiplied in integers (AVX512-VNNI where the CPU has it); the "
-        "default model's logits stay within ~1.5e-4 of their scale of float32's; 2 vCPUs, default "
-        "model: 270 tok/s decode (float32: 197), a 16-row verify 27.8 ms (34.8). `q8`: one digit "
+        "block's largest input) and multiplied in integers (AVX512-VNNI where the CPU has it, else "
+        "AVX2 `vpmaddubsw`); the default model's logits stay within ~1.5e-4 of their scale of "
+        "float32's; 2 vCPUs with AVX512-VNNI, default model: 270 tok/s decode (float32: 197), a "
+        "16-row verify 27.8 ms (34.8); 2 vCPUs with AVX2 only: ~52-61 tok/s. `q8`: one digit "
         "(llama.cpp's activation scheme for Q4_1/Q8_0 weights): decode about the same, a 16-row "
         "verify 19.1 ms, but logits move by 4-8% of their scale, enough to flip near-tied greedy "
         "choices (the default model then answers 'What is the capital of France?' with "
