@@ -246,11 +246,7 @@ class TargetRunner:
         """
         if self.fused is not None:
             if self.cache_length(cache) > 0:
-                out = self.fused(tokens, cache)  # evaluated (the kernel writes the cache)
-                self.fused.check(out)
-                if layer_rows and taps is not None and min(taps.layer_ids) >= 0:
-                    return out.logits, LayerRows(out.hidden, taps.layer_ids)
-                return self._fused_result(out, taps)
+                return self._fused_pass(tokens, cache, taps, layer_rows)
             # An empty cache (a one-token prompt): position 0 goes through mlx-lm's modules, as
             # in plain decoding, and the rest through the fused pass, as in plain decoding.
             first = self._module_pass(tokens[:1], cache, taps)
@@ -273,19 +269,22 @@ class TargetRunner:
         finally:
             exact_attention.set_row_exact(cache, False)
 
-    def _fused_pass(self, tokens: list[int], cache, taps):
+    def _fused_pass(self, tokens: list[int], cache, taps, layer_rows: bool = False):
         """One fused pass, evaluated (its completion flags are checked before the logits are
         used). A failed pass raises: that sequence ends, later ones keep the fused pass (their
         verify width was calibrated on it, so switching to mlx-lm's modules would not be exact)."""
         out = self.fused(tokens, cache)  # evaluated (the kernel writes the cache)
         self.fused.check(out)
-        return self._fused_result(out, taps)
+        return self._fused_result(out, taps, layer_rows)
 
     @staticmethod
-    def _fused_result(out, taps):
-        """``(logits, tapped hidden states or None)`` of a fused pass's output."""
+    def _fused_result(out, taps, layer_rows: bool = False):
+        """``(logits, tapped hidden states or None)`` of a fused pass's output; with
+        ``layer_rows``, the taps as :class:`LayerRows` where no tap is the embeddings."""
         if taps is None:
             return out.logits, None
+        if layer_rows and min(taps.layer_ids) >= 0:
+            return out.logits, LayerRows(out.hidden, taps.layer_ids)
         layers = [out.embeddings if i < 0 else out.hidden[i] for i in taps.layer_ids]  # each [n, d]
         return out.logits, mx.concatenate(layers, axis=-1).astype(mx.float32)
 
