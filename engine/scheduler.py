@@ -43,7 +43,7 @@ class CostModel:
     """
 
     def __init__(self, verify_cost: list[float], alpha: float = 0.05):
-        self.alpha = alpha  # EMA weight of a new observation
+        self.alpha = alpha  # EMA weight of a new observation; 0 freezes the curve (no rescale)
         self.reset(verify_cost)
 
     def reset(self, verify_cost: list[float]) -> None:
@@ -102,8 +102,11 @@ class CostModel:
         Three one-row passes in a row more than 2x off the curve, in one direction, rescale the
         start-up shape so that T(1) lands on their median and start the refresh again (a lone
         outlier changes nothing): a start-up measurement taken while other work loaded the CPU
-        would otherwise leave the curve far off for hundreds of passes."""
-        if not (1 <= rows <= self.max_rows and seconds > 0):
+        would otherwise leave the curve far off for hundreds of passes.
+
+        With ``alpha == 0`` the curve is frozen: nothing moves it, a streak's rescale included
+        (the offline replay's comparison with the engine relies on that)."""
+        if not (1 <= rows <= self.max_rows and seconds > 0) or self.alpha <= 0:
             return
         i = rows - 1
         current = self._curve[i]

@@ -86,3 +86,19 @@ def test_reset_forgets_online_state_and_rejects_empty_curves():
     assert cost.verify_cost == [1 * MS, 2 * MS]
     with pytest.raises(ValueError):
         CostModel([])
+
+
+def test_alpha_zero_freezes_the_curve_even_against_a_far_off_streak():
+    """``alpha = 0`` holds the start-up curve: one-row passes 3x slower than start-up, which
+    would rescale a live model (the next test), leave it as it was. The offline replay's
+    comparison with the engine (tests/test_replay_scheduler.py) freezes the curve this way; on a
+    slow CI machine a streak rescaled it anyway and the two disagreed."""
+    frozen, live = h200_like(), h200_like()
+    frozen.alpha = 0.0
+    start = frozen.verify_cost
+    for _ in range(10):
+        frozen.observe(1, 3 * start[0])
+        frozen.observe(4, 3 * start[3])
+        live.observe(1, 3 * start[0])
+    assert frozen.verify_cost == start
+    assert live.T(1) == pytest.approx(3 * start[0], rel=0.05)
