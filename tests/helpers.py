@@ -18,6 +18,21 @@ def run(engine, prompt_tokens, method="off", max_tokens=32, temperature=0.0, see
     return ids, "".join(e.text for e in events), events[-1]
 
 
+def generate_all(engine, requests, workers: int = 8) -> list[list]:
+    """Each request's events, the requests run ``workers`` at a time (the engine batches
+    them); the order of the result is the order of ``requests``. The statistical tests run 20k
+    short requests: one at a time, each waits on its own passes' thread hand-offs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def events(request):
+        out = list(engine.generate(request, timeout=600))
+        assert out[-1].error is None, out[-1].error
+        return out
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(events, requests))
+
+
 def assert_no_leaks(engine, timeout: float = 10.0) -> None:
     """Every per-request map of the engine is empty once all requests have ended."""
     import time

@@ -72,7 +72,7 @@ def test_greedy_identity_on_default_model(default_engine):
     cost.alpha = 0.0
     try:
         for i, (ids, kw) in enumerate(prompts):
-            max_tokens = 40 + (i * 7) % 29  # lands mid-block at varied offsets
+            max_tokens = 24 + (i * 7) % 29  # lands mid-block at varied offsets
             plain, plain_text, last_plain = run(default_engine, ids, "off", max_tokens=max_tokens, **kw)
             for method in ("prompt_lookup", "dspark", "auto")[: 3 if i % 2 else 2]:
                 params = SpeculativeParams(method, min_draft_tokens=2 if method == "dspark" else 0)
@@ -85,6 +85,6 @@ def test_greedy_identity_on_default_model(default_engine):
     finally:
         cost.reset(saved[0])
         cost.alpha = saved[1]
-    print("ACCEPTED", accepted)
-    assert accepted["prompt_lookup"] > 200
+    # (on a 2-vCPU AVX2 machine, outputs of 40-68 tokens gave 822 / 450 / 463 accepted tokens)
+    assert accepted["prompt_lookup"] > 200, accepted
     assert accepted["dspark"] > 100 and accepted["auto"] > 200, accepted

@@ -6,7 +6,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import run
+from helpers import generate_all, run
 from scipy import stats
 
 from engine import (
@@ -227,11 +227,11 @@ def test_sampled_distribution_is_preserved(tiny):
         counts = np.zeros(vocab)
         drafted = accepted = 0
         n = 20_000
-        for seed in range(n):
-            req = GenerationRequest(prompt_tokens=prompt, max_tokens=3, ignore_eos=True,
-                                    sampling=SamplingParams(seed=seed, **params),
-                                    speculative=SpeculativeParams("prompt_lookup", min_draft_tokens=1))
-            events = list(eng.generate(req))
+        requests = [GenerationRequest(prompt_tokens=prompt, max_tokens=3, ignore_eos=True,
+                                      sampling=SamplingParams(seed=seed, **params),
+                                      speculative=SpeculativeParams("prompt_lookup", min_draft_tokens=1))
+                    for seed in range(n)]
+        for events in generate_all(eng, requests):
             ids = [t for e in events for t in e.token_ids]
             counts[ids[1]] += 1
             drafted += events[-1].stats.total.num_draft_tokens

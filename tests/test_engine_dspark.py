@@ -8,7 +8,7 @@ with a request logit_bias.
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import run
+from helpers import generate_all, run
 from scipy import stats
 from test_engine import prompts
 
@@ -111,11 +111,11 @@ def test_sampled_distribution_with_dspark(tiny, tmp_path):
         n = 20_000
         counts = np.zeros(vocab)
         drafted = accepted = 0
-        for seed in range(n):
-            req = GenerationRequest(prompt_tokens=prompt, max_tokens=2, ignore_eos=True,
-                                    sampling=SamplingParams(temperature=1.0, seed=seed, logit_bias=bias),
-                                    speculative=SpeculativeParams("dspark", min_draft_tokens=1))
-            events = list(eng.generate(req))
+        requests = [GenerationRequest(prompt_tokens=prompt, max_tokens=2, ignore_eos=True,
+                                      sampling=SamplingParams(temperature=1.0, seed=seed, logit_bias=bias),
+                                      speculative=SpeculativeParams("dspark", min_draft_tokens=1))
+                    for seed in range(n)]
+        for events in generate_all(eng, requests):
             counts[events[0].token_ids[0]] += 1
             drafted += events[-1].stats.total.num_draft_tokens
             accepted += events[-1].stats.total.num_accepted_tokens
