@@ -57,12 +57,29 @@ static inline v16f load16(const float *p) { v16f v; memcpy(&v, p, sizeof v); ret
 static inline void store16(float *p, v16f v) { memcpy(p, &v, sizeof v); }
 static inline v16f splat(float x) { return (v16f){0} + x; }
 
+// Without AVX-512, GCC lowers the shuffles of 64-byte vectors (hsum, reduce16) lane by lane
+// through the stack; the AVX2 versions below add the same pairs in the same tree, in native
+// 256-bit halves (lo: lanes 0-7, hi: lanes 8-15), so every build gives the same bits.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define TREE_AVX2 1
+static inline __m256 half8(const v16f *v, int h) { return _mm256_loadu_ps((const float *)v + 8 * h); }
+#else
+#define TREE_AVX2 0
+#endif
+
 static inline float hsum(v16f v) {  // fixed tree order
+#if TREE_AVX2
+    const __m256 s = _mm256_add_ps(half8(&v, 0), half8(&v, 1));                          // t[i] += t[i + 8]
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));  // t[i] += t[i + 4]
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                               // t[i] += t[i + 2]
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));                       // t[0] += t[1]
+#else
     float t[16];
     memcpy(t, &v, sizeof t);
     for (int w = 8; w; w >>= 1)
         for (int i = 0; i < w; i++) t[i] += t[i + w];
     return t[0];
+#endif
 }
 
 // 16 bytes -> 16 int32 lanes, zero-extended (GCC lowers __builtin_convertvector of bytes
@@ -119,6 +136,29 @@ typedef int32_t v16m __attribute__((vector_size(64)));
 // The 16 lane sums of a[0..15] as one vector (lane t: sum of a[t]'s lanes), by a fixed
 // transpose-and-add tree: 15 pairs of shuffles instead of 16 horizontal sums.
 static inline v16f reduce16(const v16f *a) {
+#if TREE_AVX2
+    // the generic tree below, step by step: s[k] = key k's 8 pair sums (lo1 + hi1); t[m] = keys
+    // 2m, 2m+1's 4 sums each (lo2 + hi2: the 128-bit halves added); w[m] = keys 4m..4m+3's 2
+    // sums each (lo3 + hi3: unpack the 64-bit pairs, add, put the keys back in order); then
+    // lo4 + hi4 as horizontal adds of adjacent lanes, keys back in order.
+    __m256 s[16], t[8], w[4];
+    for (int k = 0; k < 16; k++) s[k] = _mm256_add_ps(half8(a + k, 0), half8(a + k, 1));
+    for (int m = 0; m < 8; m++)
+        t[m] = _mm256_add_ps(_mm256_permute2f128_ps(s[2 * m], s[2 * m + 1], 0x20),
+                             _mm256_permute2f128_ps(s[2 * m], s[2 * m + 1], 0x31));
+    for (int m = 0; m < 4; m++) {
+        const __m256d x = _mm256_castps_pd(t[2 * m]), y = _mm256_castps_pd(t[2 * m + 1]);
+        const __m256 u = _mm256_add_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)),
+                                       _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+        w[m] = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(u), 0xD8));
+    }
+    const __m256 lo = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(w[0], w[1])), 0xD8));
+    const __m256 hi = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_hadd_ps(w[2], w[3])), 0xD8));
+    v16f out;
+    memcpy(&out, &lo, 32);
+    memcpy((char *)&out + 32, &hi, 32);
+    return out;
+#else
     const v16m lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
     const v16m hi1 = {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31};
     const v16m lo2 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
@@ -135,6 +175,7 @@ static inline v16f reduce16(const v16f *a) {
     for (int i = 0; i < 2; i++)  // 2 per key, keys 8i..8i+7
         d[i] = __builtin_shuffle(c[2 * i], c[2 * i + 1], lo3) + __builtin_shuffle(c[2 * i], c[2 * i + 1], hi3);
     return __builtin_shuffle(d[0], d[1], lo4) + __builtin_shuffle(d[0], d[1], hi4);
+#endif
 }
 
 // ---- quantized mat-vec: y[r, o] (=|+=) dot(W[o, :], x[r, :]) for a tile of R rows ----------
@@ -623,12 +664,25 @@ static void attend_segment(const Model *m, const float *qkv, int nqkv, int r0, i
             for (int h = 0; h < G; h++) {
                 v16f dots[16];
                 for (int t = 0; t < 16; t++) {
+#if TREE_AVX2  // (the same fused multiply-adds, lanes 0-7 and 8-15 in native registers)
+                    __m256 d0 = _mm256_setzero_ps(), d1 = _mm256_setzero_ps();
+                    if (t < nb) {
+                        const float *k = K + (size_t)(j0 + b0 + t) * hd, *qh = q + h * hd;
+                        for (int c = 0; c < nc; c++) {
+                            d0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c), _mm256_loadu_ps(k + 16 * c), d0);
+                            d1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 16 * c + 8), _mm256_loadu_ps(k + 16 * c + 8), d1);
+                        }
+                    }
+                    _mm256_storeu_ps((float *)&dots[t], d0);
+                    _mm256_storeu_ps((float *)&dots[t] + 8, d1);
+#else
                     v16f d = {0};
                     if (t < nb) {
                         const float *k = K + (size_t)(j0 + b0 + t) * hd;
                         for (int c = 0; c < nc; c++) d += load16(q + h * hd + 16 * c) * load16(k + 16 * c);
                     }
                     dots[t] = d;
+#endif
                 }
                 store16(sc + ((size_t)(r - r0) * G + h) * SEG + b0, vsel(lane < nb, reduce16(dots), ninf));
             }
@@ -656,6 +710,27 @@ static void attend_segment(const Model *m, const float *qkv, int nqkv, int r0, i
             ph[1] = hsum(sum);
         }
     }
+#if TREE_AVX2
+    // (row, head) by (row, head), up to 64 value lanes in registers over all keys: each lane
+    // adds e_j * v_j in key order j = 0, 1, ..., as the loop below does (it keeps acc in memory)
+    for (int r = r0; r < r1; r++)
+        for (int h = 0; h < G; h++) {
+            const float *e = sc + ((size_t)(r - r0) * G + h) * SEG;
+            float *a = (float *)(acc + ((size_t)(r - r0) * G + h) * nc);
+            for (int c0 = 0; c0 < 2 * nc; c0 += 8) {
+                const int w = 2 * nc - c0 < 8 ? 2 * nc - c0 : 8;
+                __m256 ra[8];
+                for (int i = 0; i < 8; i++) ra[i] = _mm256_setzero_ps();
+                for (int j = 0; j < n[r - r0]; j++) {
+                    const __m256 ej = _mm256_set1_ps(e[j]);
+                    const float *v = V + (size_t)(j0 + j) * hd + 8 * c0;
+                    for (int i = 0; i < 8; i++)
+                        if (i < w) ra[i] = _mm256_fmadd_ps(ej, _mm256_loadu_ps(v + 8 * i), ra[i]);
+                }
+                for (int i = 0; i < w; i++) _mm256_storeu_ps(a + 8 * (c0 + i), ra[i]);
+            }
+        }
+#else
     for (int i = 0; i < (r1 - r0) * G * nc; i++) acc[i] = (v16f){0};
     for (int j = 0; j < nmax; j++) {
         const float *v = V + (size_t)(j0 + j) * hd;
@@ -668,6 +743,7 @@ static void attend_segment(const Model *m, const float *qkv, int nqkv, int r0, i
             }
         }
     }
+#endif
     for (int r = r0; r < r1; r++) {
         const int segs = (pos[r] + SEG) / SEG;
         float *part = parts + (size_t)(unit0[r] + g * segs + sg) * G * (hd + 2);
