@@ -161,7 +161,7 @@ def main(argv=None) -> dict:
                               exact_verify=args.exact_verify, fused=args.fused)).start(wait=True)
     tok = eng.loaded.tokenizer
     if args.freeze_cost:
-        eng.cost.alpha = 0.0  # no online refresh of T(k) (a streak of 2x-off passes still rescales it)
+        eng.cost.alpha = 0.0  # T(k) frozen at its start-up values (no refresh, no rescale)
     import mlx.core as mx
 
     results = {

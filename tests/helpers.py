@@ -30,7 +30,12 @@ def generate_all(engine, requests, workers: int = 8) -> list[list]:
         return out
 
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(events, requests))
+        futures = [pool.submit(events, request) for request in requests]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:  # report the first failure now, not after the other 20k requests
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
 
 
 def assert_no_leaks(engine, timeout: float = 10.0) -> None:

@@ -317,12 +317,12 @@ def test_a_forked_child_starts_its_own_threads():
     pytest.fail("the forked child's pass did not finish (its workers were never started)")
 
 
-@pytest.mark.parametrize("flag,activations,group_size,bits", [
-    ("-mno-avx512f", "q16", 32, 4), ("-mno-avx512f", "q8", 32, 4), ("-mno-avx512f", "float32", 32, 4),
-    ("-mno-avx512f", "q16", 32, 8),
-    ("-mno-avx2", "q16", 32, 4), ("-mno-avx2", "q8", 64, 4), ("-mno-avx2", "float32", 32, 4),
-    ("-mno-avx2", "q16", 32, 8)])
-def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations, group_size, bits):
+@pytest.mark.parametrize("flag,activations,group_size,bits,head_dim", [
+    ("-mno-avx512f", "q16", 32, 4, 64), ("-mno-avx512f", "q8", 32, 4, 64), ("-mno-avx512f", "float32", 32, 4, 64),
+    ("-mno-avx512f", "q16", 32, 8, 64),
+    ("-mno-avx2", "q16", 32, 4, 64), ("-mno-avx2", "q8", 64, 4, 64), ("-mno-avx2", "float32", 32, 4, 64),
+    ("-mno-avx2", "q16", 32, 8, 64), ("-mno-avx2", "q16", 32, 4, 80)])
+def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations, group_size, bits, head_dim):
     """A build without AVX-512 (4 rows per weight read instead of 16, 8-lane halves of every
     vector, integer dot products by vpmaddubsw instead of VNNI) and one without AVX2 (the
     generic vector code) give every row the same bits as the machine's own build: the per-row
@@ -330,7 +330,8 @@ def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations
     compares the AVX2 build with itself, and the second checks its AVX2 code.) Hidden size 320
     and intermediate 640 give the integer path whole groups of 16 blocks, a partial group
     spanning both 8-block halves (10 blocks) and one within the first (4), in 4-bit and (bits
-    = 8, the nibble-split path) 8-bit projections."""
+    = 8, the nibble-split path) 8-bit projections. Head size 80 (10 lanes of 8) also takes the
+    AVX2 attention's value loop through a partial register block."""
     import ctypes
     import os
     import subprocess
@@ -339,7 +340,7 @@ def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations
     alt = tmp_path / "alt.so"
     subprocess.run([cc, *fused_cpu._CFLAGS, flag, "-o", str(alt), str(fused_cpu._SOURCE), "-lm"],
                    check=True, capture_output=True)
-    model, stored = _models(bits, 64, seed=7, group_size=group_size)
+    model, stored = _models(bits, head_dim, seed=7, group_size=group_size)
     fp = CpuFusedPass(model, stored, activations=activations)
     tokens = mx.random.randint(3, 259, (300,), key=mx.random.key(9)).tolist()
     _, cache = _prefilled(model, tokens[:284])

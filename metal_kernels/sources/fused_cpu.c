@@ -60,7 +60,7 @@ static inline v16f splat(float x) { return (v16f){0} + x; }
 // Without AVX-512, GCC lowers the shuffles of 64-byte vectors (hsum, reduce16) lane by lane
 // through the stack; the AVX2 versions below add the same pairs in the same tree, in native
 // 256-bit halves (lo: lanes 0-7, hi: lanes 8-15), so every build gives the same bits.
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)  // (the generic a += b * c fuses only with FMA)
 #define TREE_AVX2 1
 static inline __m256 half8(const v16f *v, int h) { return _mm256_loadu_ps((const float *)v + 8 * h); }
 #else
