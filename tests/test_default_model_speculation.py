@@ -85,6 +85,8 @@ def test_greedy_identity_on_default_model(default_engine):
     finally:
         cost.reset(saved[0])
         cost.alpha = saved[1]
-    # (on a 2-vCPU AVX2 machine, outputs of 40-68 tokens gave 822 / 450 / 463 accepted tokens)
+    print("ACCEPTED", accepted)
+    # (on a 2-vCPU AVX2 machine, outputs of 24-52 tokens gave 615 / 337 / 348 accepted tokens;
+    # 40-68 tokens gave 822 / 450 / 463)
     assert accepted["prompt_lookup"] > 200, accepted
     assert accepted["dspark"] > 100 and accepted["auto"] > 200, accepted
