@@ -90,7 +90,7 @@ def test_reset_forgets_online_state_and_rejects_empty_curves():
 
 def test_alpha_zero_freezes_the_curve_even_against_a_far_off_streak():
     """``alpha = 0`` holds the start-up curve: one-row passes 3x slower than start-up, which
-    would rescale a live model (the next test), leave it as it was. The offline replay's
+    rescale a live model (``live``, beside it), leave it as it was. The offline replay's
     comparison with the engine (tests/test_replay_scheduler.py) freezes the curve this way; on a
     slow CI machine a streak rescaled it anyway and the two disagreed."""
     frozen, live = h200_like(), h200_like()

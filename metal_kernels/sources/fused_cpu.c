@@ -3,7 +3,8 @@
 // weight once for all rows. Built at first use with the system C compiler (-O3 -march=native
 // -pthread); portable C with GCC vector extensions, 16 float lanes, plus intrinsics where the
 // generic code is slow: the integer dot products (AVX512-VNNI, or AVX2 in 256-bit halves, since
-// GCC lowers 64-byte generic vectors through the stack on CPUs without AVX-512).
+// GCC lowers 64-byte generic vectors through the stack on CPUs without AVX-512) and, on AVX2,
+// the lane reductions and the attention loops (TREE_AVX2: the same arithmetic, bit for bit).
 //
 // Row independence: every output of row r is a dot product accumulated in a fixed order (lanes
 // over the input dimension, groups in order, a fixed lane reduction) from row r's inputs only,
