@@ -40,7 +40,15 @@ def instrument(eng: Engine) -> list[dict]:
     records: list[dict] = []
     runner_cls = type(eng.runner)
     verify, accept, step = runner_cls.verify, generation._accept, engine_module.speculative_step
+    propose_dspark = generation.Sequence._propose_dspark
     marks: dict = {}
+
+    def timed_propose_dspark(self, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return propose_dspark(self, *args, **kwargs)
+        finally:
+            marks["dspark_ms"] = marks.get("dspark_ms", 0.0) + 1e3 * (time.perf_counter() - started)
 
     def timed_verify(self, *args, **kwargs):
         marks.setdefault("verify", time.perf_counter())
@@ -61,10 +69,12 @@ def instrument(eng: Engine) -> list[dict]:
                         "rows": drafted + 1, "accepted": accepted, "committed": len(result.token_ids),
                         "context": context, "position": seq.num_generated - len(result.token_ids),
                         "start": started, "end": ended,
-                        "verify_ms": 1e3 * (marks.get("accept", ended) - marks.get("verify", started))})
+                        "verify_ms": 1e3 * (marks.get("accept", ended) - marks.get("verify", started)),
+                        "dspark_ms": marks.get("dspark_ms", 0.0)})
         return result
 
     runner_cls.verify = timed_verify
+    generation.Sequence._propose_dspark = timed_propose_dspark
     generation._accept = timed_accept
     engine_module.speculative_step = timed_step
     return records
@@ -72,7 +82,10 @@ def instrument(eng: Engine) -> list[dict]:
 
 def summarize(records: list[dict]) -> dict:
     """Per method and width: cycles, and medians of verify/step/wall time (ms); the first cycle
-    of each request (after its prefill) is kept apart."""
+    of each request (after its prefill) is kept apart. Under ``"total"``, per method: the sums
+    (ms) of step and wall time over all cycles, the DSpark forwards (count and ms; medians hide
+    them, as they hide any rare cost), and the time in steps dearer than twice their width's
+    median step."""
     by_seq = defaultdict(list)
     for r in records:
         by_seq[r["seq"]].append(r)
@@ -92,6 +105,19 @@ def summarize(records: list[dict]) -> dict:
             "step_ms": round(statistics.median(r["end"] - r["start"] for r in rs) * 1e3, 4),
             "wall_ms": med("wall_ms"), "committed": round(statistics.mean(r["committed"] for r in rs), 3),
             "context": round(statistics.median(r["context"] for r in rs))}
+    for method in out:
+        mine = [r for r in records if r["method"] == method]
+        median_step = {k: statistics.median(r["end"] - r["start"] for r in rs) for (m, k), rs in groups.items()
+                       if m == method}
+        slow = [r for r in mine
+                if r["end"] - r["start"] > 2 * median_step["first" if r["position"] == 0 else r["rows"]]]
+        out[method]["total"] = {
+            "cycles": len(mine), "committed": sum(r["committed"] for r in mine),
+            "step_ms": round(sum(1e3 * (r["end"] - r["start"]) for r in mine), 2),
+            "wall_ms": round(sum(r.get("wall_ms", 0.0) for r in mine), 2),
+            "dspark_forwards": sum(r["dspark_ms"] > 0 for r in mine),
+            "dspark_ms": round(sum(r["dspark_ms"] for r in mine), 2),
+            "slow_steps": len(slow), "slow_step_ms": round(sum(1e3 * (r["end"] - r["start"]) for r in slow), 2)}
     return out
 
 
@@ -147,7 +173,11 @@ def main(argv=None) -> dict:
     finally:
         eng.stop()
     for method, widths in report["all"].items():
-        print(method, " ".join(f"{k}:{v['cycles']}x v{v['verify_ms']} w{v['wall_ms']}" for k, v in widths.items()))
+        print(method, " ".join(f"{k}:{v['cycles']}x v{v['verify_ms']} w{v['wall_ms']}" for k, v in widths.items()
+                               if k != "total"))
+    for name, methods_ in report["workloads"].items():
+        for method, widths in methods_.items():
+            print(name, method, widths["total"])
     print("start", report["start_curve_ms"][:8], "\nend  ", report["end_curve_ms"][:8])
     for c, curve in report["retimed_ms"].items():
         print(f"ctx {c}", curve[:8])

@@ -191,11 +191,11 @@ class Sequence:
         (plain decoding included, also when DSpark is the only drafter), or as a probe on a
         request's first cycle and then after ``DSPARK_PROBE_EVERY`` cycles, an interval that
         doubles after every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets
-        once it wins, as long as the engine's probes have taken at most 2% of its decode time
-        (``DsparkStats.may_probe``); it always runs when the request sets ``min_draft_tokens``. A DSpark
-        forward whose draft is cut to nothing counts as a cycle that yielded nothing, and any
-        DSpark forward whose proposal is not verified counts in the request's stats
-        (``num_unused_proposals``). Each proposal is cut to the length maximising
+        once it wins, as long as the engine's probes fit their budget (at most 2% of its decode
+        time, shrinking to 0.25% while probes keep losing: ``DsparkStats.may_probe``); it
+        always runs when the request sets ``min_draft_tokens``. A DSpark forward whose draft is
+        cut to nothing counts as a cycle that yielded nothing, and any DSpark forward whose
+        proposal is not verified counts in the request's stats (``num_unused_proposals``). Each proposal is cut to the length maximising
         ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding
         when none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched
         pass).
@@ -229,6 +229,8 @@ class Sequence:
             wins = forced or self.dspark_stats.expected_rate(cost) > best_so_far
             probe = (not wins and self.cycles_since_dspark >= self.dspark_probe_every
                      and self.dspark_stats.may_probe())
+            if wins and not forced:
+                self.dspark_stats.observe_win()
             if wins or probe:
                 # a probe runs only while DSpark loses: back off (ds4 backed off after misses
                 # too), within the engine-wide probe budget

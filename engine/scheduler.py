@@ -251,11 +251,13 @@ class DsparkStats:
     """
 
     PROBE_SHARE = 0.02  # losing probes may take at most this share of decode time (engine-wide)
+    PROBE_SHARE_MIN = 0.0025  # ... halved by every probe down to this, until DSpark wins a cycle
 
     def __init__(self, positions: int = 16, alpha: float = 0.05):
         self.alpha = alpha
         self.decode_seconds = 0.0  # measured target-pass time of every cycle with DSpark loaded
         self.probe_seconds = 0.0  # time spent on DSpark forwards that ran as probes
+        self.probe_share = self.PROBE_SHARE  # the probe budget's current share of decode time
         self.realised = [1.0] * positions
         self.predicted = [1.0] * positions
         self.draft_cost = 0.0  # seconds per propose (EMA)
@@ -293,13 +295,24 @@ class DsparkStats:
 
     def may_probe(self) -> bool:
         """Whether a probe of a losing DSpark fits the probe budget: the time spent on probes
-        so far stays within :attr:`PROBE_SHARE` of the decode time (one probe always runs
-        first). A drafter that loses thus costs at most ~2% however many requests probe it,
-        while one that starts winning is used every cycle again (probes find that out)."""
-        return self.probe_seconds <= self.PROBE_SHARE * self.decode_seconds
+        so far stays within :attr:`probe_share` of the decode time (one probe always runs
+        first). The share starts at :attr:`PROBE_SHARE` (2%); every probe halves it, down to
+        :attr:`PROBE_SHARE_MIN` (0.25%), and a cycle DSpark wins on its own evidence restores
+        it (:meth:`observe_win`). Exploration thus costs in proportion to the doubt left: a
+        drafter that keeps losing (the shipped one on every benchmark workload: DSpark forwards
+        of 4-5 target steps on the CPU, acceptance ~0.3) costs at most ~2% early and 0.25% in
+        the long run, however many requests probe it, while one that starts winning is found
+        by the remaining probes and used every cycle again."""
+        return self.probe_seconds <= self.probe_share * self.decode_seconds
 
     def observe_probe(self, seconds: float) -> None:
+        """A probe's DSpark forward took ``seconds``; the budget's share halves."""
         self.probe_seconds += seconds
+        self.probe_share = max(self.PROBE_SHARE_MIN, 0.5 * self.probe_share)
+
+    def observe_win(self) -> None:
+        """DSpark's recent yield beat every other option (a cycle it runs on merit)."""
+        self.probe_share = self.PROBE_SHARE
 
     def observe_cost(self, seconds: float) -> None:
         self.draft_cost = seconds if self.draft_cost == 0 else self.draft_cost + 0.1 * (seconds - self.draft_cost)

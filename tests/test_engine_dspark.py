@@ -203,7 +203,43 @@ def test_probe_budget_rule():
     ds.observe_cycle(4.0)  # 2% of 4 s = 80 ms < 100 ms spent
     assert not ds.may_probe()
     ds.observe_cycle(1.0)  # 2% of 5 s = 100 ms
+    assert not ds.may_probe()  # but that probe halved the share: 1% of 5 s
+    ds.observe_cycle(5.0)  # 1% of 10 s = 100 ms
     assert ds.may_probe()
+
+
+def test_probe_share_shrinks_with_every_losing_probe_and_recovers_on_a_win():
+    from engine.scheduler import DsparkStats
+
+    ds = DsparkStats()
+    shares = []
+    for _ in range(8):
+        ds.observe_probe(0.01)
+        shares.append(ds.probe_share)
+    assert shares[:3] == [0.01, 0.005, 0.0025]
+    assert shares[3:] == [DsparkStats.PROBE_SHARE_MIN] * 5  # the floor: probes never stop
+    ds.observe_cycle(0.08 / DsparkStats.PROBE_SHARE_MIN)
+    assert ds.may_probe()
+    ds.observe_probe(0.01)
+    assert not ds.may_probe()
+    ds.observe_win()
+    assert ds.probe_share == DsparkStats.PROBE_SHARE and ds.may_probe()
+
+
+def test_a_winning_dspark_restores_the_probe_share(dspark_engine, monkeypatch):
+    """After losing probes shrank the budget, DSpark's evidence says it wins (recent cycles
+    accepted 4 of 4 drafts) and its drafts pass (the target's argmax is the token the drafter
+    favours): it runs on merit, and that restores the full share for later probes."""
+    from engine.scheduler import DsparkStats
+
+    ds = dspark_engine.dspark_stats
+    monkeypatch.setattr(ds, "probe_share", DsparkStats.PROBE_SHARE_MIN)
+    monkeypatch.setattr(ds, "accepted_ema", 4.0)
+    monkeypatch.setattr(ds, "length_ema", 4.0)
+    kw = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}
+    _, _, last = run(dspark_engine, prompts(1, seed=4)[0], "x", max_tokens=30, speculative=DS, **kw)
+    assert last.stats.by_drafter["dspark"].num_accepted_tokens > 5
+    assert ds.probe_share == DsparkStats.PROBE_SHARE
 
 
 def test_unused_dspark_forwards_are_counted(dspark_engine):
