@@ -250,18 +250,18 @@ static inline __attribute__((always_inline)) void dot_tile(const int R, const in
 
 // Outputs [lo, hi) of a projection (each thread takes one contiguous range), in blocks of 16
 // outputs (flush), each output's rows in tiles of TILE (CASE(R): one tile of R rows).
-#define OUTPUT_LOOP(CASE)                                                                         \
+#define OUTPUT_LOOP(CASE, T, CASES)                                                               \
     v16f part[MAX_ROWS * 16];                                                                     \
     for (int ob = lo, o; ob < hi; ob += 16) {                                                     \
         if (hi - ob < 16) memset(part, 0, sizeof part);                                           \
         for (o = ob; o < hi && o < ob + 16; o++)                                                  \
-            for (int r0 = 0; r0 < M; r0 += TILE)                                                  \
-                switch (M - r0 < TILE ? M - r0 : TILE) { TILE_CASES(CASE) }                       \
+            for (int r0 = 0; r0 < M; r0 += T)                                                     \
+                switch (M - r0 < T ? M - r0 : T) { CASES(CASE) }                                  \
         flush(part, o - ob, M, y, ys, ob, add);                                                   \
     }
 
 static void qmv(const QMat *q, int lo, int hi, const float *x, int xs, int M, float *y, int ys, int add) {
-    OUTPUT_LOOP(TILE_CASE)
+    OUTPUT_LOOP(TILE_CASE, TILE, TILE_CASES)
 }
 
 // ---- integer activations: integer dot products (Model.digits) -------------------------------
@@ -403,6 +403,8 @@ typedef float v8f __attribute__((vector_size(32)));
 // segments of 4n bytes), activations at byte offset aoff of each row's QAct.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define Q8_VNNI 1
+#define TILE_Q8 TILE
+#define TILE_CASES_Q8 TILE_CASES
 static inline __m512i seg512(const uint8_t *w, int n, int t) {
     return n == 16 ? _mm512_loadu_si512(w + 64 * t) : _mm512_maskz_loadu_epi8((1ULL << (4 * n)) - 1, w + 4 * n * t);
 }
@@ -411,20 +413,17 @@ static inline __m256i seg256(const uint8_t *w, int n, int t) {
 }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
 #define Q8_AVX2 1
+#define TILE_Q8 8  // rows per read of the codes (see dot_tile_q8)
+#define TILE_CASES_Q8(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
 // AVX2 without VNNI: vpmaddubsw (u8 x s8, adjacent products summed into s16) and vpmaddwd by
 // ones (s16 pairs into the lane's s32) give each lane's 4-product sum, the integers vpdpbusd
 // gives. Exact, with no saturation: 4-bit codes are at most 15 and activations within [-127,
 // 127], so a pair is at most 3810 and the 8 steps of a group sum to at most 30480 < 2^15 in s16;
 // 8-bit codes are split into their two nibbles the same way (c = lo + 16 hi). A 512-bit group
 // is two 256-bit halves: lanes (blocks) 0..7, then 8..15.
-static inline __m256i seg_half(const uint8_t *w, int n, int t, int h) {  // lanes 8h..8h+7 of segment t
-    if (n == 16) return _mm256_loadu_si256((const __m256i *)(w + 64 * t + 32 * h));
-    const int have = n - 8 * h > 8 ? 8 : n - 8 * h;  // (>= 1: a half with no block is skipped)
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm256_maskload_epi32((const int *)(w + 4 * n * t + 32 * h),
-                                 _mm256_cmpgt_epi32(_mm256_set1_epi32(have), lane));
-}
 #else
+#define TILE_Q8 TILE
+#define TILE_CASES_Q8 TILE_CASES
 static inline v16i seg_generic(const uint8_t *w, int n, int t) {
     v16i v = {0};
     memcpy(&v, w + 4 * n * t, 4 * n);
@@ -469,42 +468,62 @@ static inline v16i dot_generic(v16i acc, v16i w, const int8_t *a) {  // (the int
 #endif
 
 #ifdef Q8_AVX2
-// Scales (or biases) of blocks j0 + 8h .. j0 + 8h + 7 as floats (lanes of absent blocks 0): the
-// half h of lanes16, converted by F16C.
-static inline __m256 lanes8(const _Float16 *s, int j0, int n, int per, int h) {
-    if (per == 1 && n == 16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + j0 + 8 * h)));
+// Scales (or biases) of blocks j0 + l0 .. j0 + l0 + 7 as floats (lanes of blocks past n: 0),
+// converted by F16C.
+static inline __m256 lanes8(const _Float16 *s, int j0, int n, int per, int l0) {
+    if (per == 1 && l0 + 8 <= n) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + j0 + l0)));
     uint16_t t[8] = {0};
-    for (int l = 0; l < 8 && 8 * h + l < n; l++) memcpy(t + l, s + (j0 + 8 * h + l) / per, 2);
+    for (int l = 0; l < 8 && l0 + l < n; l++) memcpy(t + l, s + (j0 + l0 + l) / per, 2);
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
 }
 
-// dot_tile_q8 on AVX2 in native 256-bit halves (blocks 0..7 of a group, then 8..15): GCC lowers
+// One quarter or half of a group: lanes (blocks) l0 .. l0 + W - 1 of segments of 4n bytes.
+static inline __m256i seg8(const uint8_t *w, int n, int t, int l0) {
+    if (n == 16) return _mm256_loadu_si256((const __m256i *)(w + 64 * t + 4 * l0));
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm256_maskload_epi32((const int *)(w + 4 * n * t + 4 * l0), _mm256_cmpgt_epi32(_mm256_set1_epi32(n - l0), lane));
+}
+static inline __m128i seg4(const uint8_t *w, int n, int t, int l0) {
+    const __m128i lane = _mm_setr_epi32(0, 1, 2, 3);
+    return _mm_maskload_epi32((const int *)(w + 4 * n * t + 4 * l0), _mm_cmpgt_epi32(_mm_set1_epi32(n - l0), lane));
+}
+
+// dot_tile_q8 on AVX2, in native 256-bit halves of a group (blocks 0..7, then 8..15): GCC lowers
 // the generic 16-lane vectors through the stack on CPUs without AVX-512. Per lane the same
-// operations in the same order as the generic code (integer sums, then d s I and b m, fused).
-static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const int bits, const int D, const QMat *q,
-                                                              int o, const QAct *a, int r0, v16f *part) {
-    __m256 acc[TILE][2];
+// operations in the same order as the generic code: the integer sums (exact, so in any order),
+// then acc += I d s per digit and acc += b m, fused. Two shapes of the same arithmetic:
+// * whole groups, up to 4 rows (decode, short drafts): the accumulators in registers
+//   (whole_groups_regs); the 8 unpacked code vectors and 8 accumulators already spill a few;
+// * whole groups, 5-8 rows, and every last partial group: the accumulators in `part` (memory),
+//   so the 8 code vectors stay in registers across the rows (q8_span): a tile takes 8 rows per
+//   read of the codes, and a partial group's blocks past the last whole half run in a 128-bit
+//   quarter when they are at most 4 (the absent lanes would only add exact zeros: an
+//   accumulator is never -0, so +0 leaves it as it is). 8-bit codes run there as two 4-bit
+//   passes, low nibbles then high (c = lo + 16 hi), their integer sums combined before the
+//   float terms; in registers, both nibbles in one pass.
+static inline __attribute__((always_inline)) void whole_groups_regs(const int R, const int bits, const int D,
+                                                                    const QMat *q, int o, const QAct *a, int r0,
+                                                                    v16f *part) {
+    __m256 acc[4][2];
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    const int in = q->in, nb = in / 32, per = q->gs / 32, ng = in / q->gs, full = nb / 16, rest = nb % 16;
+    const int in = q->in, nb = in / 32, per = q->gs / 32, ng = in / q->gs, full = nb / 16;
     const _Float16 *s = q->s + (size_t)o * ng, *b = q->b + (size_t)o * ng;
     const uint8_t *w = q->w + (size_t)o * (size_t)(in * bits / 8);
     const int segs = bits == 4 ? 4 : 8;
     const __m256i low4 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
-    prefetch_output(q, o);
-    for (int g = 0; g <= full; g++) {  // the whole groups, then a partial one
-        const int n = g == full ? rest : 16;
+    for (int g = 0; g < full; g++) {
         const uint8_t *wg = w + (size_t)16 * g * 4 * segs;
-        for (int h = 0; 8 * h < n; h++) {  // (a half with no block adds nothing)
-            const __m256 sv = lanes8(s, 16 * g, n, per, h), bv = lanes8(b, 16 * g, n, per, h);
+        for (int h = 0; h < 2; h++) {
+            const __m256 sv = lanes8(s, 16 * g, 16, per, 8 * h), bv = lanes8(b, 16 * g, 16, per, 8 * h);
             __m256i W[8];
-            for (int t = 0; t < 4; t++) W[t] = seg_half(wg, n, t, h);
+            for (int t = 0; t < 4; t++) W[t] = seg8(wg, 16, t, 8 * h);
             if (bits == 4)
                 for (int t = 0; t < 4; t++) {
                     W[4 + t] = _mm256_and_si256(_mm256_srli_epi16(W[t], 4), low4);
                     W[t] = _mm256_and_si256(W[t], low4);
                 }
             else
-                for (int t = 4; t < 8; t++) W[t] = seg_half(wg, n, t, h);
+                for (int t = 4; t < 8; t++) W[t] = seg8(wg, 16, t, 8 * h);
             for (int r = 0; r < R; r++) {
                 const size_t at = (size_t)(r0 + r) * a->sd + 16 * g + 8 * h;
                 for (int k = 0; k < D; k++) {
@@ -533,6 +552,87 @@ static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const
         _mm256_storeu_ps((float *)(part + 16 * r), acc[r][0]);
         _mm256_storeu_ps((float *)(part + 16 * r) + 8, acc[r][1]);
     }
+}
+
+// Blocks l0 .. l0 + 7 (or + 3, in 128-bit vectors) of group g (n blocks), for R <= 8 rows,
+// accumulating into `part`.
+#define Q8_SPAN(VI, VF, LOADI, STOREI, SEG, AND, SRLI, SET1, SET16, MADDUBS, ADD16, MADD, ADD32, SLLI32, CVT,  \
+                FMADD, MUL, LOADF, STOREF, LANES)                                                          \
+    do {                                                                                                  \
+        const VF sv = LANES(s, 16 * g, n, per, l0), bv = LANES(b, 16 * g, n, per, l0);                    \
+        int32_t low[8][2][8];  /* (8-bit codes: the low nibbles' sums, per row and digit) */              \
+        for (int pass = 0; pass < (bits == 8 ? 2 : 1); pass++) {                                          \
+            VI W[8];                                                                                      \
+            if (bits == 4)                                                                                \
+                for (int t = 0; t < 4; t++) {                                                             \
+                    const VI c = SEG(wg, n, t, l0);                                                       \
+                    W[t] = AND(c, SET1(15));                                                              \
+                    W[4 + t] = AND(SRLI(c, 4), SET1(15));                                                 \
+                }                                                                                         \
+            else                                                                                          \
+                for (int t = 0; t < 8; t++) {                                                             \
+                    const VI c = SEG(wg, n, t, l0);                                                       \
+                    W[t] = pass ? AND(SRLI(c, 4), SET1(15)) : AND(c, SET1(15));                           \
+                }                                                                                         \
+            for (int r = 0; r < R; r++) {                                                                 \
+                const size_t at = (size_t)(r0 + r) * a->sd + 16 * g + l0;                                \
+                float *acc = (float *)(part + 16 * r) + l0;                                               \
+                for (int k = 0; k < D; k++) {                                                             \
+                    const int8_t *aq = a->q[k] + (size_t)(r0 + r) * a->sq + 512 * g + 4 * l0;             \
+                    VI sum = MADDUBS(W[0], LOADI(aq));                                                    \
+                    for (int t = 1; t < 8; t++) sum = ADD16(sum, MADDUBS(W[t], LOADI(aq + 64 * t)));      \
+                    VI v = MADD(sum, SET16(1));                                                           \
+                    if (bits == 8) {                                                                      \
+                        if (!pass) {                                                                      \
+                            STOREI(low[r][k], v);                                                         \
+                            continue;                                                                     \
+                        }                                                                                 \
+                        v = ADD32(LOADI(low[r][k]), SLLI32(v, 4));                                        \
+                    }                                                                                     \
+                    STOREF(acc, FMADD(CVT(v), MUL(sv, LOADF(a->d[k] + at)), LOADF(acc)));                 \
+                }                                                                                         \
+                if (bits == 4 || pass) STOREF(acc, FMADD(bv, LOADF(a->m + at), LOADF(acc)));              \
+            }                                                                                             \
+        }                                                                                                 \
+    } while (0)
+
+static inline __m128 lanes4(const _Float16 *s, int j0, int n, int per, int l0) {
+    return _mm256_castps256_ps128(lanes8(s, j0, n, per, l0));
+}
+#define LOAD256I(p) _mm256_loadu_si256((const __m256i *)(p))
+#define STORE256I(p, v) _mm256_storeu_si256((__m256i *)(p), v)
+#define LOAD128I(p) _mm_loadu_si128((const __m128i *)(p))
+#define STORE128I(p, v) _mm_storeu_si128((__m128i *)(p), v)
+
+static inline __attribute__((always_inline)) void q8_span(const int R, const int bits, const int D, const QMat *q,
+                                                          int o, const QAct *a, int r0, v16f *part, int g, int n,
+                                                          int l0) {
+    const int in = q->in, per = q->gs / 32, ng = in / q->gs;
+    const _Float16 *s = q->s + (size_t)o * ng, *b = q->b + (size_t)o * ng;
+    const uint8_t *wg = q->w + (size_t)o * (size_t)(in * bits / 8) + (size_t)16 * g * 4 * (bits == 4 ? 4 : 8);
+    if (n - l0 > 4)
+        Q8_SPAN(__m256i, __m256, LOAD256I, STORE256I, seg8, _mm256_and_si256, _mm256_srli_epi16, _mm256_set1_epi8,
+                _mm256_set1_epi16, _mm256_maddubs_epi16, _mm256_add_epi16, _mm256_madd_epi16, _mm256_add_epi32,
+                _mm256_slli_epi32, _mm256_cvtepi32_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_loadu_ps,
+                _mm256_storeu_ps, lanes8);
+    else
+        Q8_SPAN(__m128i, __m128, LOAD128I, STORE128I, seg4, _mm_and_si128, _mm_srli_epi16, _mm_set1_epi8,
+                _mm_set1_epi16, _mm_maddubs_epi16, _mm_add_epi16, _mm_madd_epi16, _mm_add_epi32, _mm_slli_epi32,
+                _mm_cvtepi32_ps, _mm_fmadd_ps, _mm_mul_ps, _mm_loadu_ps, _mm_storeu_ps, lanes4);
+}
+
+static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const int bits, const int D, const QMat *q,
+                                                              int o, const QAct *a, int r0, v16f *part) {
+    const int nb = q->in / 32, full = nb / 16, rest = nb % 16;
+    prefetch_output(q, o);
+    if (R <= 4) {
+        whole_groups_regs(R, bits, D, q, o, a, r0, part);
+    } else {
+        for (int r = 0; r < R; r++) part[16 * r] = (v16f){0};
+        for (int g = 0; g < full; g++)
+            for (int l0 = 0; l0 < 16; l0 += 8) q8_span(R, bits, D, q, o, a, r0, part, g, 16, l0);
+    }
+    for (int l0 = 0; l0 < rest; l0 += 8) q8_span(R, bits, D, q, o, a, r0, part, full, rest, l0);
 }
 #else
 static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const int bits, const int D, const QMat *q,
@@ -596,7 +696,7 @@ static inline __attribute__((always_inline)) void dot_tile_q8(const int R, const
 
 static inline __attribute__((always_inline)) void qmv_q8(const int D, const QMat *q, int lo, int hi, const QAct *a,
                                                          int M, float *y, int ys, int add) {
-    OUTPUT_LOOP(TILE_CASE_Q8)
+    OUTPUT_LOOP(TILE_CASE_Q8, TILE_Q8, TILE_CASES_Q8)
 }
 
 static void qmv_q8_1(const QMat *q, int lo, int hi, const QAct *a, int M, float *y, int ys, int add) {
