@@ -88,6 +88,7 @@ class Sequence:
         self.pending_folded = 0  # leading entries of pending_hidden that are evaluated chunks
         self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
         self.dspark_probe_every = DSPARK_PROBE_EVERY
+        self.dspark_bar: tuple[float, float] | None = None  # (rate to beat, seconds) of the DSpark draft in flight
         self.max_draft = max_draft
         self.stats = SpecStats()
         self.finish_reason: FinishReason | None = None
@@ -187,18 +188,17 @@ class Sequence:
         """Choose this cycle's drafter and draft length (issue #6's rule, engine/scheduler.py).
 
         Prompt lookup proposes for free; DSpark costs a draft forward, so it runs only when its
-        recent yield (tokens per second, draft cost included) beats the best option so far
-        (plain decoding included, also when DSpark is the only drafter), or as a probe on a
-        request's first cycle and then after ``DSPARK_PROBE_EVERY`` cycles, an interval that
-        doubles after every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets
-        once it wins, as long as the engine's probes fit their budget (at most 2% of its decode
-        time, shrinking to 0.25% while probes keep losing: ``DsparkStats.may_probe``); it
-        always runs when the request sets ``min_draft_tokens``. A DSpark forward whose draft is
-        cut to nothing counts as a cycle that yielded nothing, and any DSpark forward whose
-        proposal is not verified counts in the request's stats (``num_unused_proposals``). Each proposal is cut to the length maximising
-        ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding
-        when none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched
-        pass).
+        recent yield (tokens per second, draft cost included) beats the best option so far (plain
+        decoding included, also when DSpark is the only drafter), or as a probe on a request's
+        first cycle and then after ``DSPARK_PROBE_EVERY`` cycles, an interval that doubles after
+        every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets once it wins, as
+        long as the engine's probes fit their budget (at most 2% of its decode time, shrinking to
+        0.25% while probes keep losing: ``DsparkStats.may_probe``); it always runs when the request
+        sets ``min_draft_tokens``. A DSpark forward whose draft is cut to nothing counts as a cycle
+        that yielded nothing, and any DSpark forward whose proposal is not verified counts in the
+        request's stats (``num_unused_proposals``). Each proposal is cut to the length maximising
+        ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding when
+        none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched pass).
         """
         budget = self.draft_budget(min(cost.max_rows, max_rows or cost.max_rows))
         if budget == 0 or not self.drafters:
@@ -229,8 +229,6 @@ class Sequence:
             wins = forced or self.dspark_stats.expected_rate(cost) > best_so_far
             probe = (not wins and self.cycles_since_dspark >= self.dspark_probe_every
                      and self.dspark_stats.may_probe())
-            if wins and not forced:
-                self.dspark_stats.observe_win()
             if wins or probe:
                 # a probe runs only while DSpark loses: back off (ds4 backed off after misses
                 # too), within the engine-wide probe budget
@@ -255,6 +253,9 @@ class Sequence:
             return Draft(), dspark_ran
         proposal.survival = conditional
         cut(proposal, length)
+        if proposal.drafter == "dspark" and not forced:
+            # what its verify pass must yield to beat the other options (observe() judges it)
+            self.dspark_bar = (best_so_far, cost.T(length + 1) + self.dspark_stats.draft_cost)
         return proposal, dspark_ran
 
     def _propose_dspark(self, ctx: DraftContext, budget: int, cost: CostModel):
@@ -296,6 +297,11 @@ class Sequence:
         elif name == "dspark":
             raw = draft.confidence[: len(draft.tokens)] if draft.confidence else [0.5] * len(draft.tokens)
             self.dspark_stats.observe(raw, len(draft.tokens), num_accepted)
+            if self.dspark_bar is not None:
+                rate_to_beat, seconds = self.dspark_bar
+                if (1 + num_accepted) / seconds > rate_to_beat:  # this cycle DSpark paid its way
+                    self.dspark_stats.observe_win()
+        self.dspark_bar = None
         return name
 
 

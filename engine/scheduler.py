@@ -297,12 +297,13 @@ class DsparkStats:
         """Whether a probe of a losing DSpark fits the probe budget: the time spent on probes
         so far stays within :attr:`probe_share` of the decode time (one probe always runs
         first). The share starts at :attr:`PROBE_SHARE` (2%); every probe halves it, down to
-        :attr:`PROBE_SHARE_MIN` (0.25%), and a cycle DSpark wins on its own evidence restores
-        it (:meth:`observe_win`). Exploration thus costs in proportion to the doubt left: a
-        drafter that keeps losing (the shipped one on every benchmark workload: DSpark forwards
-        of 4-5 target steps on the CPU, acceptance ~0.3) costs at most ~2% early and 0.25% in
-        the long run, however many requests probe it, while one that starts winning is found
-        by the remaining probes and used every cycle again."""
+        :attr:`PROBE_SHARE_MIN` (0.25%), and a verified DSpark draft that beat the other options
+        restores it (:meth:`observe_win`: ``(1 + accepted) / (T(L + 1) + draft cost)`` above the
+        best alternative's expected rate when it was chosen). Exploration thus costs in proportion
+        to the doubt left: a drafter that keeps losing (the shipped one on every benchmark
+        workload: DSpark forwards of 4-5 target steps on the CPU, acceptance ~0.3) costs at most
+        ~2% early and 0.25% in the long run, however many requests probe it, while one that starts
+        winning is found by the remaining probes and used every cycle again."""
         return self.probe_seconds <= self.probe_share * self.decode_seconds
 
     def observe_probe(self, seconds: float) -> None:
@@ -311,7 +312,8 @@ class DsparkStats:
         self.probe_share = max(self.PROBE_SHARE_MIN, 0.5 * self.probe_share)
 
     def observe_win(self) -> None:
-        """DSpark's recent yield beat every other option (a cycle it runs on merit)."""
+        """A verified DSpark draft yielded more tokens per second (its forward included) than
+        the best other option promised when it was chosen."""
         self.probe_share = self.PROBE_SHARE
 
     def observe_cost(self, seconds: float) -> None:

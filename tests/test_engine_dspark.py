@@ -218,7 +218,7 @@ def test_probe_share_shrinks_with_every_losing_probe_and_recovers_on_a_win():
         shares.append(ds.probe_share)
     assert shares[:3] == [0.01, 0.005, 0.0025]
     assert shares[3:] == [DsparkStats.PROBE_SHARE_MIN] * 5  # the floor: probes never stop
-    ds.observe_cycle(0.08 / DsparkStats.PROBE_SHARE_MIN)
+    ds.observe_cycle(33.0)  # 0.25% of 33 s = 82.5 ms >= 80 ms spent
     assert ds.may_probe()
     ds.observe_probe(0.01)
     assert not ds.may_probe()
@@ -229,7 +229,8 @@ def test_probe_share_shrinks_with_every_losing_probe_and_recovers_on_a_win():
 def test_a_winning_dspark_restores_the_probe_share(dspark_engine, monkeypatch):
     """After losing probes shrank the budget, DSpark's evidence says it wins (recent cycles
     accepted 4 of 4 drafts) and its drafts pass (the target's argmax is the token the drafter
-    favours): it runs on merit, and that restores the full share for later probes."""
+    favours): its verified drafts beat plain decoding, forward included, and that restores the
+    full share for later probes. Drafts that fail restore nothing."""
     from engine.scheduler import DsparkStats
 
     ds = dspark_engine.dspark_stats
@@ -237,6 +238,11 @@ def test_a_winning_dspark_restores_the_probe_share(dspark_engine, monkeypatch):
     monkeypatch.setattr(ds, "accepted_ema", 4.0)
     monkeypatch.setattr(ds, "length_ema", 4.0)
     kw = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}
+    _, _, last = run(dspark_engine, prompts(1, seed=4)[0], "x", max_tokens=30, speculative=DS)
+    assert last.stats.by_drafter["dspark"].num_drafts >= 1
+    assert last.stats.by_drafter["dspark"].num_accepted_tokens == 0  # (the drafter favours 77)
+    assert ds.probe_share == DsparkStats.PROBE_SHARE_MIN
+    monkeypatch.setattr(ds, "accepted_ema", 4.0)
     _, _, last = run(dspark_engine, prompts(1, seed=4)[0], "x", max_tokens=30, speculative=DS, **kw)
     assert last.stats.by_drafter["dspark"].num_accepted_tokens > 5
     assert ds.probe_share == DsparkStats.PROBE_SHARE

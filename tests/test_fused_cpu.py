@@ -3,6 +3,9 @@ decode/verify pass, rows bit-identical for every width, agreeing with mlx-lm's m
 
 from __future__ import annotations
 
+import platform
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -358,6 +361,33 @@ def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations
         assert np.array_equal(np.array(fp(tokens[284:284 + n], cache).logits), logits), n
         for c in cache:
             c.trim(n)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the -mno-avx2/-mno-avx512f builds are x86 flags")
+def test_integer_projections_every_leftover_block_count_every_build(tmp_path):
+    """tests/native/qmv_exactness.c drives the integer projections directly over every input
+    size of 1..40 blocks (so every count of blocks left past the whole groups of 16: 256-bit
+    halves, 128-bit quarters, masked loads), group sizes 32/64/128, 4- and 8-bit codes, one and
+    two digits, and 1..16 rows: in every build (this CPU's, without AVX-512, without AVX2) each
+    row of an M-row projection equals its one-row projection, and all builds hash the outputs
+    to the same bits."""
+    import os
+    import subprocess
+
+    cc = os.environ.get("CC") or "cc"
+    harness = Path(__file__).parent / "native" / "qmv_exactness.c"
+    hashes = {}
+    for flag in ("", "-mno-avx512f", "-mno-avx2"):
+        exe = tmp_path / f"qmv{flag}"
+        subprocess.run([cc, "-O2", "-march=native", *([flag] if flag else []), "-std=gnu11", "-pthread",
+                        f'-DKERNEL_SOURCE="{fused_cpu._SOURCE}"', "-o", str(exe), str(harness), "-lm"],
+                       check=True, capture_output=True)
+        out = subprocess.run([str(exe)], check=True, capture_output=True, text=True, timeout=120).stdout
+        *_, last = out.strip().splitlines()
+        _, digest, _, bad = last.split()
+        assert bad == "0", out
+        hashes[flag or "native"] = digest
+    assert len(set(hashes.values())) == 1, hashes
 
 
 def test_prefill_through_the_pass_equals_decoding_the_prompt():

@@ -2,9 +2,10 @@
 // decoder layer and the LM head of a small Llama for M = 1..16 rows, reading each quantized
 // weight once for all rows. Built at first use with the system C compiler (-O3 -march=native
 // -pthread); portable C with GCC vector extensions, 16 float lanes, plus intrinsics where the
-// generic code is slow: the integer dot products (AVX512-VNNI, or AVX2 in 256-bit halves, since
-// GCC lowers 64-byte generic vectors through the stack on CPUs without AVX-512) and, on AVX2,
-// the lane reductions and the attention loops (TREE_AVX2: the same arithmetic, bit for bit).
+// generic code is slow: the integer dot products (AVX512-VNNI, or AVX2 in 256-bit halves and
+// 128-bit quarters, since GCC lowers 64-byte generic vectors through the stack on CPUs without
+// AVX-512) and, on AVX2, the lane reductions and the attention loops (TREE_AVX2: the same
+// arithmetic, bit for bit).
 //
 // Row independence: every output of row r is a dot product accumulated in a fixed order (lanes
 // over the input dimension, groups in order, a fixed lane reduction) from row r's inputs only,
@@ -287,8 +288,10 @@ static void qmv(const QMat *q, int lo, int hi, const float *x, int xs, int M, fl
 //   4-bit codes, per output and group of n blocks: 4 segments of 4n bytes, segment t lane l =
 //     inputs 4t..4t+3 of the group's block l in the low nibbles and inputs 16+4t..16+4t+3 in
 //     the high ones; 8-bit codes: 8 segments, segment t lane l = inputs 4t..4t+3.
-// A last partial group of at most 8 blocks runs at half width (256-bit vectors); its lanes 8..15
-// add exact zeros, so the arithmetic is the same at every vector width.
+// A last partial group of at most 8 blocks runs at half width (256-bit vectors; on AVX2 also a
+// 128-bit quarter for at most 4 blocks past a half): the lanes left out would only add exact
+// zeros (+0 to an accumulator that is never -0: it starts at +0, and a sum is -0 only if both
+// terms are), so the arithmetic is the same at every vector width.
 typedef struct {
     int8_t *q[2];   // per digit
     float *d[2], *m;
@@ -399,8 +402,8 @@ static inline v16f lanes16(const _Float16 *s, int j0, int n, int per) {
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef float v8f __attribute__((vector_size(32)));
 
-// The integer sums of one group of n blocks for rows r0..r0+R-1: the group's codes w (4 or 8
-// segments of 4n bytes), activations at byte offset aoff of each row's QAct.
+// The integer sums of one group of n blocks for rows r0..r0+R-1 (dot_tile_q8, per instruction
+// set): the group's codes (4 or 8 segments of 4n bytes) against each row's QAct.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define Q8_VNNI 1
 #define TILE_Q8 TILE
