@@ -1,0 +1,88 @@
+"""What DSpark must accept to pay for its forward, on this machine (issue #5 / #6).
+
+Runs benchmark workloads with DSpark forced to draft every cycle (``min_draft_tokens = 1``: the
+gate is off) and times each draft forward (``DSparkDrafter.propose``), split into the first
+forward of a request (it projects the whole prompt's tapped hidden states) and the steady ones
+(a few new rows each). With the engine's start-up curve ``T(k)``, a DSpark cycle of ``L`` drafts
+beats plain decoding only if ``1 + accepted > (T(L + 1) + forward) / T(1)``; the report gives that
+break-even next to the accepted drafts per forced cycle measured.
+
+    python -m benchmarks.dspark_cost --workloads novel_code,novel_chat --out dspark_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import engine  # noqa: F401  (OpenBLAS before mlx.core)
+from benchmarks.bench_speculative import load_workloads, prompt_tokens
+from drafters.dspark import drafter as dspark_drafter
+from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", default="novel_code,novel_chat")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    eng = Engine(EngineConfig(speculation="dspark", dspark=True)).start(wait=True)
+    forwards: list[tuple[int, float]] = []  # (context rows absorbed, ms)
+    propose = dspark_drafter.DSparkDrafter.propose
+
+    def timed(self, ctx, max_len):
+        rows = 0 if ctx.hidden is None else int(ctx.hidden.shape[0])
+        started = time.perf_counter()
+        try:
+            return propose(self, ctx, max_len)
+        finally:
+            forwards.append((rows, 1e3 * (time.perf_counter() - started)))
+
+    dspark_drafter.DSparkDrafter.propose = timed
+    try:
+        tok = eng.loaded.tokenizer
+        drafts = drafted = accepted = 0
+        for w in load_workloads(args.workloads.split(",")):
+            for p in w["prompts"]:
+                if p.get("kind") == "session":
+                    continue
+                req = GenerationRequest(prompt_tokens=prompt_tokens(tok, p), max_tokens=args.max_tokens,
+                                        sampling=SamplingParams(temperature=0.0),
+                                        speculative=SpeculativeParams("dspark", None, 1))
+                last = None
+                for event in eng.generate(req):
+                    last = event
+                counts = last.stats.by_drafter.get("dspark")
+                if counts is not None:
+                    drafts += counts.num_drafts
+                    drafted += counts.num_draft_tokens
+                    accepted += counts.num_accepted_tokens
+        curve, info = eng.cost.verify_cost, eng.info()
+    finally:
+        dspark_drafter.DSparkDrafter.propose = propose
+        eng.stop()
+    steady = [ms for rows, ms in forwards if rows <= 16]
+    first = [ms for rows, ms in forwards if rows > 16]
+    forward = statistics.median(steady) if steady else float("nan")
+    length = round(drafted / drafts) if drafts else 1
+    t1, tl = curve[0] * 1e3, curve[min(length, len(curve) - 1)] * 1e3
+    report = {
+        "model": info, "forwards": len(forwards),
+        "steady_forward_ms": round(forward, 3),
+        "first_forward_ms": round(statistics.median(first), 3) if first else None,
+        "T1_ms": round(t1, 3), "mean_draft_length": round(drafted / drafts, 2) if drafts else 0,
+        "accepted_per_cycle": round(accepted / drafts, 3) if drafts else 0,
+        "break_even_accepted": round((tl + forward) / t1 - 1, 3),
+    }
+    print(json.dumps(report, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
