@@ -230,10 +230,18 @@ def test_a_winning_dspark_restores_the_probe_share(dspark_engine, monkeypatch):
     """After losing probes shrank the budget, DSpark's evidence says it wins (recent cycles
     accepted 4 of 4 drafts) and its drafts pass (the target's argmax is the token the drafter
     favours): its verified drafts beat plain decoding, forward included, and that restores the
-    full share for later probes. Drafts that fail restore nothing."""
+    full share for later probes. Drafts that fail restore nothing. The costs are fixed (a frozen
+    curve, T(k) = 3 + 0.2 (k - 1) ms, and a 1 ms forward) so that the verdict does not hang on
+    this machine's timing: a fully accepted draft of L tokens then yields (1 + L) / (T(L + 1) +
+    1 ms) > 1 / T(1) for every L >= 1, and a rejected one 1 / (T(L + 1) + 1 ms) < 1 / T(1)."""
     from engine.scheduler import DsparkStats
 
     ds = dspark_engine.dspark_stats
+    cost = dspark_engine.cost
+    monkeypatch.setattr(cost, "alpha", 0.0)  # (observe() leaves the curve alone)
+    monkeypatch.setattr(cost, "_curve", [0.003 + 0.0002 * k for k in range(cost.max_rows)])
+    monkeypatch.setattr(ds, "draft_cost", 0.001)
+    monkeypatch.setattr(ds, "observe_cost", lambda seconds: None)
     monkeypatch.setattr(ds, "probe_share", DsparkStats.PROBE_SHARE_MIN)
     monkeypatch.setattr(ds, "accepted_ema", 4.0)
     monkeypatch.setattr(ds, "length_ema", 4.0)
