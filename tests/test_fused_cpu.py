@@ -326,16 +326,16 @@ def test_a_forked_child_starts_its_own_threads():
     ("-mno-avx2", "q16", 32, 4, 64), ("-mno-avx2", "q8", 64, 4, 64), ("-mno-avx2", "float32", 32, 4, 64),
     ("-mno-avx2", "q16", 32, 8, 64), ("-mno-avx2", "q16", 32, 4, 80)])
 def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations, group_size, bits, head_dim):
-    """A build without AVX-512 (4 rows per weight read, 8 with integer activations, instead of 16; 8-lane halves of every
-    vector, integer dot products by vpmaddubsw instead of VNNI) and one without AVX2 (the
-    generic vector code) give every row the same bits as the machine's own build: the per-row
-    arithmetic is the same whatever the vector width. (On a CPU without AVX-512 the first
-    compares the AVX2 build with itself, and the second checks its AVX2 code, in 16-row and
-    3-row passes, which take its two shapes of the integer dot products.) Hidden size 320
-    and intermediate 640 give the integer path whole groups of 16 blocks, a partial group
-    spanning both 8-block halves (10 blocks) and one within the first (4), in 4-bit and (bits
-    = 8, the nibble-split path) 8-bit projections. Head size 80 (10 lanes of 8) also takes the
-    AVX2 attention's value loop through a partial register block."""
+    """A build without AVX-512 (4 rows per weight read, 8 with integer activations, instead of 16;
+    8-lane halves of every vector, integer dot products by vpmaddubsw instead of VNNI) and one
+    without AVX2 (the generic vector code) give every row the same bits as the machine's own build:
+    the per-row arithmetic is the same whatever the vector width. (On a CPU without AVX-512 the
+    first compares the AVX2 build with itself, and the second checks its AVX2 code, in 16-row and
+    3-row passes, which take its two shapes of the integer dot products.) Hidden size 320 and
+    intermediate 640 give the integer path whole groups of 16 blocks, a partial group spanning both
+    8-block halves (10 blocks) and one within the first (4), in 4-bit and (bits = 8, the
+    nibble-split path) 8-bit projections. Head size 80 (10 lanes of 8) also takes the AVX2
+    attention's value loop through a partial register block."""
     import ctypes
     import os
     import subprocess

@@ -480,7 +480,8 @@ static inline __m256 lanes8(const _Float16 *s, int j0, int n, int per, int l0) {
     return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)t));
 }
 
-// One quarter or half of a group: lanes (blocks) l0 .. l0 + W - 1 of segments of 4n bytes.
+// Lanes (blocks) l0 .. l0 + 7 (seg8) or l0 .. l0 + 3 (seg4) of segment t (4n bytes) of a group
+// of n blocks; lanes of blocks past n load as 0.
 static inline __m256i seg8(const uint8_t *w, int n, int t, int l0) {
     if (n == 16) return _mm256_loadu_si256((const __m256i *)(w + 64 * t + 4 * l0));
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
