@@ -7,6 +7,10 @@ forward of a request (it projects the whole prompt's tapped hidden states) and t
 beats plain decoding only if ``1 + accepted > (T(L + 1) + forward) / T(1)``; the report gives that
 break-even next to the accepted drafts per forced cycle measured.
 
+It then times the same draft forwards through an eager and a compiled
+:class:`~drafters.dspark.DraftStep` side by side (alternating, same context rows, 1-4 new rows
+per cycle), which is what ``mx.compile`` of the drafter is worth on this machine.
+
     python -m benchmarks.dspark_cost --workloads novel_code,novel_chat --out dspark_cost.json
 """
 
@@ -19,7 +23,13 @@ import time
 from pathlib import Path
 
 import engine  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
+import mlx.core as mx
+
 from benchmarks.bench_speculative import load_workloads, prompt_tokens
+from drafters.base import DraftContext
+from drafters.dspark import DraftStep
 from drafters.dspark import drafter as dspark_drafter
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
 
@@ -28,6 +38,7 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", default="novel_code,novel_chat")
     ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--cycles", type=int, default=60, help="cycles of the eager/compiled comparison")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     eng = Engine(EngineConfig(speculation="dspark", dspark=True)).start(wait=True)
@@ -62,6 +73,9 @@ def main(argv=None) -> dict:
                     drafted += counts.num_draft_tokens
                     accepted += counts.num_accepted_tokens
         curve, info = eng.cost.verify_cost, eng.info()
+        first_prompt = next(p for w in load_workloads(args.workloads.split(",")) for p in w["prompts"]
+                            if p.get("kind") != "session")
+        steps = compare_steps(eng, prompt_tokens(tok, first_prompt), args.cycles)
     finally:
         dspark_drafter.DSparkDrafter.propose = propose
         eng.stop()
@@ -77,11 +91,43 @@ def main(argv=None) -> dict:
         "T1_ms": round(t1, 3), "mean_draft_length": round(drafted / drafts, 2) if drafts else 0,
         "accepted_per_cycle": round(accepted / drafts, 3) if drafts else 0,
         "break_even_accepted": round((tl + forward) / t1 - 1, 3),
+        "eager_vs_compiled": steps,
     }
     print(json.dumps(report, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return report
+
+
+def compare_steps(eng: Engine, prompt: list[int], cycles: int) -> dict:
+    """Median ms per steady draft forward (7 drafts, greedy) of an eager and a compiled
+    :class:`DraftStep`, alternating on identical inputs: the prompt's tapped states, then 1-4 new
+    rows per cycle (the prompt's own tokens stand in for accepted drafts)."""
+    taps, net = eng.target_taps, eng.dspark
+    tokens = (prompt * (1 + (cycles * 4 + 64) // max(1, len(prompt))))[: len(prompt) + cycles * 4 + 8]
+    hidden = taps.forward(mx.array(tokens)[None])[1][0]
+    mx.eval(hidden)
+    drafters = {name: dspark_drafter.DSparkDrafter(net, taps.embed, taps.lm_head,
+                                                   DraftStep(net, taps.embed, taps.lm_head, compiled=name == "compiled"))
+                for name in ("eager", "compiled")}
+    times: dict[str, list[float]] = {name: [] for name in drafters}
+    agree = 0
+    seen = {name: 0 for name in drafters}
+    pos = len(prompt) - 1
+    for cycle in range(cycles + 3):
+        outs = {}
+        for name, d in drafters.items():
+            ctx = DraftContext(tokens[: pos + 1], hidden[seen[name]:pos])
+            started = time.perf_counter()
+            outs[name] = d.propose(ctx, 7).tokens
+            if cycle >= 3:  # the first cycles absorb the prompt and compile
+                times[name].append(1e3 * (time.perf_counter() - started))
+            seen[name] = pos
+        agree += outs["eager"] == outs["compiled"]
+        pos += 1 + cycle % 4
+    eager, compiled = (statistics.median(times[n]) for n in ("eager", "compiled"))
+    return {"eager_ms": round(eager, 3), "compiled_ms": round(compiled, 3),
+            "eager_over_compiled": round(eager / compiled, 2), "same_drafts": f"{agree}/{cycles + 3}"}
 
 
 if __name__ == "__main__":

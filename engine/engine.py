@@ -465,7 +465,7 @@ class Engine:
             raise fused.FusedPassError(f"probe logits differ from mlx-lm's by {err:.3g} (scale {scale:.3g})")
 
     def _load_dspark(self) -> None:
-        from drafters.dspark import DSparkDrafter, TargetTaps, load_dspark
+        from drafters.dspark import DraftStep, DSparkDrafter, TargetTaps, load_dspark
 
         from .loader import default_dspark_path
 
@@ -482,6 +482,7 @@ class Engine:
                              f"not match the target (vocab {args.vocab_size}, hidden {args.hidden_size})")
         self.target_taps = TargetTaps(self.loaded.model, cfg.target_layer_ids)
         self._dspark_drafter = DSparkDrafter
+        self._dspark_step = DraftStep(self.dspark, self.target_taps.embed, self.target_taps.lm_head)
         log.info("DSpark drafter loaded from %s: %d layers, block %d, taps %s", path,
                  cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids)
 
@@ -495,7 +496,7 @@ class Engine:
                                                                 cfg.prompt_lookup_max_ngram)
             if self._runs_dspark(request):
                 drafters["dspark"] = self._dspark_drafter(self.dspark, self.target_taps.embed,
-                                                          self.target_taps.lm_head)
+                                                          self.target_taps.lm_head, self._dspark_step)
         seed = request.sampling.seed
         if seed is None:
             seed = random.SystemRandom().getrandbits(63)

@@ -19,6 +19,7 @@ from tiny import byte_tokenizer, tiny_model
 
 from drafters.base import DraftContext
 from drafters.dspark import (
+    DraftStep,
     DSparkConfig,
     DSparkDrafter,
     DSparkModel,
@@ -308,6 +309,37 @@ def test_markov_head_applies_left_to_right(heads):
     assert mx.allclose(sampled.draft_probs, expect, atol=1e-6)
     # Confidence uses [h_k ; W1[x_{k-1}]]: identical h, different prev -> different c_k.
     assert len(set(round(c, 6) for c in out.confidence)) > 1
+
+
+def test_compiled_draft_step_matches_eager_and_reference_as_the_cache_grows(heads, monkeypatch):
+    """The compiled step (static, padded, masked context buffers) drafts what the eager step and
+    the from-scratch reference draft, through absorbs of 1..16 padded rows, a large unpadded one
+    and two doublings of the cache; sampled drafts keep the same keys and q rows."""
+    from drafters.dspark import drafter as drafter_mod
+
+    monkeypatch.setattr(drafter_mod, "MIN_CAPACITY", 8)
+    model = tiny_net(seed=9)
+    emb, lm_head = heads
+    rng = np.random.default_rng(9)
+    tokens = rng.integers(0, V, 80).tolist()
+    hidden = mx.random.normal((80, 2 * D), key=mx.random.key(9))
+    steps = {c: DraftStep(model, emb, lm_head, compiled=c) for c in (True, False)}
+    drafters = {c: DSparkDrafter(model, emb, lm_head, steps[c]) for c in steps}
+    cut, seen = 3, 0
+    for grow in (1, 2, 5, 16, 3, 30):  # 30 rows: the unpadded path; capacity 8 -> 16 -> 32 -> 64
+        cut += grow
+        temperature = 0.0 if grow % 2 else 1.3
+        ctx = DraftContext(tokens[: cut + 1], hidden[seen:cut], temperature=temperature, seed=grow)
+        outs = {c: d.propose(ctx, 5) for c, d in drafters.items()}
+        seen = cut
+        ref = reference_draft(model, emb, lm_head, hidden[:cut], tokens[: cut + 1], 5, temperature, grow)
+        for out in outs.values():
+            assert out.tokens == ref[0].tolist()
+            assert np.allclose(out.confidence, ref[2].tolist(), atol=1e-5)
+            if temperature:
+                assert mx.allclose(out.draft_probs, ref[1], atol=1e-5)
+    assert drafters[True]._keys[0].shape[2] == 64 and drafters[True]._length == cut
+    assert set(k[0] for k in steps[True]._fns) == {"absorb", "draft"}
 
 
 def test_prefix_survival_is_cumulative_product():

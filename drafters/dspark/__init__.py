@@ -5,7 +5,7 @@ the data builders).
 """
 
 from .config import DSparkConfig, build_target_layer_ids, draft_config_from_target
-from .drafter import DSparkDrafter, prefix_survival
+from .drafter import DraftStep, DSparkDrafter, prefix_survival
 from .loader import load_dspark, save_dspark
 from .model import DSparkModel, init_weights, reference_draft
 from .target import TargetTaps
@@ -13,6 +13,7 @@ from .target import TargetTaps
 __all__ = [
     "DSparkConfig",
     "DSparkDrafter",
+    "DraftStep",
     "DSparkModel",
     "TargetTaps",
     "build_target_layer_ids",

@@ -13,16 +13,106 @@ Contract with the engine:
   given exactly once, with ``on_commit`` or with the next ``propose``; before a ``propose`` the
   drafter must hold rows for exactly the positions ``0..anchor_pos-1`` (else ``ValueError``).
 * The draft cache keeps only the context's keys/values; the block's own are never stored, so
-  no rollback is needed when drafts are rejected.
+  no rollback is needed when drafts are rejected. :class:`DraftStep` holds the (compiled)
+  forward shared across requests; each drafter holds its own cache buffers.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
-from mlx_lm.models.cache import KVCache
 
 from ..base import Draft, DraftContext
-from .model import DSparkModel, Embed, LMHead, block_inputs, sample_block
+from .model import DSparkModel, Embed, LMHead, block_inputs, draft_keys, sample_block
+
+MIN_CAPACITY = 256  # context rows a new draft cache holds; it doubles when full
+MAX_PADDED_ROWS = 16  # absorbs of up to this many rows run padded to a power of two (few shapes)
+
+
+def _bucket(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class DraftStep:
+    """The draft forward of one network with one target's embedding and LM head, shared by every
+    request's :class:`DSparkDrafter` (weights and compiled graphs are per engine, not per request).
+
+    A request's draft cache is one static buffer per draft layer, keys and values
+    ``[1, KV, capacity, D]`` in the network's dtype, of which the first ``length`` rows are valid;
+    the block attends to the whole buffer with the rows from ``length`` on masked out. Fixed
+    shapes let ``mx.compile`` fuse the forward: the block forward, LM head, Markov loop and
+    confidence head compile once per (draft length, greedy/sampled, capacity), the context
+    update once per (padded row count <= 16, capacity). Larger updates (a prompt, or the rows
+    that piled up while another drafter ran) run the same function uncompiled.
+
+    Args:
+        compiled: ``False`` runs the same functions eagerly (tests compare the two).
+    """
+
+    def __init__(self, network: DSparkModel, embed: Embed, lm_head: LMHead, compiled: bool = True):
+        self.network, self.embed, self.lm_head = network, embed, lm_head
+        self.config = network.config
+        self.compiled = compiled
+        self._fns: dict[tuple, object] = {}
+
+    def _fn(self, key: tuple, build):
+        fn = self._fns.get(key)
+        if fn is None:
+            fn = self._fns[key] = mx.compile(build()) if self.compiled else build()
+        return fn
+
+    def empty_cache(self, capacity: int) -> tuple[list[mx.array], list[mx.array]]:
+        cfg = self.config
+        shape = (1, cfg.num_key_value_heads, capacity, cfg.head_dim)
+        dtype = self.network.fc_dtype
+        layers = range(cfg.num_hidden_layers)
+        return [mx.zeros(shape, dtype) for _ in layers], [mx.zeros(shape, dtype) for _ in layers]
+
+    def absorb(self, rows: mx.array, start: int, keys: list[mx.array], values: list[mx.array]):
+        """Write the projected context of ``rows`` ``[n, m*d]`` (positions ``start..start+n-1``)
+        into the buffers; the caller guarantees ``start + bucket(n) <= capacity``. Returns the
+        updated ``(keys, values)`` (lazy)."""
+        n = int(rows.shape[0])
+        padded = _bucket(n) if n <= MAX_PADDED_ROWS else n
+        if padded != n:  # rows past the valid length are masked, then overwritten by later rows
+            rows = mx.concatenate([rows, mx.zeros((padded - n, rows.shape[1]), rows.dtype)])
+        network = self.network
+
+        def build():
+            def update(rows, start, keys, values):
+                kv = network.context_kv(network.project_context(rows[None]), start)
+                return ([mx.slice_update(buf, k, start, (2,)) for buf, (k, _) in zip(keys, kv)],
+                        [mx.slice_update(buf, v, start, (2,)) for buf, (_, v) in zip(values, kv)])
+            return update
+
+        fn = self._fn(("absorb",), build) if padded <= MAX_PADDED_ROWS else build()
+        return fn(rows, mx.array([start], dtype=mx.int32), keys, values)
+
+    def draft(self, anchor: int, anchor_pos: int, keys: list[mx.array], values: list[mx.array],
+              n: int, temperature: float, seed: int):
+        """Draft ``n <= block_size`` tokens after ``anchor`` (position ``anchor_pos``, which is also
+        the number of valid context rows). Returns ``(tokens [n] int32, draft_probs [n, V] float32
+        or None, confidence [n] float32 or None)``, lazy."""
+        cfg, network, embed, lm_head = self.config, self.network, self.embed, self.lm_head
+        sampled = temperature > 0
+
+        def build():
+            def step(anchor, pos, keys, values, *noise):
+                x = block_inputs(embed, anchor, cfg.mask_token_id, cfg.block_size)
+                visible = (mx.arange(keys[0].shape[2]) < pos)[None, None]
+                h = network(x, pos.reshape(1, 1), list(zip(keys, values)), visible, fast=True)[0, 0, :n]
+                base = lm_head(h).astype(mx.float32)
+                tokens, probs, conf = sample_block(network, base, h, anchor, 0, *noise)
+                return tuple(a for a in (tokens, probs, conf) if a is not None)
+            return step
+
+        fn = self._fn(("draft", n, sampled), build)
+        noise = (mx.array(temperature, dtype=mx.float32), 0, draft_keys(seed, anchor_pos, n)) if sampled else ()
+        out = list(fn(mx.array([anchor], dtype=mx.int32), mx.array([anchor_pos], dtype=mx.int32),
+                      keys, values, *noise))
+        tokens = out.pop(0)
+        probs = out.pop(0) if sampled else None
+        conf = out.pop(0) if out else None
+        return tokens, probs, conf
 
 
 class DSparkDrafter:
@@ -32,24 +122,27 @@ class DSparkDrafter:
         network: the shared draft network.
         embed: target embedding, token ids ``[...]`` -> ``[..., d]``.
         lm_head: target LM head, ``[..., d]`` -> logits ``[..., V]``.
+        step: the shared :class:`DraftStep` (the engine passes one per engine so compiled graphs
+            are reused across requests); built from the three above when None.
     """
 
     name = "dspark"
 
-    def __init__(self, network: DSparkModel, embed: Embed, lm_head: LMHead):
+    def __init__(self, network: DSparkModel, embed: Embed, lm_head: LMHead, step: DraftStep | None = None):
         self.network = network
         self.config = network.config
-        self.embed = embed
-        self.lm_head = lm_head
+        self.step = step or DraftStep(network, embed, lm_head)
         self.reset()
 
     @property
     def context_length(self) -> int:
         """Positions whose context rows the drafter holds (cached + pending)."""
-        return self._caches[0].offset + sum(int(h.shape[0]) for h in self._pending)
+        return self._length + sum(int(h.shape[0]) for h in self._pending)
 
     def reset(self) -> None:
-        self._caches = [KVCache() for _ in self.network.layers]
+        self._keys: list[mx.array] = []
+        self._values: list[mx.array] = []
+        self._length = 0
         self._pending: list[mx.array] = []
 
     def _absorb(self, hidden) -> None:
@@ -64,17 +157,27 @@ class DSparkDrafter:
         if rows.shape[0]:
             self._pending.append(rows)
 
-    def _context(self) -> list[tuple[mx.array, mx.array]] | None:
-        """Project pending rows, append their K/V to the draft cache, return every layer's K/V."""
-        if self._pending:
+    def _update_context(self) -> None:
+        """Project pending rows into the draft cache, growing it (doubling) when they don't fit."""
+        pending = sum(int(h.shape[0]) for h in self._pending)
+        need = self._length + (_bucket(pending) if pending <= MAX_PADDED_ROWS else pending)
+        capacity = self._keys[0].shape[2] if self._keys else 0
+        if need > capacity or not self._keys:
+            new = max(MIN_CAPACITY, capacity)
+            while new < need:
+                new *= 2
+            keys, values = self.step.empty_cache(new)
+            if self._length:
+                keys = [mx.slice_update(b, k[:, :, : self._length], mx.array([0]), (2,))
+                        for b, k in zip(keys, self._keys)]
+                values = [mx.slice_update(b, v[:, :, : self._length], mx.array([0]), (2,))
+                          for b, v in zip(values, self._values)]
+            self._keys, self._values = keys, values
+        if pending:
             rows = mx.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
             self._pending = []
-            offset = self._caches[0].offset
-            kv = self.network.context_kv(self.network.project_context(rows[None]), offset)
-            return [c.update_and_fetch(k, v) for c, (k, v) in zip(self._caches, kv)]
-        if self._caches[0].offset == 0:
-            return None
-        return [(c.keys[..., : c.offset, :], c.values[..., : c.offset, :]) for c in self._caches]
+            self._keys, self._values = self.step.absorb(rows, self._length, self._keys, self._values)
+            self._length += pending
 
     def propose(self, ctx: DraftContext, max_len: int) -> Draft:
         """Draft up to ``min(max_len, block_size)`` tokens after the anchor ``ctx.tokens[-1]``.
@@ -96,15 +199,11 @@ class DSparkDrafter:
         n = min(max_len, self.config.block_size)
         if n <= 0:
             return Draft()
-        ctx_kv = self._context()
-        anchor = int(ctx.tokens[-1])
-        x = block_inputs(self.embed, anchor, self.config.mask_token_id, self.config.block_size)
-        h = self.network(x, mx.array([[anchor_pos]], dtype=mx.int32), ctx_kv, fast=True)[0, 0, :n]
-        base = self.lm_head(h).astype(mx.float32)
+        self._update_context()
         temperature = float(getattr(ctx, "temperature", 0.0) or 0.0)
-        tokens, probs, conf = sample_block(self.network, base, h, anchor, anchor_pos,
-                                           temperature, int(getattr(ctx, "seed", 0) or 0))
-        mx.eval(*(a for a in (tokens, probs, conf) if a is not None))
+        tokens, probs, conf = self.step.draft(int(ctx.tokens[-1]), anchor_pos, self._keys, self._values, n,
+                                              temperature, int(getattr(ctx, "seed", 0) or 0))
+        mx.eval(*(a for a in (tokens, probs, conf, *self._keys, *self._values) if a is not None))
         return Draft(tokens=tokens.tolist(), draft_probs=probs,
                      confidence=conf.tolist() if conf is not None else None)
 

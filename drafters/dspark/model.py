@@ -99,7 +99,8 @@ class DraftAttention(nn.Module):
 
     def __call__(self, x, anchors, k_ctx, v_ctx, ctx_mask, fast: bool = False) -> mx.array:
         """``x``: ``[N, nb, B, d]`` normed block states; ``anchors``: ``[N, nb]`` int positions.
-        ``fast`` uses ``mx.fast.scaled_dot_product_attention`` (needs ``nb == 1``, no mask)."""
+        ``fast`` uses ``mx.fast.scaled_dot_product_attention`` (needs ``N == nb == 1``; a
+        ``ctx_mask`` then hides padded context rows)."""
         n, nb, b, _ = x.shape
         flat = x.reshape(n * nb, b, -1)
         q = self.q_norm(self.q_proj(flat).reshape(n * nb, b, self.n_heads, self.head_dim))
@@ -108,11 +109,14 @@ class DraftAttention(nn.Module):
         offsets = anchors.reshape(-1).astype(mx.int32)
         q, k = self.rope(q, offset=offsets), self.rope(k, offset=offsets)
         if fast:
-            if nb != 1 or ctx_mask is not None:
-                raise ValueError("the fast attention path takes one block and no context mask")
+            if nb != 1 or n != 1:
+                raise ValueError("the fast attention path takes one sequence of one block")
+            mask = None
             if k_ctx is not None:
                 k, v = mx.concatenate([k_ctx, k], axis=2), mx.concatenate([v_ctx, v], axis=2)
-            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale)
+                if ctx_mask is not None:  # [1, 1, S] -> [S + B]: context as given, own block all visible
+                    mask = mx.concatenate([ctx_mask.reshape(-1), mx.ones((b,), dtype=mx.bool_)])
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
             out = out.reshape(n, nb, self.n_heads, b, self.head_dim)
         else:
             shape5 = (n, nb, -1, b, self.head_dim)
@@ -215,7 +219,7 @@ class DSparkModel(nn.Module):
             anchors: ``[N, nb]`` int anchor positions (slot ``j`` sits at ``anchor + j``).
             ctx_kv: per-layer ``(k, v)`` ``[N, KV, S, D]`` from :meth:`context_kv`, or None.
             ctx_mask: ``[N, nb, S]`` bool (block ``b`` sees context ``s`` iff True); None = all.
-            fast: use the fused attention kernel (inference: ``nb == 1``, ``ctx_mask`` None).
+            fast: use the fused attention kernel (inference: ``N == nb == 1``).
         Returns:
             ``[N, nb, B, d]`` final-normed states; slot ``j`` predicts token ``anchor + j + 1``.
         """
@@ -257,36 +261,48 @@ _SALT = 0x5D5A7B3C1E2F4A69  # keeps draft noise independent of the engine's per-
 _MASK64 = (1 << 64) - 1
 
 
-def draft_key(seed: int, position: int) -> mx.array:
-    """PRNG key for the draft token at absolute ``position`` of a request seeded ``seed``."""
-    mixed = ((seed + 1) * 0x9E3779B97F4A7C15 ^ _SALT) + position * 0xD6E8FEB86659FD93
-    return mx.random.key(mixed & _MASK64)
+def _mixed_seed(seed: int, position: int) -> int:
+    return (((seed + 1) * 0x9E3779B97F4A7C15 ^ _SALT) + position * 0xD6E8FEB86659FD93) & _MASK64
 
 
-def sample_block(model: DSparkModel, base_logits: mx.array, h: mx.array, anchor: int,
-                 anchor_pos: int, temperature: float = 0.0, seed: int = 0):
+def draft_keys(seed: int, anchor_pos: int, n: int) -> mx.array:
+    """``[n, 2]`` uint32 PRNG keys (``mx.random.key`` layout: high word, low word) for the draft
+    tokens at absolute positions ``anchor_pos + 1 .. anchor_pos + n`` of a request seeded ``seed``,
+    built on the host as one array."""
+    rows = [(m >> 32, m & 0xFFFFFFFF) for m in (_mixed_seed(seed, anchor_pos + k) for k in range(1, n + 1))]
+    return mx.array(rows, dtype=mx.uint32).reshape(n, 2)
+
+
+def sample_block(model: DSparkModel, base_logits: mx.array, h: mx.array, anchor: int | mx.array,
+                 anchor_pos: int, temperature: float | mx.array = 0.0, seed: int = 0,
+                 keys: mx.array | None = None):
     """Sequential Markov-corrected sampling of one block (lazy; nothing is evaluated).
 
     Args:
         base_logits: ``[L, V]`` float32 base logits ``U_1..U_L``.
         h: ``[L, d]`` draft states of the same slots.
-        anchor: the anchor token ``x_0``; ``anchor_pos`` its absolute position.
+        anchor: the anchor token ``x_0`` (an int or an int32 ``[1]`` array); ``anchor_pos`` its
+            absolute position.
         temperature: 0 -> ``x_k = argmax(U_k + bias_k)``; else ``x_k ~ softmax((U_k + bias_k)/T)``
-            drawn with :func:`draft_key` ``(seed, anchor_pos + k)``.
+            drawn with :func:`draft_keys` ``(seed, anchor_pos, L)``. A float32 array means
+            sampled with those keys given as ``keys`` (``[L, 2]`` uint32, :func:`draft_keys`).
     Returns:
         ``(tokens [L] int32, q [L, V] float32 or None (greedy), confidence [L] float32 or None)``.
     """
-    prev = mx.array([anchor], dtype=mx.int32)
+    prev = anchor if isinstance(anchor, mx.array) else mx.array([anchor], dtype=mx.int32)
+    sampled = isinstance(temperature, mx.array) or temperature > 0
+    if sampled and keys is None:
+        keys = draft_keys(seed, anchor_pos, base_logits.shape[0])
     tokens, probs, prevs = [], [], [prev]
     for k in range(base_logits.shape[0]):
         logits = base_logits[k : k + 1]
         bias = model.markov_bias(prev)
         if bias is not None:
             logits = logits + bias.astype(mx.float32)
-        if temperature > 0:
+        if sampled:
             scaled = logits / temperature
             probs.append(mx.softmax(scaled, axis=-1, precise=True))
-            prev = mx.random.categorical(scaled, key=draft_key(seed, anchor_pos + k + 1))
+            prev = mx.random.categorical(scaled, key=keys[k])
         else:
             prev = mx.argmax(logits, axis=-1)
         prev = prev.astype(mx.int32)
@@ -298,9 +314,13 @@ def sample_block(model: DSparkModel, base_logits: mx.array, h: mx.array, anchor:
     return out, (mx.concatenate(probs) if probs else None), conf
 
 
-def block_inputs(embed: Embed, anchor: int, mask_token_id: int, block_size: int) -> mx.array:
-    """``[1, 1, B, d]`` embeddings of ``[anchor, MASK x (B-1)]``."""
-    ids = mx.array([anchor] + [mask_token_id] * (block_size - 1), dtype=mx.int32)
+def block_inputs(embed: Embed, anchor: int | mx.array, mask_token_id: int, block_size: int) -> mx.array:
+    """``[1, 1, B, d]`` embeddings of ``[anchor, MASK x (B-1)]`` (``anchor``: an int or an int32
+    ``[1]`` array)."""
+    if isinstance(anchor, mx.array):
+        ids = mx.concatenate([anchor.astype(mx.int32), mx.full((block_size - 1,), mask_token_id, mx.int32)])
+    else:
+        ids = mx.array([anchor] + [mask_token_id] * (block_size - 1), dtype=mx.int32)
     return embed(ids)[None, None]
 
 

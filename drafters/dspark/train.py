@@ -43,7 +43,7 @@ from mlx.utils import tree_flatten, tree_unflatten
 from ..base import DraftContext
 from .config import DSparkConfig, draft_config_from_target
 from .data import PromptRecord, build_prompt_set, encode_prompt, read_jsonl, write_jsonl
-from .drafter import DSparkDrafter
+from .drafter import DraftStep, DSparkDrafter
 from .loader import load_dspark, save_dspark
 from .model import DSparkModel, init_weights
 from .target import TargetTaps, model_config_dict
@@ -389,9 +389,10 @@ def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[li
     eos = set(int(t) for t in eos_ids)
     reached, accepted = np.zeros(b), np.zeros(b)
     lengths = []
+    step = DraftStep(network, taps.embed, taps.lm_head)  # compiled once for all prompts
     for prompt in tqdm(prompts, desc="eval", disable=not progress):
         cache = make_prompt_cache(taps.model)
-        drafter = DSparkDrafter(network, taps.embed, taps.lm_head)
+        drafter = DSparkDrafter(network, taps.embed, taps.lm_head, step)
         tokens, hidden, produced = list(prompt), None, 0
         if len(tokens) > 1:
             hidden = taps.forward(mx.array(tokens[:-1])[None], cache)[1][0]
