@@ -15,7 +15,9 @@ and reports per method and width the count and the median of each, next to the s
 the curve the engine ends with, and ``T(k)`` timed again start-up style at the contexts the
 requests ran at. A width whose in-engine ``verify_ms`` sits above its re-timed ``T(k)`` by more
 than the one-row gap is dearer in the engine than the curve says; a ``wall_ms - verify_ms``
-that is the same for every width is a per-cycle overhead plain decoding pays too.
+that is the same for every width is a per-cycle overhead plain decoding pays too. The
+``cost_model_check`` replays the recorded passes through cost-model variants and reports how
+far each one's ``T(k)`` was from what the passes took.
 
     python -m benchmarks.cycle_profile --workloads novel_chat,prose,copy --out cycles.json
 """
@@ -121,6 +123,46 @@ def summarize(records: list[dict]) -> dict:
     return out
 
 
+def cost_model_check(records: list[dict], cal) -> dict:
+    """How well cost models predict the passes the engine ran: each cycle's ``verify_ms`` (all
+    but each request's first), in order, is predicted by ``T(rows, context)`` and then observed,
+    as the engine does. Models: the start-up curve frozen; the online refresh without a context
+    term and without residual decay (the engine's before the thirteenth session); with decay
+    only; and the engine's (decay and the start-up context slope). Per model: the median
+    ``|log(predicted / measured)|`` for one-row and wider passes, and the mean signed
+    log-ratio of wider passes (< 0: it thinks them cheaper than they are)."""
+    import math
+
+    from engine.scheduler import CostModel
+
+    class NoDecay(CostModel):
+        RESIDUAL_DECAY = 0.0
+
+    curve = list(cal.verify_cost)
+    models = {
+        "frozen": CostModel(curve, alpha=0.0),
+        "online_no_context_no_decay": NoDecay(curve),
+        "online_decay": CostModel(curve),
+        "engine": CostModel(curve, context_slope=cal.context_slope, reference_context=cal.reference_context),
+    }
+    errors: dict = {name: ([], []) for name in models}
+    for r in records:
+        if r["position"] == 0 or r["rows"] > len(curve):
+            continue
+        seconds = r["verify_ms"] * 1e-3
+        for name, model in models.items():
+            context = r["context"] if name == "engine" else None
+            errors[name][r["rows"] > 1].append(math.log(model.T(r["rows"], context) / seconds))
+            model.observe(r["rows"], seconds, context)
+    out = {}
+    for name, (one, wide) in errors.items():
+        out[name] = {"one_row_abs_log_err": round(statistics.median(abs(e) for e in one), 4) if one else None,
+                     "wide_abs_log_err": round(statistics.median(abs(e) for e in wide), 4) if wide else None,
+                     "wide_bias": round(statistics.mean(wide), 4) if wide else None,
+                     "passes": [len(one), len(wide)]}
+    return out
+
+
 def retime(eng: Engine, contexts: list[int], repeats: int = 5) -> dict:
     """``T(k)`` (ms) for every width of the curve, timed start-up style at these contexts."""
     import mlx.core as mx
@@ -170,6 +212,7 @@ def main(argv=None) -> dict:
         contexts = sorted(r["context"] for r in records)  # (the cycles' median context, and the longest)
         report["retimed_ms"] = retime(eng, [contexts[len(contexts) // 2], contexts[-1]] if contexts else [256])
         report["all"] = summarize(records)
+        report["cost_model_check"] = cost_model_check(records, eng.calibration)
     finally:
         eng.stop()
     for method, widths in report["all"].items():
@@ -181,6 +224,8 @@ def main(argv=None) -> dict:
     print("start", report["start_curve_ms"][:8], "\nend  ", report["end_curve_ms"][:8])
     for c, curve in report["retimed_ms"].items():
         print(f"ctx {c}", curve[:8])
+    for name, errs in report["cost_model_check"].items():
+        print("cost model", name, errs)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return report

@@ -220,13 +220,13 @@ class Sequence:
             proposal.drafter = "prompt_lookup"
             if proposal.tokens:
                 conditional = self.acceptance.survival(proposal.match_length, len(proposal.tokens))
-                length, rate = choose_length(conditional, cost)
+                length, rate = choose_length(conditional, cost, context=len(self.tokens))
                 options.append((rate, length, proposal, conditional))
         dspark_ran = False
         dspark = self.drafters.get("dspark")
         if dspark is not None:
-            best_so_far = max([1.0 / cost.T(1)] + [o[0] for o in options])
-            wins = forced or self.dspark_stats.expected_rate(cost) > best_so_far
+            best_so_far = max([1.0 / cost.T(1, len(self.tokens))] + [o[0] for o in options])
+            wins = forced or self.dspark_stats.expected_rate(cost, len(self.tokens)) > best_so_far
             probe = (not wins and self.cycles_since_dspark >= self.dspark_probe_every
                      and self.dspark_stats.may_probe())
             if wins or probe:
@@ -255,7 +255,7 @@ class Sequence:
         cut(proposal, length)
         if proposal.drafter == "dspark" and not forced:
             # what its verify pass must yield to beat the other options (observe() judges it)
-            self.dspark_bar = (best_so_far, cost.T(length + 1) + self.dspark_stats.draft_cost)
+            self.dspark_bar = (best_so_far, cost.T(length + 1, len(self.tokens)) + self.dspark_stats.draft_cost)
         return proposal, dspark_ran
 
     def _propose_dspark(self, ctx: DraftContext, budget: int, cost: CostModel):
@@ -269,7 +269,7 @@ class Sequence:
         proposal.drafter = "dspark"
         raw = proposal.confidence or [0.5] * len(proposal.tokens)
         conditional = self.dspark_stats.calibrated(raw)
-        length, rate = choose_length(conditional, cost)
+        length, rate = choose_length(conditional, cost, context=len(self.tokens))
         return rate, length, proposal, conditional
 
     def observe(self, draft: Draft, num_accepted: int, hidden: mx.array | LayerRows | None) -> str | None:
@@ -362,7 +362,7 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
     mx.eval(*verdict, *(() if hidden is None or isinstance(hidden, LayerRows) else (hidden,)))
     elapsed = time.perf_counter() - started
     if seq.num_generated:  # a request's first pass runs cold after its prefill: not a width's cost
-        cost.observe(len(rows), elapsed)
+        cost.observe(len(rows), elapsed, context=len(seq.tokens))
     if "dspark" in seq.drafters:
         seq.dspark_stats.observe_cycle(elapsed)  # (earns DSpark's probe budget)
 
@@ -397,7 +397,8 @@ def speculative_batch_step(seqs: list[Sequence], cost: CostModel,
             out[i] = exc
     if drafts:
         width = batch_width([d.survival or [] for d in drafts.values()], cost,
-                            max(len(d.tokens) for d in drafts.values()) + 1)
+                            max(len(d.tokens) for d in drafts.values()) + 1,
+                            context=sum(len(seqs[i].tokens) for i in drafts) // len(drafts))
         for i, draft in drafts.items():
             if len(draft.tokens) >= width:
                 if draft.drafter == "dspark" and width == 1:

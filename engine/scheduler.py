@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 
 
 class CostModel:
-    """Verify cost ``T(k)`` in seconds for ``k = 1..max_rows`` rows, with online refresh.
+    """Verify cost ``T(k, n)`` in seconds for ``k = 1..max_rows`` rows over a context of ``n``
+    tokens, with online refresh.
 
-    ``T(k) = shape[k] + offset + residual[k]``, made non-decreasing in ``k``:
+    ``T(k, n) = curve[k] + k * slope * (n - n_ref)``, never below half the start-up time, where
+    ``curve[k] = shape[k] + offset + residual[k]`` is made non-decreasing in ``k``:
 
     * ``shape`` is the start-up curve (each width timed alone, :meth:`TargetRunner.calibrate`);
     * ``offset`` (EMA over one-row passes of their time minus the start-up T(1)) is what a pass
@@ -35,15 +37,31 @@ class CostModel:
       the H200 while T(2..16) kept their start-up values, and the scheduler, seeing drafts as
       nearly free, drafted 13.6 tokens per draft on novel chat and ran at 0.92x plain;
     * ``residual[k]`` (EMA over width ``k``'s own passes, ``k > 1``, of what the offset leaves)
-      corrects the curve's shape where the widths that run disagree with start-up; a width that
-      never runs keeps its start-up time plus the offset.
+      corrects the curve's shape where the widths that run disagree with start-up. A width not
+      seen for ``STALE_PASSES`` passes decays by ``alpha * RESIDUAL_DECAY`` (0.25%) per pass, so
+      a width that stops running drifts back to its start-up time plus the offset (half-way in
+      ~280 passes), while one that runs now and then keeps what its passes say. Without the
+      decay a slow stretch of a shared CPU ratcheted the wide widths up: the scheduler then
+      stopped choosing them, so nothing brought them back (T(4) went from 22.8 to 42-48 ms
+      during one benchmark workload and stayed there for the rest of the run);
+    * ``slope`` (:func:`engine.runner.context_slope`, seconds per row per context token, fitted
+      at start-up; 0 where attention is cheap) is what each row's attention over the context
+      costs beyond the calibration context ``n_ref``: wide passes over long contexts cost more
+      than the start-up curve says, by ``k`` times what one row does. Observations are brought
+      back to ``n_ref`` before they move the offset or a residual.
 
     Raises:
         ValueError: an empty curve.
     """
 
-    def __init__(self, verify_cost: list[float], alpha: float = 0.05):
+    RESIDUAL_DECAY = 0.05
+    STALE_PASSES = 64
+
+    def __init__(self, verify_cost: list[float], alpha: float = 0.05, context_slope: float = 0.0,
+                 reference_context: int = 256):
         self.alpha = alpha  # EMA weight of a new observation; 0 freezes the curve (no rescale)
+        self.context_slope = max(0.0, context_slope)
+        self.reference_context = reference_context
         self.reset(verify_cost)
 
     def reset(self, verify_cost: list[float]) -> None:
@@ -60,6 +78,8 @@ class CostModel:
         self.offset = 0.0
         self.residual = [0.0] * len(self.shape)
         self.observations = [0] * len(self.shape)  # passes observed per width (diagnostics)
+        self.passes = 0
+        self.last_seen = [0] * len(self.shape)  # self.passes at each width's latest observation
         self._refresh()
 
     def _refresh(self) -> None:
@@ -79,18 +99,30 @@ class CostModel:
     def max_rows(self) -> int:
         return len(self._curve)
 
-    def T(self, rows: int) -> float:
-        """Seconds for a pass of ``rows`` rows; past the measured range (wide batched passes),
-        extrapolated linearly from the last two points."""
+    def _context_term(self, rows: int, context: int | None) -> float:
+        if context is None or not self.context_slope:
+            return 0.0
+        return rows * self.context_slope * (context - self.reference_context)
+
+    def T(self, rows: int, context: int | None = None) -> float:
+        """Seconds for a pass of ``rows`` rows over ``context`` tokens (None: the calibration
+        context); past the measured range (wide batched passes), extrapolated linearly from the
+        last two points."""
         curve = self._curve
         if rows <= len(curve):
-            return curve[rows - 1]
-        last = curve[-1]
-        step = last - curve[-2] if len(curve) > 1 else last
-        return last + (rows - len(curve)) * max(step, 0.0)
+            base = curve[rows - 1]
+        else:
+            last = curve[-1]
+            step = last - curve[-2] if len(curve) > 1 else last
+            base = last + (rows - len(curve)) * max(step, 0.0)
+        if context is None or not self.context_slope:
+            return base
+        floor = 0.5 * self.shape[min(rows, len(self.shape)) - 1]
+        return max(floor, base + self._context_term(rows, context))
 
-    def observe(self, rows: int, seconds: float) -> None:
-        """A pass of ``rows`` rows took ``seconds``.
+    def observe(self, rows: int, seconds: float, context: int | None = None) -> None:
+        """A pass of ``rows`` rows over ``context`` tokens (None: the calibration context) took
+        ``seconds``; the context term is taken off first.
 
         A one-row pass moves the offset (EMA): it runs most often, and its excess over start-up
         is the per-pass overhead every width pays. A wider pass moves only its width's residual,
@@ -109,7 +141,15 @@ class CostModel:
         if not (1 <= rows <= self.max_rows and seconds > 0) or self.alpha <= 0:
             return
         i = rows - 1
+        seconds -= self._context_term(rows, context)
+        if seconds <= 0:  # (a slope fitted too steep: the pass says nothing about the curve)
+            return
         current = self._curve[i]
+        self.passes += 1
+        self.last_seen[i] = self.passes
+        stale = self.passes - self.STALE_PASSES
+        keep = 1.0 - self.alpha * self.RESIDUAL_DECAY
+        self.residual = [r * keep if seen < stale else r for r, seen in zip(self.residual, self.last_seen)]
         if i > 0:
             self.observations[i] += 1
             seen = min(max(seconds, 0.5 * current), 2.0 * current)
@@ -128,6 +168,7 @@ class CostModel:
         self.far.append(ratio)
         if len(self.far) >= 3:  # (no EMA step meanwhile: a lone spike leaves the curve alone)
             scale = sorted(self.far)[1] * current / self.shape[0]
+            self.context_slope *= scale
             self.reset([t * scale for t in self.shape])
 
     def relative(self) -> list[float]:
@@ -319,34 +360,37 @@ class DsparkStats:
     def observe_cost(self, seconds: float) -> None:
         self.draft_cost = seconds if self.draft_cost == 0 else self.draft_cost + 0.1 * (seconds - self.draft_cost)
 
-    def expected_rate(self, cost: CostModel) -> float:
-        """Tokens per second DSpark has recently delivered (draft cost included)."""
+    def expected_rate(self, cost: CostModel, context: int | None = None) -> float:
+        """Tokens per second DSpark has recently delivered (draft cost included), at ``context``."""
         length = max(1, min(round(self.length_ema), cost.max_rows - 1))
-        return (1.0 + self.accepted_ema) / (cost.T(length + 1) + self.draft_cost)
+        return (1.0 + self.accepted_ema) / (cost.T(length + 1, context) + self.draft_cost)
 
 
-def choose_length(conditional: list[float], cost: CostModel, extra_cost: float = 0.0) -> tuple[int, float]:
-    """``(L, rate)`` maximising ``E(L) / (T(L + 1) + extra_cost)`` over ``L = 0..len``."""
+def choose_length(conditional: list[float], cost: CostModel, extra_cost: float = 0.0,
+                  context: int | None = None) -> tuple[int, float]:
+    """``(L, rate)`` maximising ``E(L) / (T(L + 1, context) + extra_cost)`` over ``L = 0..len``."""
     exp = expected_tokens(conditional[: cost.max_rows - 1])
-    best, best_rate = 0, 1.0 / cost.T(1)
+    best, best_rate = 0, 1.0 / cost.T(1, context)
     for length in range(1, len(exp)):
-        rate = exp[length] / (cost.T(length + 1) + extra_cost)
+        rate = exp[length] / (cost.T(length + 1, context) + extra_cost)
         if rate > best_rate:
             best, best_rate = length, rate
     return best, best_rate
 
 
-def batch_width(survivals: list[list[float]], cost: CostModel, max_width: int) -> int:
+def batch_width(survivals: list[list[float]], cost: CostModel, max_width: int,
+                context: int | None = None) -> int:
     """Rows per sequence of a batched verify pass (continuous batching): the ``w`` in
     ``1..max_width`` maximising ``sum_s E_s(w - 1) / T(S * w)``, where ``survivals[s]`` are
     sequence ``s``'s conditional acceptance estimates for its proposal (empty: no draft) and
     every sequence's rows are padded to ``w``. A draft row is worth its expected tokens against
-    the cost of widening the whole batch, so drafts shrink as the batch grows."""
+    the cost of widening the whole batch, so drafts shrink as the batch grows. ``context``: the
+    sequences' mean context length (None: the calibration context)."""
     n = len(survivals)
-    best, best_rate = 1, n / cost.T(n)
+    best, best_rate = 1, n / cost.T(n, context)
     for width in range(2, max_width + 1):
         tokens = sum(expected_tokens(c[: width - 1])[-1] for c in survivals)
-        rate = tokens / cost.T(n * width)
+        rate = tokens / cost.T(n * width, context)
         if rate > best_rate:
             best, best_rate = width, rate
     return best

@@ -52,6 +52,12 @@ class _EngineCollector:
             for k, t in enumerate(cost.verify_cost, start=1):
                 g.add_metric([str(k)], t)
         yield g
+        g = GaugeMetricFamily(PREFIX + "verify_row_context_cost_seconds",
+                              "Seconds each verify row adds per context token beyond the calibration "
+                              "context (start-up fit; 0 where attention is cheap).")
+        if cost is not None:
+            g.add_metric([], cost.context_slope)
+        yield g
         info = self.engine.prefix_cache_info() or {"queries": 0, "hits": 0, "bytes": 0, "entries": 0, "max_bytes": 0}
         for name, key, doc in (("prefix_cache_queries", "queries", "Prompt tokens looked up in the prefix cache."),
                                ("prefix_cache_hits", "hits", "Prompt tokens whose KV came from the prefix cache.")):

@@ -102,3 +102,51 @@ def test_alpha_zero_freezes_the_curve_even_against_a_far_off_streak():
         live.observe(1, 3 * start[0])
     assert frozen.verify_cost == start
     assert live.T(1) == pytest.approx(3 * start[0], rel=0.05)
+
+
+def test_wide_passes_over_long_contexts_cost_their_rows_attention():
+    """With a fitted context slope (seconds per row per context token), a k-row pass over n
+    tokens costs k * slope * (n - n_ref) more than the start-up curve (timed at n_ref); passes
+    that cost exactly that leave the offset and residuals at zero, so the curve at n_ref stays
+    the start-up one and a long context makes drafts dearer for that request only."""
+    shape = [10 * MS + 4.5 * MS * k for k in range(8)]
+    slope = 6 * MS / 1000  # ~6 ms per row per 1k tokens: the default model on the 2-vCPU CPU
+    cost = CostModel(shape, context_slope=slope, reference_context=256)
+    assert cost.T(4, 1256) - cost.T(4) == pytest.approx(4 * 6 * MS)
+    assert cost.T(1, 1256) - cost.T(1, 256) == pytest.approx(6 * MS)
+    assert cost.T(4, 0) == pytest.approx(shape[3] - 4 * slope * 256)  # shorter: cheaper
+    for step in range(400):
+        rows = 1 + step % 4
+        cost.observe(rows, shape[rows - 1] + rows * slope * (3000 - 256), context=3000)
+    assert cost.offset == pytest.approx(0, abs=1e-9)
+    assert max(abs(r) for r in cost.residual) < 1e-9
+    assert cost.verify_cost == pytest.approx(shape)
+    # the same acceptance pays for fewer drafts at 3k tokens than at 256
+    conditional = [0.6] * 7
+    assert choose_length(conditional, cost, context=3000)[0] < choose_length(conditional, cost, context=256)[0]
+
+
+def test_a_width_that_stops_running_decays_back_to_its_start_up_cost():
+    """A slow stretch raises width 4's residual; the scheduler then stops choosing width 4, so
+    only one-row passes run: after STALE_PASSES its residual decays and T(4) returns toward its
+    start-up time plus the offset. A width that keeps running now and then (width 8, every 20
+    passes) keeps what its passes say."""
+    shape = [10 * MS + 4.5 * MS * k for k in range(8)]
+    cost = CostModel(shape)
+    for _ in range(100):
+        cost.observe(4, 2 * shape[3])  # the slow stretch (clipped at 2x the curve per pass)
+    raised = cost.T(4) - shape[3]
+    assert raised > 0.5 * shape[3]
+    for step in range(1000):
+        cost.observe(8 if step % 20 == 19 else 1, 1.5 * shape[7] if step % 20 == 19 else shape[0])
+    assert cost.T(4) - shape[3] < 0.15 * raised
+    assert cost.T(8) == pytest.approx(1.5 * shape[7], rel=0.05)
+
+
+def test_context_slope_from_start_up_decode_times():
+    from engine.runner import context_slope
+
+    assert context_slope({48: 12 * MS, 1100: 15.6 * MS}, 256, 10.5 * MS) == pytest.approx(5.1 * MS / 844)
+    assert context_slope({40: 10 * MS, 300: 11 * MS}, 256, 10 * MS) == 0.0  # too short a span to tell
+    assert context_slope({48: 11 * MS, 1100: 10 * MS}, 256, 10.5 * MS) == 0.0  # faster at length: floored
+    assert context_slope({}, 256, 10 * MS) == 0.0
