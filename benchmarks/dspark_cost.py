@@ -73,6 +73,7 @@ def main(argv=None) -> dict:
                     drafted += counts.num_draft_tokens
                     accepted += counts.num_accepted_tokens
         curve, info = eng.cost.verify_cost, eng.info()
+        dspark_drafter.DSparkDrafter.propose = propose  # (the comparison's forwards are its own)
         first_prompt = next(p for w in load_workloads(args.workloads.split(",")) for p in w["prompts"]
                             if p.get("kind") != "session")
         steps = compare_steps(eng, prompt_tokens(tok, first_prompt), args.cycles)

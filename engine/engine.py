@@ -375,8 +375,11 @@ class Engine:
                                      max_tokens=4)
             warm.sampling = type(warm.sampling)(temperature=0.0)
             if self.dspark is not None and self.cost.max_rows > 1:
-                # one DSpark forward now: its first one compiles the drafter's kernels (~17 s on
-                # the H200), which would otherwise count as its draft cost and keep it off
+                # DSpark forwards now: the first one compiles the drafter's kernels (~17 s on the
+                # H200), which would otherwise count as its draft cost and keep it off; the graphs
+                # of every greedy draft length are compiled too (later forwards that compile a new
+                # graph, e.g. after the draft cache doubles, are left out of the draft cost)
+                self._dspark_step.warm()
                 warm.speculative = SpeculativeParams(method="dspark", min_draft_tokens=1)
             seq = self._make_sequence(warm)
             while not seq.finished:

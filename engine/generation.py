@@ -264,8 +264,10 @@ class Sequence:
             ctx.hidden = join_rows(self.pending_hidden)
             self.pending_hidden, self.pending_folded = [], 0
         started = time.perf_counter()
-        proposal = self.drafters["dspark"].propose(ctx, budget)
-        self.dspark_stats.observe_cost(time.perf_counter() - started)
+        drafter = self.drafters["dspark"]
+        proposal = drafter.propose(ctx, budget)
+        if not getattr(drafter, "traced", False):  # a forward that compiled a graph is not typical
+            self.dspark_stats.observe_cost(time.perf_counter() - started)
         proposal.drafter = "dspark"
         raw = proposal.confidence or [0.5] * len(proposal.tokens)
         conditional = self.dspark_stats.calibrated(raw)

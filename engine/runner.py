@@ -85,7 +85,8 @@ class Calibration:
     batched_rows: int = 0  # widest pass exact with MLX's batched attention
     attention_kernel: bool = False  # decode/verify passes attend through metal_kernels.attention
     fused_pass: bool = False  # decode/verify passes run as one launch (metal_kernels.fused)
-    context_slope: float = 0.0  # seconds per pass row per context token (:func:`context_slope`)
+    context_slope: float = 0.0  # seconds per context token a pass's first row adds (:func:`context_slopes`)
+    context_row_slope: float = 0.0  # ... and each further row
     reference_context: int = 256  # the context length verify_cost was timed at
 
     def summary(self) -> dict:
@@ -99,7 +100,8 @@ class Calibration:
             "verify_cost_ms": [round(t * 1e3, 3) for t in self.verify_cost],
             "verify_cost_relative": [round(t / base, 3) for t in self.verify_cost],
             "verify_cost_context": self.reference_context,
-            "row_cost_us_per_1k_context": round(self.context_slope * 1e9, 1),
+            "context_cost_us_per_1k_tokens": [round(self.context_slope * 1e9, 1),
+                                              round(self.context_row_slope * 1e9, 1)],
         }
 
 
@@ -391,21 +393,14 @@ class TargetRunner:
     # ---- calibration -------------------------------------------------------------------------
 
     def _exact_width(self, context: list[int], probe: list[int], widths: int) -> int:
-        """Widest ``w <= widths`` whose verify rows equal one-token decode logits bit for bit.
-        Also records the fastest of its one-row passes after the first (seconds) in
-        ``self.decode_times[len(context)]`` (the context-cost fit of :meth:`calibrate`)."""
+        """Widest ``w <= widths`` whose verify rows equal one-token decode logits bit for bit."""
         cache = self.make_cache()
         mx.eval(self.prefill(context, cache)[0])
-        decoded, times = [], []
+        decoded = []
         for t in probe[:widths]:
-            start = time.perf_counter()
             row = self.verify([t], cache)[0][0]
             mx.eval(row)
-            times.append(time.perf_counter() - start)
             decoded.append(row)
-        if len(times) > 1:
-            seen = self.decode_times.get(len(context), float("inf"))
-            self.decode_times[len(context)] = min(seen, *times[1:])
         self.trim(cache, widths)
         for w in range(2, widths + 1):
             rows = self.verify(probe[:w], cache)[0]
@@ -415,24 +410,29 @@ class TargetRunner:
                 return w - 1
         return widths
 
-    def _measure_cost(self, context: list[int], probe: list[int], widths: int, repeats: int) -> list[float]:
-        """``T(k)`` for ``k = 1..widths``: each width's fastest of ``repeats`` passes, taken in
-        rounds over all widths after one warm-up round, so a burst of other work inflates at most
-        one round (interference only ever adds time; consecutive repeats per width, medians,
-        once made T(1) 4x too high and, with the smoothing below, the curve flat to 11 rows, and
-        under a test suite's load T(3) = 6 T(1), which kept drafts at one token)."""
+    def _measure_cost(self, context: list[int], probe: list[int], widths: int | list[int],
+                      repeats: int) -> list[float]:
+        """``T(k)`` for ``k = 1..widths`` (or for the widths listed, unsmoothed): each width's
+        fastest of ``repeats`` passes, taken in rounds over all widths after one warm-up round,
+        so a burst of other work inflates at most one round (interference only ever adds time;
+        consecutive repeats per width, medians, once made T(1) 4x too high and, with the
+        smoothing below, the curve flat to 11 rows, and under a test suite's load T(3) = 6 T(1),
+        which kept drafts at one token)."""
+        which = list(widths) if isinstance(widths, list) else list(range(1, widths + 1))
         cache = self.make_cache()
         mx.eval(self.prefill(context, cache)[0])
-        best = [float("inf")] * widths
+        best = [float("inf")] * len(which)
         for round_ in range(repeats + 1):  # round 0 warms every width up
-            for w in range(1, widths + 1):
+            for i, w in enumerate(which):
                 start = time.perf_counter()
                 mx.eval(self.verify(probe[:w], cache)[0])
                 elapsed = time.perf_counter() - start
                 self.trim(cache, w)
                 if round_:
-                    best[w - 1] = min(best[w - 1], elapsed)
+                    best[i] = min(best[i], elapsed)
         costs = best
+        if isinstance(widths, list):
+            return costs
         # A wider pass never costs less than a narrower one for the scheduler's purposes.
         for i in range(1, len(costs)):
             costs[i] = max(costs[i], costs[i - 1])
@@ -465,7 +465,6 @@ class TargetRunner:
             max_context: the model's context window (probes are clipped to it).
         """
         self.row_kernel, launched = None, []
-        self.decode_times: dict[int, float] = {}
         if self.fused is not None:
             mode = "row"  # attention runs inside the fused pass
             # wider passes would leave the fused pass for mlx-lm's modules: never mix the two
@@ -521,29 +520,40 @@ class TargetRunner:
                         "try exact_verify=row")
         ctx = min(256, need - max_rows)
         costs = self._measure_cost(ids[:ctx], ids[ctx : ctx + width], width, repeats)
+        slopes = (0.0, 0.0)
+        long_ctx = max(contexts) if contexts else 0
+        if width > 1 and long_ctx - ctx >= MIN_CONTEXT_SPAN:
+            far = self._measure_cost(ids[:long_ctx], ids[long_ctx : long_ctx + width], [1, width], repeats)
+            slopes = context_slopes(long_ctx - ctx, width, (costs[0], costs[width - 1]), tuple(far))
         return Calibration(width, row > batched, costs, max_rows, batched_rows=self.batched_rows,
                            attention_kernel=self.row_kernel is not None and self.row_exact_attention,
-                           fused_pass=self.fused is not None,
-                           context_slope=context_slope(self.decode_times, ctx, costs[0]) if width > 1 else 0.0,
-                           reference_context=ctx)
+                           fused_pass=self.fused is not None, context_slope=slopes[0],
+                           context_row_slope=slopes[1], reference_context=ctx)
 
-def context_slope(decode_times: dict[int, float], reference: int, t1: float, min_span: int = 512) -> float:
-    """Seconds a pass row costs per context token: the slope from ``t1``, the one-row time at the
-    ``reference`` context (the start-up curve's), to the fastest one-row pass at the longest
-    probed context in ``decode_times`` (``{context: seconds}``), when that lies at least
-    ``min_span`` tokens further (a shorter span is noise), floored at 0.
+MIN_CONTEXT_SPAN = 512  # tokens between the two contexts a context slope is fitted from
+NOISE = 0.03  # a time difference below this share of the shorter context's time counts as none
 
-    A row attends over the whole context, so where attention is a visible share of a pass, wide
-    passes over long contexts cost more than the start-up curve says: on the 2-vCPU CPU the
-    default model's one-row pass took 15.7 ms at 1,100 tokens against 10.5 at 256 (~6 ms per
-    row per 1k tokens), and an in-engine T(4) of 42-48 ms against 22.7 at start-up was
-    measured on a long-context workload."""
-    longest = max(decode_times, default=0)
-    if longest - reference < min_span:
-        return 0.0
-    return max(0.0, (decode_times[longest] - t1) / (longest - reference))
+
+def context_slopes(span: int, width: int, near: tuple[float, float], far: tuple[float, float]) -> tuple[float, float]:
+    """``(a, b)``, seconds per context token: what a pass's first row (``a``) and each further
+    row (``b``) cost more per token of context, from ``T(1)`` and ``T(width)`` timed at two
+    contexts ``span`` tokens apart (``near``, ``far``: ``(T(1), T(width))`` at each), so that
+    ``T(k, n) = T(k) + (a + b (k - 1)) (n - n_ref)``. A difference within ``NOISE`` of the
+    nearer time counts as none; both are floored at 0.
+
+    The two differ by machine: on the 2-vCPU CPU a row attends on its own (row-exact attention
+    inside the fused pass) and one row took 15.7 ms at 1,100 tokens against 10.5 at 256, so each
+    row pays about ``a``; on the H200 the fused pass's rows attend in parallel, so the rows
+    after the first add far less than the first."""
+    def grown(t_near: float, t_far: float) -> float:
+        return t_far - t_near if t_far - t_near > NOISE * t_near else 0.0
+
+    a = grown(near[0], far[0]) / span
+    total = grown(near[1], far[1]) / span
+    b = max(0.0, total - a) / (width - 1) if width > 1 else 0.0
+    return a, b
 
 
 def cost_model(cal: Calibration) -> CostModel:
     return CostModel(list(cal.verify_cost), context_slope=cal.context_slope,
-                     reference_context=cal.reference_context)
+                     context_row_slope=cal.context_row_slope, reference_context=cal.reference_context)

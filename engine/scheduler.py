@@ -25,13 +25,13 @@ class CostModel:
     """Verify cost ``T(k, n)`` in seconds for ``k = 1..max_rows`` rows over a context of ``n``
     tokens, with online refresh.
 
-    ``T(k, n) = curve[k] + k * slope * (n - n_ref)``, never below half the start-up time, where
+    ``T(k, n) = curve[k] + (a + b (k - 1)) max(0, n - n_ref)``, where
     ``curve[k] = shape[k] + offset + residual[k]`` is made non-decreasing in ``k``:
 
     * ``shape`` is the start-up curve (each width timed alone, :meth:`TargetRunner.calibrate`);
     * ``offset`` (EMA over one-row passes of their time minus the start-up T(1)) is what a pass
       costs in the engine beyond its start-up time: the cycle's accept/logprob kernels, the host
-      sync, the context grown longer than calibration's. It moves every width alike, so the one
+      sync (the context term below is taken off first). It moves every width alike, so the one
       width that runs most (one row, whenever nothing is drafted) cannot drift away from widths
       that rarely run: refreshing each width on its own once let an in-engine T(1) rise 30% on
       the H200 while T(2..16) kept their start-up values, and the scheduler, seeing drafts as
@@ -44,11 +44,13 @@ class CostModel:
       decay a slow stretch of a shared CPU ratcheted the wide widths up: the scheduler then
       stopped choosing them, so nothing brought them back (T(4) went from 22.8 to 42-48 ms
       during one benchmark workload and stayed there for the rest of the run);
-    * ``slope`` (:func:`engine.runner.context_slope`, seconds per row per context token, fitted
-      at start-up; 0 where attention is cheap) is what each row's attention over the context
-      costs beyond the calibration context ``n_ref``: wide passes over long contexts cost more
-      than the start-up curve says, by ``k`` times what one row does. Observations are brought
-      back to ``n_ref`` before they move the offset or a residual.
+    * ``a`` and ``b`` (:func:`engine.runner.context_slopes`, seconds per context token, fitted
+      at start-up from T(1) and T(max_rows) at two contexts; 0 where attention is cheap) are
+      what the first row and each further row of a pass cost more per token of context beyond
+      the calibration context ``n_ref``: wide passes over long contexts cost more than the
+      start-up curve says (on the CPU, where rows attend one by one, ``b`` is about ``a``).
+      Contexts shorter than ``n_ref`` are priced at ``n_ref`` (the fit says nothing below it).
+      Observations are brought back to ``n_ref`` before they move the offset or a residual.
 
     Raises:
         ValueError: an empty curve.
@@ -58,9 +60,10 @@ class CostModel:
     STALE_PASSES = 64
 
     def __init__(self, verify_cost: list[float], alpha: float = 0.05, context_slope: float = 0.0,
-                 reference_context: int = 256):
+                 context_row_slope: float = 0.0, reference_context: int = 256):
         self.alpha = alpha  # EMA weight of a new observation; 0 freezes the curve (no rescale)
-        self.context_slope = max(0.0, context_slope)
+        self.context_slope = max(0.0, context_slope)  # a: the first row's, s/token
+        self.context_row_slope = max(0.0, context_row_slope)  # b: each further row's, s/token
         self.reference_context = reference_context
         self.reset(verify_cost)
 
@@ -100,9 +103,9 @@ class CostModel:
         return len(self._curve)
 
     def _context_term(self, rows: int, context: int | None) -> float:
-        if context is None or not self.context_slope:
+        if context is None or context <= self.reference_context:
             return 0.0
-        return rows * self.context_slope * (context - self.reference_context)
+        return (self.context_slope + (rows - 1) * self.context_row_slope) * (context - self.reference_context)
 
     def T(self, rows: int, context: int | None = None) -> float:
         """Seconds for a pass of ``rows`` rows over ``context`` tokens (None: the calibration
@@ -115,10 +118,7 @@ class CostModel:
             last = curve[-1]
             step = last - curve[-2] if len(curve) > 1 else last
             base = last + (rows - len(curve)) * max(step, 0.0)
-        if context is None or not self.context_slope:
-            return base
-        floor = 0.5 * self.shape[min(rows, len(self.shape)) - 1]
-        return max(floor, base + self._context_term(rows, context))
+        return base + self._context_term(rows, context)
 
     def observe(self, rows: int, seconds: float, context: int | None = None) -> None:
         """A pass of ``rows`` rows over ``context`` tokens (None: the calibration context) took
@@ -142,7 +142,7 @@ class CostModel:
             return
         i = rows - 1
         seconds -= self._context_term(rows, context)
-        if seconds <= 0:  # (a slope fitted too steep: the pass says nothing about the curve)
+        if seconds <= 0:  # (slopes fitted too steep: the pass says nothing about the curve)
             return
         current = self._curve[i]
         self.passes += 1
@@ -169,6 +169,7 @@ class CostModel:
         if len(self.far) >= 3:  # (no EMA step meanwhile: a lone spike leaves the curve alone)
             scale = sorted(self.far)[1] * current / self.shape[0]
             self.context_slope *= scale
+            self.context_row_slope *= scale
             self.reset([t * scale for t in self.shape])
 
     def relative(self) -> list[float]:

@@ -52,11 +52,13 @@ class _EngineCollector:
             for k, t in enumerate(cost.verify_cost, start=1):
                 g.add_metric([str(k)], t)
         yield g
-        g = GaugeMetricFamily(PREFIX + "verify_row_context_cost_seconds",
-                              "Seconds each verify row adds per context token beyond the calibration "
-                              "context (start-up fit; 0 where attention is cheap).")
+        g = GaugeMetricFamily(PREFIX + "verify_context_cost_seconds",
+                              "Seconds a verify pass's first row (row=first) and each further row "
+                              "(row=further) add per context token beyond the calibration context "
+                              "(start-up fit; 0 where attention is cheap).", labels=["row"])
         if cost is not None:
-            g.add_metric([], cost.context_slope)
+            g.add_metric(["first"], cost.context_slope)
+            g.add_metric(["further"], cost.context_row_slope)
         yield g
         info = self.engine.prefix_cache_info() or {"queries": 0, "hits": 0, "bytes": 0, "entries": 0, "max_bytes": 0}
         for name, key, doc in (("prefix_cache_queries", "queries", "Prompt tokens looked up in the prefix cache."),

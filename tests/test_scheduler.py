@@ -105,19 +105,20 @@ def test_alpha_zero_freezes_the_curve_even_against_a_far_off_streak():
 
 
 def test_wide_passes_over_long_contexts_cost_their_rows_attention():
-    """With a fitted context slope (seconds per row per context token), a k-row pass over n
-    tokens costs k * slope * (n - n_ref) more than the start-up curve (timed at n_ref); passes
-    that cost exactly that leave the offset and residuals at zero, so the curve at n_ref stays
-    the start-up one and a long context makes drafts dearer for that request only."""
+    """With fitted context slopes (seconds per context token for a pass's first row, ``a``, and
+    each further row, ``b``), a k-row pass over n tokens costs ``(a + b (k - 1)) (n - n_ref)``
+    more than the start-up curve (timed at n_ref); passes that cost exactly that leave the
+    offset and residuals at zero, so the curve at n_ref stays the start-up one and a long
+    context makes drafts dearer for that request only. Shorter contexts are priced at n_ref."""
     shape = [10 * MS + 4.5 * MS * k for k in range(8)]
-    slope = 6 * MS / 1000  # ~6 ms per row per 1k tokens: the default model on the 2-vCPU CPU
-    cost = CostModel(shape, context_slope=slope, reference_context=256)
-    assert cost.T(4, 1256) - cost.T(4) == pytest.approx(4 * 6 * MS)
+    a, b = 6 * MS / 1000, 5 * MS / 1000  # ~6 ms per row per 1k tokens: the default model on the CPU
+    cost = CostModel(shape, context_slope=a, context_row_slope=b, reference_context=256)
+    assert cost.T(4, 1256) - cost.T(4) == pytest.approx(6 * MS + 3 * 5 * MS)
     assert cost.T(1, 1256) - cost.T(1, 256) == pytest.approx(6 * MS)
-    assert cost.T(4, 0) == pytest.approx(shape[3] - 4 * slope * 256)  # shorter: cheaper
+    assert cost.T(4, 10) == cost.T(4, 256) == cost.T(4) == pytest.approx(shape[3])
     for step in range(400):
         rows = 1 + step % 4
-        cost.observe(rows, shape[rows - 1] + rows * slope * (3000 - 256), context=3000)
+        cost.observe(rows, shape[rows - 1] + (a + (rows - 1) * b) * (3000 - 256), context=3000)
     assert cost.offset == pytest.approx(0, abs=1e-9)
     assert max(abs(r) for r in cost.residual) < 1e-9
     assert cost.verify_cost == pytest.approx(shape)
@@ -143,10 +144,15 @@ def test_a_width_that_stops_running_decays_back_to_its_start_up_cost():
     assert cost.T(8) == pytest.approx(1.5 * shape[7], rel=0.05)
 
 
-def test_context_slope_from_start_up_decode_times():
-    from engine.runner import context_slope
+def test_context_slopes_from_start_up_times_at_two_contexts():
+    """``(a, b)`` from T(1) and T(w) at the reference context and one 844 tokens longer: rows
+    that attend one by one (the CPU) give b ~ a; rows that attend in parallel (the H200's
+    fused pass) give b ~ 0; differences within 3% are noise; nothing goes negative."""
+    from engine.runner import context_slopes
 
-    assert context_slope({48: 12 * MS, 1100: 15.6 * MS}, 256, 10.5 * MS) == pytest.approx(5.1 * MS / 844)
-    assert context_slope({40: 10 * MS, 300: 11 * MS}, 256, 10 * MS) == 0.0  # too short a span to tell
-    assert context_slope({48: 11 * MS, 1100: 10 * MS}, 256, 10.5 * MS) == 0.0  # faster at length: floored
-    assert context_slope({}, 256, 10 * MS) == 0.0
+    a, b = context_slopes(844, 8, (10.5 * MS, 46 * MS), (15.6 * MS, 86.8 * MS))
+    assert a == pytest.approx(5.1 * MS / 844) and b == pytest.approx(a, rel=0.01)
+    a, b = context_slopes(844, 16, (1.57 * MS, 3.49 * MS), (1.85 * MS, 3.80 * MS))
+    assert a == pytest.approx(0.28 * MS / 844) and b == pytest.approx((0.31 - 0.28) * MS / 844 / 15)
+    assert context_slopes(844, 8, (10 * MS, 40 * MS), (10.2 * MS, 40.5 * MS)) == (0.0, 0.0)  # within noise
+    assert context_slopes(844, 8, (11 * MS, 40 * MS), (10 * MS, 30 * MS)) == (0.0, 0.0)

@@ -256,7 +256,8 @@ def test_spec_metrics_move_and_equal_response_stats(tiny_server):
     text = httpx.get(tiny_server.url + "/metrics").text
     assert 'specserve:spec_decode_num_accepted_tokens_per_pos_total{drafter="prompt_lookup",position="0"}' in text
     assert "specserve:verify_cost_seconds{rows=\"1\"}" in text
-    assert re.search(r"^specserve:verify_row_context_cost_seconds [0-9.e+-]+$", text, re.M)
+    for row in ("first", "further"):
+        assert re.search(rf'^specserve:verify_context_cost_seconds{{row="{row}"}} [0-9.e+-]+$', text, re.M)
     assert "specserve:time_to_first_token_seconds_count" in text
 
 

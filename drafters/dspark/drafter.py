@@ -53,12 +53,37 @@ class DraftStep:
         self.config = network.config
         self.compiled = compiled
         self._fns: dict[tuple, object] = {}
+        self._traced: set[tuple] = set()  # (function key, input shapes) already compiled
+        self.traced = False  # whether a call since the last take_traced() compiled a new graph
 
-    def _fn(self, key: tuple, build):
+    def _fn(self, key: tuple, build, shapes: tuple):
         fn = self._fns.get(key)
         if fn is None:
             fn = self._fns[key] = mx.compile(build()) if self.compiled else build()
+        if self.compiled and (key, shapes) not in self._traced:
+            self._traced.add((key, shapes))
+            self.traced = True
         return fn
+
+    def warm(self) -> None:
+        """Compile the greedy draft of every length ``1..block_size`` and the padded context
+        updates at the first capacity, so requests do not pay for it (sampled drafts and larger
+        caches compile on first use)."""
+        keys, values = self.empty_cache(MIN_CAPACITY)
+        rows = mx.zeros((1, self.config.num_taps * self.config.hidden_size), self.network.fc_dtype)
+        padded = 1
+        while padded <= MAX_PADDED_ROWS:
+            keys, values = self.absorb(mx.concatenate([rows] * padded), 0, keys, values)
+            padded *= 2
+        outs = [self.draft(0, padded, keys, values, n, 0.0, 0) for n in range(1, self.config.block_size + 1)]
+        mx.eval(keys, values, *(a for out in outs for a in out if a is not None))
+        self.take_traced()
+
+    def take_traced(self) -> bool:
+        """Whether a call since the last ``take_traced()`` compiled a new graph (its time is not
+        the forward's cost); resets the flag."""
+        traced, self.traced = self.traced, False
+        return traced
 
     def empty_cache(self, capacity: int) -> tuple[list[mx.array], list[mx.array]]:
         cfg = self.config
@@ -84,7 +109,8 @@ class DraftStep:
                         [mx.slice_update(buf, v, start, (2,)) for buf, (_, v) in zip(values, kv)])
             return update
 
-        fn = self._fn(("absorb",), build) if padded <= MAX_PADDED_ROWS else build()
+        fn = (self._fn(("absorb",), build, (padded, keys[0].shape[2])) if padded <= MAX_PADDED_ROWS
+              else build())
         return fn(rows, mx.array([start], dtype=mx.int32), keys, values)
 
     def draft(self, anchor: int, anchor_pos: int, keys: list[mx.array], values: list[mx.array],
@@ -105,7 +131,7 @@ class DraftStep:
                 return tuple(a for a in (tokens, probs, conf) if a is not None)
             return step
 
-        fn = self._fn(("draft", n, sampled), build)
+        fn = self._fn(("draft", n, sampled), build, (keys[0].shape[2],))
         noise = (mx.array(temperature, dtype=mx.float32), 0, draft_keys(seed, anchor_pos, n)) if sampled else ()
         out = list(fn(mx.array([anchor], dtype=mx.int32), mx.array([anchor_pos], dtype=mx.int32),
                       keys, values, *noise))
@@ -132,6 +158,7 @@ class DSparkDrafter:
         self.network = network
         self.config = network.config
         self.step = step or DraftStep(network, embed, lm_head)
+        self.traced = False  # the last propose() compiled a new graph (its time is not a forward's)
         self.reset()
 
     @property
@@ -160,7 +187,7 @@ class DSparkDrafter:
     def _update_context(self) -> None:
         """Project pending rows into the draft cache, growing it (doubling) when they don't fit."""
         pending = sum(int(h.shape[0]) for h in self._pending)
-        need = self._length + (_bucket(pending) if pending <= MAX_PADDED_ROWS else pending)
+        need = self._length + (_bucket(pending) if 0 < pending <= MAX_PADDED_ROWS else pending)
         capacity = self._keys[0].shape[2] if self._keys else 0
         if need > capacity or not self._keys:
             new = max(MIN_CAPACITY, capacity)
@@ -199,11 +226,13 @@ class DSparkDrafter:
         n = min(max_len, self.config.block_size)
         if n <= 0:
             return Draft()
+        self.step.take_traced()
         self._update_context()
         temperature = float(getattr(ctx, "temperature", 0.0) or 0.0)
         tokens, probs, conf = self.step.draft(int(ctx.tokens[-1]), anchor_pos, self._keys, self._values, n,
                                               temperature, int(getattr(ctx, "seed", 0) or 0))
         mx.eval(*(a for a in (tokens, probs, conf, *self._keys, *self._values) if a is not None))
+        self.traced = self.step.take_traced()
         return Draft(tokens=tokens.tolist(), draft_probs=probs,
                      confidence=conf.tolist() if conf is not None else None)
 

@@ -284,8 +284,8 @@ def sample_block(model: DSparkModel, base_logits: mx.array, h: mx.array, anchor:
         anchor: the anchor token ``x_0`` (an int or an int32 ``[1]`` array); ``anchor_pos`` its
             absolute position.
         temperature: 0 -> ``x_k = argmax(U_k + bias_k)``; else ``x_k ~ softmax((U_k + bias_k)/T)``
-            drawn with :func:`draft_keys` ``(seed, anchor_pos, L)``. A float32 array means
-            sampled with those keys given as ``keys`` (``[L, 2]`` uint32, :func:`draft_keys`).
+            drawn with :func:`draft_keys` ``(seed, anchor_pos, L)``. A float32 array (which
+            must be > 0) means sampled with those keys given as ``keys`` (``[L, 2]`` uint32).
     Returns:
         ``(tokens [L] int32, q [L, V] float32 or None (greedy), confidence [L] float32 or None)``.
     """
