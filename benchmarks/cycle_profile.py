@@ -126,24 +126,33 @@ def summarize(records: list[dict]) -> dict:
 def cost_model_check(records: list[dict], cal) -> dict:
     """How well cost models predict the passes the engine ran: each cycle's ``verify_ms`` (all
     but each request's first), in order, is predicted by ``T(rows, context)`` and then observed,
-    as the engine does. Models: the start-up curve frozen; the online refresh without a context
-    term and without residual decay (the engine's before the thirteenth session); with decay
-    only; and the engine's (decay and the start-up context slope). Per model: the median
+    as the engine does. Models: the start-up curve frozen; the online refresh without the
+    context term (the engine's before the thirteenth session); the same with residuals of widths
+    unseen for 64 passes decaying by 0.25% per pass (tried and dropped in that session); and the
+    engine's (the start-up context slopes). Per model: the median
     ``|log(predicted / measured)|`` for one-row and wider passes, and the mean signed
     log-ratio of wider passes (< 0: it thinks them cheaper than they are)."""
     import math
 
     from engine.scheduler import CostModel
 
-    class NoDecay(CostModel):
-        RESIDUAL_DECAY = 0.0
+    class Decay(CostModel):
+        def observe(self, rows: int, seconds: float, context: int | None = None) -> None:
+            self.passes = getattr(self, "passes", 0) + 1
+            seen = getattr(self, "last_seen", [0] * self.max_rows)
+            if 1 <= rows <= self.max_rows:
+                seen[rows - 1] = self.passes
+            self.last_seen = seen
+            self.residual = [r * (1 - 0.0025) if s < self.passes - 64 else r for r, s in zip(self.residual, seen)]
+            super().observe(rows, seconds, context)
 
     curve = list(cal.verify_cost)
     models = {
         "frozen": CostModel(curve, alpha=0.0),
-        "online_no_context_no_decay": NoDecay(curve),
-        "online_decay": CostModel(curve),
-        "engine": CostModel(curve, context_slope=cal.context_slope, reference_context=cal.reference_context),
+        "online_no_context": CostModel(curve),
+        "online_decay": Decay(curve),
+        "engine": CostModel(curve, context_slope=cal.context_slope, context_row_slope=cal.context_row_slope,
+                            reference_context=cal.reference_context),
     }
     errors: dict = {name: ([], []) for name in models}
     for r in records:

@@ -37,13 +37,12 @@ class CostModel:
       the H200 while T(2..16) kept their start-up values, and the scheduler, seeing drafts as
       nearly free, drafted 13.6 tokens per draft on novel chat and ran at 0.92x plain;
     * ``residual[k]`` (EMA over width ``k``'s own passes, ``k > 1``, of what the offset leaves)
-      corrects the curve's shape where the widths that run disagree with start-up. A width not
-      seen for ``STALE_PASSES`` passes decays by ``alpha * RESIDUAL_DECAY`` (0.25%) per pass, so
-      a width that stops running drifts back to its start-up time plus the offset (half-way in
-      ~280 passes), while one that runs now and then keeps what its passes say. Without the
-      decay a slow stretch of a shared CPU ratcheted the wide widths up: the scheduler then
-      stopped choosing them, so nothing brought them back (T(4) went from 22.8 to 42-48 ms
-      during one benchmark workload and stayed there for the rest of the run);
+      corrects the curve's shape where the widths that run disagree with start-up; a width that
+      never runs keeps its start-up time plus the offset. Residuals do not decay: on the H200
+      the wide passes cost 0.4-0.7 ms more in the engine than at start-up, and a decay of the
+      residuals of widths unseen for 64 passes (tried in the thirteenth session against a slow
+      stretch of the CPU that had ratcheted T(4) up) made the replayed predictions of wide
+      passes worse there (median |log error| 0.096 -> 0.127) and no better on the CPU;
     * ``a`` and ``b`` (:func:`engine.runner.context_slopes`, seconds per context token, fitted
       at start-up from T(1) and T(max_rows) at two contexts; 0 where attention is cheap) are
       what the first row and each further row of a pass cost more per token of context beyond
@@ -55,9 +54,6 @@ class CostModel:
     Raises:
         ValueError: an empty curve.
     """
-
-    RESIDUAL_DECAY = 0.05
-    STALE_PASSES = 64
 
     def __init__(self, verify_cost: list[float], alpha: float = 0.05, context_slope: float = 0.0,
                  context_row_slope: float = 0.0, reference_context: int = 256):
@@ -81,8 +77,6 @@ class CostModel:
         self.offset = 0.0
         self.residual = [0.0] * len(self.shape)
         self.observations = [0] * len(self.shape)  # passes observed per width (diagnostics)
-        self.passes = 0
-        self.last_seen = [0] * len(self.shape)  # self.passes at each width's latest observation
         self._refresh()
 
     def _refresh(self) -> None:
@@ -145,11 +139,6 @@ class CostModel:
         if seconds <= 0:  # (slopes fitted too steep: the pass says nothing about the curve)
             return
         current = self._curve[i]
-        self.passes += 1
-        self.last_seen[i] = self.passes
-        stale = self.passes - self.STALE_PASSES
-        keep = 1.0 - self.alpha * self.RESIDUAL_DECAY
-        self.residual = [r * keep if seen < stale else r for r, seen in zip(self.residual, self.last_seen)]
         if i > 0:
             self.observations[i] += 1
             seen = min(max(seconds, 0.5 * current), 2.0 * current)

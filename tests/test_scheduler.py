@@ -127,23 +127,6 @@ def test_wide_passes_over_long_contexts_cost_their_rows_attention():
     assert choose_length(conditional, cost, context=3000)[0] < choose_length(conditional, cost, context=256)[0]
 
 
-def test_a_width_that_stops_running_decays_back_to_its_start_up_cost():
-    """A slow stretch raises width 4's residual; the scheduler then stops choosing width 4, so
-    only one-row passes run: after STALE_PASSES its residual decays and T(4) returns toward its
-    start-up time plus the offset. A width that keeps running now and then (width 8, every 20
-    passes) keeps what its passes say."""
-    shape = [10 * MS + 4.5 * MS * k for k in range(8)]
-    cost = CostModel(shape)
-    for _ in range(100):
-        cost.observe(4, 2 * shape[3])  # the slow stretch (clipped at 2x the curve per pass)
-    raised = cost.T(4) - shape[3]
-    assert raised > 0.5 * shape[3]
-    for step in range(1000):
-        cost.observe(8 if step % 20 == 19 else 1, 1.5 * shape[7] if step % 20 == 19 else shape[0])
-    assert cost.T(4) - shape[3] < 0.15 * raised
-    assert cost.T(8) == pytest.approx(1.5 * shape[7], rel=0.05)
-
-
 def test_context_slopes_from_start_up_times_at_two_contexts():
     """``(a, b)`` from T(1) and T(w) at the reference context and one 844 tokens longer: rows
     that attend one by one (the CPU) give b ~ a; rows that attend in parallel (the H200's
