@@ -128,7 +128,41 @@ def compare_steps(eng: Engine, prompt: list[int], cycles: int) -> dict:
         pos += 1 + cycle % 4
     eager, compiled = (statistics.median(times[n]) for n in ("eager", "compiled"))
     return {"eager_ms": round(eager, 3), "compiled_ms": round(compiled, 3),
-            "eager_over_compiled": round(eager / compiled, 2), "same_drafts": f"{agree}/{cycles + 3}"}
+            "eager_over_compiled": round(eager / compiled, 2), "same_drafts": f"{agree}/{cycles + 3}",
+            **split_forward(net, taps, tokens, hidden, len(prompt) - 1, cycles)}
+
+
+def split_forward(net, taps, tokens: list[int], hidden, pos: int, cycles: int) -> dict:
+    """The compiled forward in two synchronised halves (context update, then draft), and the
+    cost of one host round trip (a trivial graph evaluated and read back), median ms."""
+    d = dspark_drafter.DSparkDrafter(net, taps.embed, taps.lm_head)
+    d._absorb(hidden[:pos])
+    d._update_context()
+    mx.eval(*d._keys, *d._values)
+    update_ms, draft_ms, sync_ms = [], [], []
+    for cycle in range(cycles + 3):
+        new = 1 + cycle % 4
+        started = time.perf_counter()
+        d._absorb(hidden[pos : pos + new])
+        d._update_context()
+        mx.eval(*d._keys, *d._values)
+        mid = time.perf_counter()
+        out = d.step.draft(int(tokens[pos + new]), pos + new, d._keys, d._values, 7, 0.0, 0)
+        mx.eval(*(a for a in out if a is not None))
+        out[0].tolist()
+        ended = time.perf_counter()
+        one = mx.array([cycle]) + 1
+        mx.eval(one)
+        one.tolist()
+        synced = time.perf_counter()
+        pos += new
+        if cycle >= 3:
+            update_ms.append(1e3 * (mid - started))
+            draft_ms.append(1e3 * (ended - mid))
+            sync_ms.append(1e3 * (synced - ended))
+    return {"compiled_update_ms": round(statistics.median(update_ms), 3),
+            "compiled_draft_ms": round(statistics.median(draft_ms), 3),
+            "round_trip_ms": round(statistics.median(sync_ms), 3)}
 
 
 if __name__ == "__main__":
