@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from engine import (
+    ContextLengthExceeded,
     EngineError,
     FinishReason,
     GenerationRequest,
@@ -43,6 +44,8 @@ class Job:
     request: GenerationRequest
     prompt_text: str | None = None  # echo text for completions
     events: list[TokenEvent] = field(default_factory=list)
+    prompt_param: str = "prompt"  # the request field errors about the prompt name ("messages" for chat)
+    max_tokens_param: str = "max_tokens"
 
 
 # ---- request translation ----------------------------------------------------------------------
@@ -182,7 +185,7 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
                                    max(1, engine.loaded.context_length - len(tokens)), param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     return [
-        Job(i, GenerationRequest(
+        Job(i, prompt_param="messages", max_tokens_param=param, request=GenerationRequest(
             prompt_tokens=tokens,
             max_tokens=max_tokens,
             sampling=sampling_params(body, i),
@@ -208,6 +211,9 @@ def submit_all(request: Request, jobs: list[Job]) -> list[AsyncIterator[TokenEve
             engine.validate(job.request)
         except EngineError as exc:  # counted here: the engine's own count sees only submits
             _state(request).metrics.request_rejected(type(exc).__name__)
+            if isinstance(exc, ContextLengthExceeded):  # name the field to shorten
+                exc.param = (job.prompt_param if exc.prompt_tokens >= exc.context_length
+                             else job.max_tokens_param)
             raise
     streams = []
     try:

@@ -183,7 +183,14 @@ def test_context_length_exceeded(tiny_server):
     r = post(tiny_server, "/v1/completions", {"prompt": "x" * 100, "max_tokens": 5000})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "max_tokens"  # the prompt fits: the budget does not
     assert metric(tiny_server, "requests_rejected_total", labels) == before + 1
+    window = tiny_server.engine.loaded.context_length
+    r = post(tiny_server, "/v1/completions", {"prompt": [1] * window, "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    r = post(tiny_server, "/v1/chat/completions",
+             {"messages": [{"role": "user", "content": "x" * (2 * window)}], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
     # and the server keeps serving
     assert post(tiny_server, "/v1/completions", {"prompt": "ab", "max_tokens": 2}).status_code == 200
 
@@ -240,6 +247,7 @@ def test_non_stream_disconnect_cancels_the_request(tiny_server):
 
 
 def test_spec_metrics_move_and_equal_response_stats(tiny_server):
+    assert _wait_idle(tiny_server.engine)  # requests an earlier test left running would move the counters
     names = ["spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
              "spec_decode_num_accepted_tokens_total"]
     label = 'drafter="prompt_lookup"'
