@@ -251,7 +251,9 @@ def test_spec_metrics_move_and_equal_response_stats(tiny_server):
     names = ["spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
              "spec_decode_num_accepted_tokens_total"]
     label = 'drafter="prompt_lookup"'
+    per_pos = [f'{label},position="{i}"' for i in range(16)]
     before = {n: metric(tiny_server, n, label) for n in names}
+    before_pos = [metric(tiny_server, "spec_decode_num_accepted_tokens_per_pos_total", p) for p in per_pos]
     r = post(tiny_server, "/v1/completions", {"prompt": "xyzxyzxyzxyzxyzxyz", "max_tokens": 40,
                                               "temperature": 0, "ignore_eos": True,
                                               "speculative": {"method": "prompt_lookup"}}).json()
@@ -261,8 +263,14 @@ def test_spec_metrics_move_and_equal_response_stats(tiny_server):
     assert after[names[0]] - before[names[0]] == stats["num_drafts"]
     assert after[names[1]] - before[names[1]] == stats["num_draft_tokens"]
     assert after[names[2]] - before[names[2]] == stats["num_accepted_tokens"]
+    # the per-position counters move by the response's accepted drafts per position (a series
+    # appears once its position first accepts: the random tiny model need not accept any)
+    moved = [metric(tiny_server, "spec_decode_num_accepted_tokens_per_pos_total", p) - b
+             for p, b in zip(per_pos, before_pos)]
+    by_pos = stats["accepted_per_position"]
+    assert moved == [float(by_pos[i]) if i < len(by_pos) else 0.0 for i in range(16)]
+    assert sum(moved) == stats["num_accepted_tokens"]
     text = httpx.get(tiny_server.url + "/metrics").text
-    assert 'specserve:spec_decode_num_accepted_tokens_per_pos_total{drafter="prompt_lookup",position="0"}' in text
     assert "specserve:verify_cost_seconds{rows=\"1\"}" in text
     for row in ("first", "further"):
         assert re.search(rf'^specserve:verify_context_cost_seconds{{row="{row}"}} [0-9.e+-]+$', text, re.M)
