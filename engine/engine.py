@@ -385,8 +385,9 @@ class Engine:
             while not seq.finished:
                 (prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost))
             if warm.speculative.method == "dspark":
-                # that forward compiled the drafter's kernels: its time is no draft cost (the
-                # next forward's measurement replaces it; its acceptance evidence stays)
+                # its first forward ran the drafter's kernels for the first time: its time is no
+                # draft cost (the next forward's measurement replaces it; its acceptance
+                # evidence stays)
                 self.dspark_stats.draft_cost = 0.0
         if cfg.prefix_cache_bytes > 0:  # after the warm-up, which must not count in its metrics
             if PrefixCache.supports(self.runner.make_cache()):

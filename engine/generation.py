@@ -236,8 +236,10 @@ class Sequence:
                                            min(2 * self.dspark_probe_every, DSPARK_PROBE_MAX))
                 started = time.perf_counter()
                 option = self._propose_dspark(ctx, budget, cost)
-                if probe:
-                    self.dspark_stats.observe_probe(time.perf_counter() - started)
+                if probe:  # (a forward that compiled a graph is charged at the usual cost)
+                    traced = getattr(self.drafters["dspark"], "traced", False)
+                    self.dspark_stats.observe_probe(self.dspark_stats.draft_cost if traced
+                                                    else time.perf_counter() - started)
                 dspark_ran = True
                 if option[1] == 0 and not forced:  # paid for, drafted nothing
                     self.dspark_stats.observe([], 0, 0)

@@ -125,8 +125,9 @@ class CostModel:
         passes used to move the shared offset too, and their errors, large in absolute terms,
         dragged T(1) along: on a 2-vCPU AVX2 CPU the curve went flat (T(1..16) = 15.7-16.5
         ms against 18.7-219 ms measured) and prompt lookup ran novel chat at 0.66x plain.
-        Three one-row passes in a row more than 2x off the curve, in one direction, rescale the
-        start-up shape so that T(1) lands on their median and start the refresh again (a lone
+        Three one-row passes in a row more than 2x off the prediction (context term included,
+        so a slope fitted 2x off is no streak), in one direction, rescale the start-up shape and
+        the slopes so that T(1) at that context lands on their median and start the refresh again (a lone
         outlier changes nothing): a start-up measurement taken while other work loaded the CPU
         would otherwise leave the curve far off for hundreds of passes.
 
@@ -135,28 +136,30 @@ class CostModel:
         if not (1 <= rows <= self.max_rows and seconds > 0) or self.alpha <= 0:
             return
         i = rows - 1
-        seconds -= self._context_term(rows, context)
-        if seconds <= 0:  # (slopes fitted too steep: the pass says nothing about the curve)
-            return
+        term = self._context_term(rows, context)
         current = self._curve[i]
+        # brought back to the calibration context, within [0.5, 2] x the curve (a slope fitted
+        # too steep or too flat moves the offset or a residual by at most alpha of that)
+        seen = min(max(seconds - term, 0.5 * current), 2.0 * current)
         if i > 0:
             self.observations[i] += 1
-            seen = min(max(seconds, 0.5 * current), 2.0 * current)
             self.residual[i] += self.alpha * (seen - self.shape[i] - self.offset - self.residual[i])
             self._refresh()
             return
-        ratio = seconds / current
+        predicted = current + term
+        ratio = seconds / predicted  # against the whole prediction: a wrong slope is no streak
         if 0.5 <= ratio <= 2.0:
             self.far = []
             self.observations[0] += 1
-            self.offset += self.alpha * (seconds - self.shape[0] - self.offset)
+            self.offset += self.alpha * (seen - self.shape[0] - self.offset)
             self._refresh()
             return
         if self.far and (self.far[-1] > 1) != (ratio > 1):
             self.far = []  # a streak runs in one direction
         self.far.append(ratio)
         if len(self.far) >= 3:  # (no EMA step meanwhile: a lone spike leaves the curve alone)
-            scale = sorted(self.far)[1] * current / self.shape[0]
+            # the start-up shape and slopes scaled so this context's T(1) lands on the median
+            scale = sorted(self.far)[1] * predicted / (self.shape[0] + term)
             self.context_slope *= scale
             self.context_row_slope *= scale
             self.reset([t * scale for t in self.shape])

@@ -157,10 +157,11 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
                 request_id=f"{rid}-{p_index}-{i}",
                 cache_salt=body.cache_salt,
             )
+            job = Job(len(jobs), req, echo)
             if body.echo and echo is None:
-                _state(request).engine.validate(req)  # token ids in range before decoding them
-                echo = text if text is not None else table.decode(tokens)
-            jobs.append(Job(len(jobs), req, echo))
+                validate(request, job)  # token ids in range before decoding them
+                echo = job.prompt_text = text if text is not None else table.decode(tokens)
+            jobs.append(job)
     return jobs
 
 
@@ -204,17 +205,23 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
 # ---- running jobs ---------------------------------------------------------------------------
 
 
+def validate(request: Request, job: Job) -> None:
+    """The engine's checks of ``job``; a rejection is counted (the engine's own count sees only
+    submits) and a context overflow names the field to shorten (``messages``/``prompt``, or
+    ``max_tokens`` when the prompt alone fits)."""
+    try:
+        _state(request).engine.validate(job.request)
+    except EngineError as exc:
+        _state(request).metrics.request_rejected(type(exc).__name__)
+        if isinstance(exc, ContextLengthExceeded):
+            exc.param = job.prompt_param if exc.prompt_tokens >= exc.context_length else job.max_tokens_param
+        raise
+
+
 def submit_all(request: Request, jobs: list[Job]) -> list[AsyncIterator[TokenEvent]]:
     engine = _state(request).engine
     for job in jobs:  # validate every job before any runs
-        try:
-            engine.validate(job.request)
-        except EngineError as exc:  # counted here: the engine's own count sees only submits
-            _state(request).metrics.request_rejected(type(exc).__name__)
-            if isinstance(exc, ContextLengthExceeded):  # name the field to shorten
-                exc.param = (job.prompt_param if exc.prompt_tokens >= exc.context_length
-                             else job.max_tokens_param)
-            raise
+        validate(request, job)
     streams = []
     try:
         for job in jobs:

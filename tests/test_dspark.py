@@ -314,7 +314,7 @@ def test_markov_head_applies_left_to_right(heads):
 def test_compiled_draft_step_matches_eager_and_reference_as_the_cache_grows(heads, monkeypatch):
     """The compiled step (static, padded, masked context buffers) drafts what the eager step and
     the from-scratch reference draft, through absorbs of 1..16 padded rows, a large unpadded one
-    and two doublings of the cache; sampled drafts keep the same keys and q rows."""
+    and three doublings of the cache; sampled drafts keep the same keys and q rows."""
     from drafters.dspark import drafter as drafter_mod
 
     monkeypatch.setattr(drafter_mod, "MIN_CAPACITY", 8)

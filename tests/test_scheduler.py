@@ -139,3 +139,24 @@ def test_context_slopes_from_start_up_times_at_two_contexts():
     assert a == pytest.approx(0.28 * MS / 844) and b == pytest.approx((0.31 - 0.28) * MS / 844 / 15)
     assert context_slopes(844, 8, (10 * MS, 40 * MS), (10.2 * MS, 40.5 * MS)) == (0.0, 0.0)  # within noise
     assert context_slopes(844, 8, (11 * MS, 40 * MS), (10 * MS, 30 * MS)) == (0.0, 0.0)
+
+
+def test_a_slope_fitted_twice_too_steep_does_not_rescale_the_shared_curve():
+    """A start-up fit of the context slope 2x too steep (the CPU's fits ranged 2.7-6.0 ms per 1k
+    tokens): a long request's one-row passes look far faster than the curve once the term is
+    taken off, but they are within 2x of the whole prediction, so they are no streak; the curve
+    at the calibration context stays within the clip of start-up, and a far-off streak against
+    the whole prediction still rescales it."""
+    shape = [10.5 * MS + 4.5 * MS * k for k in range(8)]
+    true_a = 3 * MS / 1000
+    cost = CostModel(shape, context_slope=2 * true_a, context_row_slope=2 * true_a, reference_context=256)
+    for _ in range(60):  # one long request
+        cost.observe(1, shape[0] + true_a * (2500 - 256), context=2500)
+    assert cost.context_slope == pytest.approx(2 * true_a)  # no streak, no rescale
+    assert cost.T(1) >= 0.5 * shape[0]  # the offset moved by clipped observations only
+    for _ in range(100):  # then short ones
+        cost.observe(1, shape[0], context=200)
+    assert cost.T(1) == pytest.approx(shape[0], rel=0.1)
+    for _ in range(3):  # the machine got 3x slower
+        cost.observe(1, 3 * cost.T(1, 2500), context=2500)
+    assert cost.T(1, 2500) == pytest.approx(3 * (shape[0] + 2 * true_a * 2244), rel=0.2)

@@ -184,13 +184,17 @@ def test_context_length_exceeded(tiny_server):
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert r.json()["error"]["param"] == "max_tokens"  # the prompt fits: the budget does not
-    assert metric(tiny_server, "requests_rejected_total", labels) == before + 1
+    r = post(tiny_server, "/v1/completions", {"prompt": "x" * 100, "max_tokens": 5000, "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"  # (validated early for echo)
+    assert metric(tiny_server, "requests_rejected_total", labels) == before + 2
     window = tiny_server.engine.loaded.context_length
     r = post(tiny_server, "/v1/completions", {"prompt": [1] * window, "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert r.json()["error"]["code"] == "context_length_exceeded"
     r = post(tiny_server, "/v1/chat/completions",
              {"messages": [{"role": "user", "content": "x" * (2 * window)}], "max_tokens": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert r.json()["error"]["code"] == "context_length_exceeded"
     # and the server keeps serving
     assert post(tiny_server, "/v1/completions", {"prompt": "ab", "max_tokens": 2}).status_code == 200
 

@@ -67,8 +67,9 @@ class DraftStep:
 
     def warm(self) -> None:
         """Compile the greedy draft of every length ``1..block_size`` and the padded context
-        updates at the first capacity, so requests do not pay for it (sampled drafts and larger
-        caches compile on first use)."""
+        updates at the first capacity (256 rows). Sampled drafts and larger caches still compile
+        on first use, in that request's cycle; such forwards set ``traced`` and the engine keeps
+        them out of its draft cost and probe budget."""
         keys, values = self.empty_cache(MIN_CAPACITY)
         rows = mx.zeros((1, self.config.num_taps * self.config.hidden_size), self.network.fc_dtype)
         padded = 1
@@ -224,6 +225,7 @@ class DSparkDrafter:
                              f"anchor is at position {anchor_pos}; the engine must pass every "
                              "committed position's hidden row exactly once")
         n = min(max_len, self.config.block_size)
+        self.traced = False
         if n <= 0:
             return Draft()
         self.step.take_traced()
