@@ -410,29 +410,29 @@ class TargetRunner:
                 return w - 1
         return widths
 
-    def _measure_cost(self, context: list[int], probe: list[int], widths: int | list[int],
-                      repeats: int) -> list[float]:
-        """``T(k)`` for ``k = 1..widths`` (or for the widths listed, unsmoothed): each width's
-        fastest of ``repeats`` passes, taken in rounds over all widths after one warm-up round,
-        so a burst of other work inflates at most one round (interference only ever adds time;
-        consecutive repeats per width, medians, once made T(1) 4x too high and, with the
-        smoothing below, the curve flat to 11 rows, and under a test suite's load T(3) = 6 T(1),
-        which kept drafts at one token)."""
-        which = list(widths) if isinstance(widths, list) else list(range(1, widths + 1))
+    def _time_widths(self, context: list[int], probe: list[int], widths: list[int], repeats: int) -> list[float]:
+        """Seconds of a pass of each of ``widths`` rows after ``context``: each width's fastest of
+        ``repeats`` passes, taken in rounds over all widths after one warm-up round, so a burst of
+        other work inflates at most one round (interference only ever adds time; consecutive
+        repeats per width, medians, once made T(1) 4x too high and, with the smoothing of
+        :meth:`_measure_cost`, the curve flat to 11 rows, and under a test suite's load T(3) =
+        6 T(1), which kept drafts at one token)."""
         cache = self.make_cache()
         mx.eval(self.prefill(context, cache)[0])
-        best = [float("inf")] * len(which)
+        best = [float("inf")] * len(widths)
         for round_ in range(repeats + 1):  # round 0 warms every width up
-            for i, w in enumerate(which):
+            for i, w in enumerate(widths):
                 start = time.perf_counter()
                 mx.eval(self.verify(probe[:w], cache)[0])
                 elapsed = time.perf_counter() - start
                 self.trim(cache, w)
                 if round_:
                     best[i] = min(best[i], elapsed)
-        costs = best
-        if isinstance(widths, list):
-            return costs
+        return best
+
+    def _measure_cost(self, context: list[int], probe: list[int], widths: int, repeats: int) -> list[float]:
+        """``T(k)`` for ``k = 1..widths`` (:meth:`_time_widths`), made non-decreasing."""
+        costs = self._time_widths(context, probe, list(range(1, widths + 1)), repeats)
         # A wider pass never costs less than a narrower one for the scheduler's purposes.
         for i in range(1, len(costs)):
             costs[i] = max(costs[i], costs[i - 1])
@@ -523,12 +523,13 @@ class TargetRunner:
         slopes = (0.0, 0.0)
         long_ctx = max(contexts) if contexts else 0
         if width > 1 and long_ctx - ctx >= MIN_CONTEXT_SPAN:
-            far = self._measure_cost(ids[:long_ctx], ids[long_ctx : long_ctx + width], [1, width], repeats)
+            far = self._time_widths(ids[:long_ctx], ids[long_ctx : long_ctx + width], [1, width], repeats)
             slopes = context_slopes(long_ctx - ctx, width, (costs[0], costs[width - 1]), tuple(far))
         return Calibration(width, row > batched, costs, max_rows, batched_rows=self.batched_rows,
                            attention_kernel=self.row_kernel is not None and self.row_exact_attention,
                            fused_pass=self.fused is not None, context_slope=slopes[0],
                            context_row_slope=slopes[1], reference_context=ctx)
+
 
 MIN_CONTEXT_SPAN = 512  # tokens between the two contexts a context slope is fitted from
 NOISE = 0.03  # a time difference below this share of the shorter context's time counts as none

@@ -71,12 +71,14 @@ class DraftStep:
         on first use, in that request's cycle; such forwards set ``traced`` and the engine keeps
         them out of its draft cost and probe budget."""
         keys, values = self.empty_cache(MIN_CAPACITY)
-        rows = mx.zeros((1, self.config.num_taps * self.config.hidden_size), self.network.fc_dtype)
+        features = self.config.num_taps * self.config.hidden_size
         padded = 1
         while padded <= MAX_PADDED_ROWS:
-            keys, values = self.absorb(mx.concatenate([rows] * padded), 0, keys, values)
+            rows = mx.zeros((padded, features), self.network.fc_dtype)
+            keys, values = self.absorb(rows, 0, keys, values)
             padded *= 2
-        outs = [self.draft(0, padded, keys, values, n, 0.0, 0) for n in range(1, self.config.block_size + 1)]
+        length = MAX_PADDED_ROWS  # (any valid context length: the graphs do not depend on it)
+        outs = [self.draft(0, length, keys, values, n, 0.0, 0) for n in range(1, self.config.block_size + 1)]
         mx.eval(keys, values, *(a for out in outs for a in out if a is not None))
         self.take_traced()
 

@@ -317,10 +317,8 @@ def sample_block(model: DSparkModel, base_logits: mx.array, h: mx.array, anchor:
 def block_inputs(embed: Embed, anchor: int | mx.array, mask_token_id: int, block_size: int) -> mx.array:
     """``[1, 1, B, d]`` embeddings of ``[anchor, MASK x (B-1)]`` (``anchor``: an int or an int32
     ``[1]`` array)."""
-    if isinstance(anchor, mx.array):
-        ids = mx.concatenate([anchor.astype(mx.int32), mx.full((block_size - 1,), mask_token_id, mx.int32)])
-    else:
-        ids = mx.array([anchor] + [mask_token_id] * (block_size - 1), dtype=mx.int32)
+    anchor = anchor if isinstance(anchor, mx.array) else mx.array([anchor])
+    ids = mx.concatenate([anchor.astype(mx.int32), mx.full((block_size - 1,), mask_token_id, mx.int32)])
     return embed(ids)[None, None]
 
 
