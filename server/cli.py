@@ -24,8 +24,8 @@ def train_dspark(argv: list[str]) -> int:
     from engine.loader import load_target  # noqa: I001
     from drafters.dspark.train import main as train_main
 
-    def load(spec: str):
-        loaded = load_target(spec, weights="auto")
+    def load(spec: str, weights: str):
+        loaded = load_target(spec, weights=weights)
         return loaded.model, loaded.tokenizer
 
     return train_main(argv, load_target=load)

@@ -31,7 +31,13 @@ from drafters.dspark import (
     reference_draft,
     save_dspark,
 )
-from drafters.dspark.data import PromptRecord, code_prompts, humaneval_prompts, instruction_prompts
+from drafters.dspark.data import (
+    PromptRecord,
+    code_prompts,
+    humaneval_prompts,
+    instruction_prompts,
+    pre_query_prompt,
+)
 from drafters.dspark.model import block_inputs
 from drafters.dspark.train import (
     Batch,
@@ -46,6 +52,7 @@ from drafters.dspark.train import (
     latest_checkpoint,
     make_batch,
     restore,
+    self_instruct_prompts,
     train_dspark,
     train_loop,
 )
@@ -486,6 +493,59 @@ def test_prompt_sources_and_splits(tmp_path):
     he = humaneval_prompts()
     assert len(he) == 2 * 164 and all(r.split == "eval" for r in he)
     assert he[0].text.startswith("\n\ndef ") or "def " in he[0].text
+
+
+def test_code_prompts_from_extra_roots(tmp_path):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    for i in range(4):
+        (pkg / f"m{i}.py").write_text(f"def g{i}(x):\n    y = x - {i}\n    z = y * 3\n    return z\n")
+    code = code_prompts(1000, root=str(tmp_path / "empty"), eval_fraction=0.0, extra_roots=(str(pkg),))
+    assert sorted(r.id for r in code) == [f"code:pkg/m{i}.py:0" for i in range(4)]
+    body = [r.text or r.messages[0]["content"] for r in code]
+    assert all(any(f"def g{i}(x)" in b for b in body) for i in range(4))
+
+
+def test_pre_query_prompt_is_the_template_up_to_user_content():
+    tok = TokenizerWrapper(byte_tokenizer(), eos_token_ids=[2])
+    prefix = pre_query_prompt(tok)
+    full = tok.apply_chat_template([{"role": "user", "content": "hi there"}], tokenize=True)
+    assert prefix and list(full[: len(prefix)]) == prefix
+    assert tok.decode(list(full[len(prefix):])).startswith("hi there")
+
+
+def test_self_instruct_keeps_finished_new_questions(tiny_target, monkeypatch):
+    """Questions the target ended with EOS, of >= 3 words, first occurrence only, at most n; a
+    hashed share held out; None once the deadline passed."""
+    import drafters.dspark.train as train_mod
+
+    model, tok = tiny_target
+    eos = 2
+
+    def ids(text):
+        return list(tok.encode(text, add_special_tokens=False))
+
+    outs = [ids("how do I sort a list") + [eos], ids("too short") + [eos], ids("no end in sight here"),
+            ids("how do I sort a list") + [eos], ids("what is a hash table") + [eos], []]
+    calls = []
+
+    def fake_generate(m, prompts, max_new, sampler, eos_ids):
+        calls.append((prompts, max_new, eos_ids))
+        return outs[: len(prompts)]
+
+    monkeypatch.setattr(train_mod, "_generate_batch", fake_generate)
+    cfg = DataConfig(n_self_instruct=3, gen_batch_size=6, eval_fraction=0.5)
+    recs = self_instruct_prompts(model, tok, cfg, progress=False)
+    assert [r.messages[0]["content"] for r in recs] == ["how do I sort a list", "what is a hash table"]
+    assert [r.id for r in recs] == ["self_instruct:0", "self_instruct:1"] and len(calls) == 2  # 4 * 3 / 6 tries
+    assert calls[0][0] == [pre_query_prompt(tok)] * 6 and calls[0][1] == cfg.self_instruct_max_tokens
+    assert {r.split for r in recs} <= {"train", "eval"} and all(r.source == "self_instruct" for r in recs)
+    again = self_instruct_prompts(model, tok, cfg, progress=False)
+    assert [(r.split, r.messages) for r in again] == [(r.split, r.messages) for r in recs]
+    assert self_instruct_prompts(model, tok, DataConfig(n_self_instruct=1, gen_batch_size=6),
+                                 progress=False, deadline=0.0) is None
+    cfg1 = DataConfig(n_self_instruct=1, gen_batch_size=6)
+    assert len(self_instruct_prompts(model, tok, cfg1, progress=False)) == 1
 
 
 def test_default_mask_token():

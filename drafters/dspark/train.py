@@ -27,6 +27,7 @@ import argparse
 import json
 import logging
 import math
+import random
 import re
 import shutil
 import time
@@ -68,7 +69,9 @@ class DraftArch:
 class DataConfig:
     n_code: int = 4000
     n_instruct: int = 8000
-    code_per_file: int = 3  # snippets taken from each standard-library file
+    n_self_instruct: int = 0  # user questions the target writes itself (Magpie), before answering them
+    code_per_file: int = 3  # snippets taken from each source file
+    code_roots: tuple[str, ...] = ()  # source trees for code prompts besides the standard library
     humaneval: bool = True
     humaneval_path: str | None = None
     eval_fraction: float = 0.1
@@ -76,6 +79,9 @@ class DataConfig:
     max_new_tokens: int = 384
     temperature: float = 0.0
     top_p: float = 1.0
+    self_instruct_temperature: float = 1.0
+    self_instruct_top_p: float = 0.95
+    self_instruct_max_tokens: int = 96
     gen_batch_size: int = 128
     shard_size: int = 512  # prompts per resumable generation shard (a deadline mid-shard drops it)
     seed: int = 0
@@ -320,6 +326,54 @@ def generate_examples(model: nn.Module, tokenizer, records: list[PromptRecord], 
             bar.update(len(idx))
     return [{"id": r.id, "source": r.source, "split": r.split, "prompt": p, "response": responses[i]}
             for i, (r, p) in enumerate(encoded)]
+
+
+def self_instruct_prompts(model: nn.Module, tokenizer, data_cfg: DataConfig, progress: bool = True,
+                          deadline: float | None = None) -> list[PromptRecord] | None:
+    """``data_cfg.n_self_instruct`` user questions written by the target itself (Magpie: Xu et
+    al. 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with
+    Nothing", arXiv:2406.08464).
+
+    The target continues its chat template's empty user turn
+    (:func:`~drafters.dspark.data.pre_query_prompt`), sampled at
+    ``self_instruct_temperature``/``self_instruct_top_p`` for at most
+    ``self_instruct_max_tokens`` tokens, in batches of ``gen_batch_size``. A question is kept
+    when the model ended it (EOS) within the limit, it has at least 3 words, and it is new; a
+    hashed ``eval_fraction`` of them is held out. Stops after ``4 * n`` attempts.
+
+    Returns chat records ``self_instruct:<i>``, or None when ``deadline`` passed.
+    """
+    from mlx_lm.sample_utils import make_sampler
+    from tqdm import tqdm
+
+    from .data import _hashed_fraction, pre_query_prompt
+
+    want = data_cfg.n_self_instruct
+    prefix = pre_query_prompt(tokenizer)
+    sampler = make_sampler(data_cfg.self_instruct_temperature, data_cfg.self_instruct_top_p)
+    eos = sorted(int(t) for t in tokenizer.eos_token_ids)
+    size = max(1, data_cfg.gen_batch_size)
+    mx.random.seed(data_cfg.seed + 1)
+    seen: set[str] = set()
+    records: list[PromptRecord] = []
+    with tqdm(total=want, desc="self-instruct", disable=not progress) as bar:
+        for _ in range(max(1, -(-4 * want // size))):
+            if len(records) >= want:
+                break
+            if deadline is not None and time.perf_counter() > deadline:
+                return None
+            for out in _generate_batch(model, [prefix] * size, data_cfg.self_instruct_max_tokens, sampler, eos):
+                if not out or out[-1] not in eos:
+                    continue
+                text = tokenizer.decode(out[:-1]).strip()
+                if len(text.split()) < 3 or text in seen or len(records) >= want:
+                    continue
+                seen.add(text)
+                split = "eval" if _hashed_fraction("self_instruct:" + text) < data_cfg.eval_fraction else "train"
+                records.append(PromptRecord(f"self_instruct:{len(records)}", "self_instruct", split,
+                                            messages=[{"role": "user", "content": text}]))
+                bar.update(1)
+    return records
 
 
 def _generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, sampler,
@@ -568,7 +622,14 @@ def _load_or_generate(target, tokenizer, out_dir: Path, data_cfg: DataConfig, re
     elif records is None:
         records = build_prompt_set(data_cfg.n_code, data_cfg.n_instruct, data_cfg.seed,
                                    data_cfg.humaneval, data_cfg.humaneval_path, data_cfg.eval_fraction,
-                                   data_cfg.code_per_file)
+                                   data_cfg.code_per_file, data_cfg.code_roots)
+        if data_cfg.n_self_instruct > 0:
+            extra = self_instruct_prompts(target, tokenizer, data_cfg, progress, deadline)
+            if extra is None:
+                log.info("time budget reached while the target wrote its questions; rerun to continue")
+                return None
+            records += extra
+        random.Random(data_cfg.seed).shuffle(records)  # a budget cut between shards drops no whole source
     if not prompts_path.exists():
         write_jsonl(prompts_path, records)
     train_records = [r for r in records if r.split == "train"]
@@ -678,12 +739,14 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
 
 # ---- command line ---------------------------------------------------------------------------
 
-TargetLoader = Callable[[str], tuple[nn.Module, object]]
+TargetLoader = Callable[[str, str], tuple[nn.Module, object]]
 
 
-def _mlx_lm_loader(spec: str):
+def _mlx_lm_loader(spec: str, weights: str = "auto"):
     if spec == "default" or spec.endswith(".gguf"):
         raise SystemExit("GGUF targets load through the engine: run `specserve train-dspark`")
+    if weights != "auto":
+        raise SystemExit("--target-weights needs the engine's loader: run `specserve train-dspark`")
     from mlx_lm.utils import load
 
     model, tokenizer = load(spec)
@@ -694,6 +757,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specserve train-dspark",
                                 description="Self-distil a DSpark drafter for a target model (MLX).")
     p.add_argument("--target", default="default", help="target: 'default', a .gguf file or an MLX model dir/repo")
+    p.add_argument("--target-weights", default="auto",
+                   help="weight policy of the frozen target during generation and training (the engine's "
+                        "WEIGHT_POLICIES, e.g. bfloat16 dequantizes for fast large batches on a GPU)")
     p.add_argument("--out", required=True, help="run directory (resumable)")
     a, d, t = DraftArch(), DataConfig(), TrainConfig()
     g = p.add_argument_group("drafter")
@@ -707,7 +773,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("data")
     g.add_argument("--n-code", type=int, default=d.n_code)
     g.add_argument("--n-instruct", type=int, default=d.n_instruct)
+    g.add_argument("--n-self-instruct", type=int, default=d.n_self_instruct,
+                   help="user questions the target writes itself (Magpie) and then answers")
     g.add_argument("--code-per-file", type=int, default=d.code_per_file)
+    g.add_argument("--code-root", action="append", default=[],
+                   help="another source tree for code prompts (repeatable; the standard library is always used)")
     g.add_argument("--no-humaneval", action="store_true")
     g.add_argument("--humaneval-path", default=None)
     g.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
@@ -733,14 +803,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None, load_target: TargetLoader | None = None) -> int:
-    """CLI entry (``specserve train-dspark``). ``load_target(spec) -> (mlx-lm model, tokenizer)``
+    """CLI entry (``specserve train-dspark``). ``load_target(spec, weights) -> (mlx-lm model, tokenizer)``
     is injected by the caller (the engine's loader handles GGUF); default: ``mlx_lm.load``."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model, tokenizer = (load_target or _mlx_lm_loader)(args.target)
+    model, tokenizer = (load_target or _mlx_lm_loader)(args.target, args.target_weights)
     arch = DraftArch(args.layers, args.num_taps, args.target_layer_ids, args.block_size, args.markov_rank,
                      args.mask_token_id, not args.no_confidence_head)
-    data = DataConfig(n_code=args.n_code, n_instruct=args.n_instruct, code_per_file=args.code_per_file,
+    data = DataConfig(n_code=args.n_code, n_instruct=args.n_instruct, n_self_instruct=args.n_self_instruct,
+                      code_per_file=args.code_per_file, code_roots=tuple(args.code_root),
                       humaneval=not args.no_humaneval,
                       humaneval_path=args.humaneval_path, max_new_tokens=args.max_new_tokens,
                       temperature=args.gen_temperature, top_p=args.gen_top_p,
