@@ -3,10 +3,11 @@
 # copied into /root/s (see docs/benchmarks.md, "Reproducing the GPU numbers"). Each phase fits
 # in one bounded device call; state lives in /root (kept while the machine stays warm).
 #   h200_session.sh gen   BUDGET_S   # self-distillation data for the DSpark drafter (resumable;
-#                                    # the trainer builds and shuffles the prompt set, self-instruct
-#                                    # questions included when N_SELF > 0;
-#                                    # seeded from staged files/examples.jsonl.gz + prompts.jsonl.gz
+#                                    # the trainer builds and shuffles the prompt set, with
+#                                    # self-instruct questions when N_SELF > 0; seeded from staged files/examples.jsonl.gz + prompts.jsonl.gz
 #                                    # when present; data comes back gzipped in $OUT)
+#   h200_session.sh throughput       # generation and training speed per target weight policy
+#                                    # (benchmarks/gpu/dspark_throughput.py; POLICIES, SHAPES)
 #   h200_session.sh probe            # 12 training steps on a copy of the data: seconds per step
 #   h200_session.sh train STEPS BUDGET_S  # train, export (4-bit) and evaluate on held-out prompts
 #   h200_session.sh bench            # plain / prompt lookup / DSpark / auto on every workload
@@ -71,6 +72,10 @@ summary = {"train_rows": len(train), "eval_rows": len(rows) - len(train),
            "prompt_tokens": sum(len(r["prompt"]) for r in train)}
 print(summary); json.dump(summary, open(sys.argv[2], "w"))
 EOF
+    ;;
+  throughput)
+    python3 -m benchmarks.gpu.dspark_throughput --policies "${POLICIES:-quantized,bfloat16}" \
+      --train-shapes "${SHAPES:-16x256,64x64}" --train-steps 5 --out "$out/dspark_throughput_h200.json"
     ;;
   probe)
     rm -rf $root/dspark-probe && mkdir -p $root/dspark-probe/data
