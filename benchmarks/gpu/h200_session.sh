@@ -4,8 +4,9 @@
 # in one bounded device call; state lives in /root (kept while the machine stays warm).
 #   h200_session.sh gen   BUDGET_S   # self-distillation data for the DSpark drafter (resumable;
 #                                    # the trainer builds and shuffles the prompt set, with
-#                                    # self-instruct questions when N_SELF > 0; seeded from staged files/examples.jsonl.gz + prompts.jsonl.gz
-#                                    # when present; data comes back gzipped in $OUT)
+#                                    # self-instruct questions when N_SELF > 0; seeded from staged
+#                                    # files/examples.jsonl.gz + prompts.jsonl.gz when present;
+#                                    # data comes back gzipped in $OUT)
 #   h200_session.sh throughput       # generation and training speed per target weight policy
 #                                    # (benchmarks/gpu/dspark_throughput.py; POLICIES, SHAPES)
 #   h200_session.sh probe            # 12 training steps on a copy of the data: seconds per step
