@@ -385,10 +385,13 @@ class Engine:
             while not seq.finished:
                 (prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost))
             if warm.speculative.method == "dspark":
-                # its first forward ran the drafter's kernels for the first time: its time is no
-                # draft cost (the next forward's measurement replaces it; its acceptance
-                # evidence stays)
-                self.dspark_stats.draft_cost = 0.0
+                # Its forwards are no evidence: the first ran the drafter's kernels for the first
+                # time (no draft cost), and a forced draft on a 4-token raw completion of "Hello,
+                # world" says nothing about real requests' acceptance. It used to be kept, and
+                # its first observation replaced the priors: a drafter that missed there was
+                # gated off before the first request, and budget-limited probes moved the
+                # estimate back by 5% each.
+                self.dspark_stats = DsparkStats()
         if cfg.prefix_cache_bytes > 0:  # after the warm-up, which must not count in its metrics
             if PrefixCache.supports(self.runner.make_cache()):
                 self.prefix_cache = PrefixCache(cfg.prefill_step, cfg.prefix_cache_bytes)

@@ -314,9 +314,12 @@ class DsparkStats:
             acc *= conditional[k]
             self.predicted[k] += self.alpha * (acc - self.predicted[k])
             self.realised[k] += self.alpha * (float(k < num_accepted) - self.realised[k])
-        # The first observation replaces the optimistic priors, so one losing probe is enough
-        # to gate DSpark off; a cycle cut to no draft leaves the length estimate alone.
-        rate = 1.0 if self.cycles == 0 else self.alpha
+        # A running mean over the first 1/alpha cycles, an EMA after: the first observation
+        # replaces the optimistic priors (one losing probe is enough to gate DSpark off), and
+        # each of the next few probes weighs as much as it (with the EMA's 5% from the start,
+        # a drafter gated off by one unlucky probe would need dozens of winning probes, each
+        # budget-limited, to come back). A cycle cut to no draft leaves the length alone.
+        rate = max(self.alpha, 1.0 / (self.cycles + 1))
         self.cycles += 1
         self.accepted_ema += rate * (num_accepted - self.accepted_ema)
         if num_draft:

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     out = {"_setup": vars(args)}
-    records = build_prompt_set(600, 600, code_per_file=12)
+    records = build_prompt_set(600, 600, humaneval=False, code_per_file=12)
     prompts = None
     for policy in args.policies.split(","):
         target = load_target("default", weights=policy)

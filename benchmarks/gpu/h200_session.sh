@@ -28,7 +28,7 @@ run=$root/dspark-run
 recipe=(--target default --layers 3 --block-size 7 --markov-rank 128
         --n-code "${N_CODE:-4000}" --n-instruct "${N_INSTRUCT:-3000}" --max-new-tokens "${MAX_NEW:-320}"
         --n-self-instruct "${N_SELF:-0}" --code-per-file "${CODE_PER_FILE:-3}" ${CODE_ROOTS:+--code-root $CODE_ROOTS}
-        --target-weights "${TARGET_WEIGHTS:-auto}"
+        --target-weights "${TARGET_WEIGHTS:-auto}" ${NO_HUMANEVAL:+--no-humaneval}
         --gen-batch-size "${GEN_BATCH:-256}" --gen-shard-size "${GEN_SHARD:-512}"
         --batch-size "${BATCH:-8}" --num-anchors "${ANCHORS:-256}" --max-seq-len 1024 --lr 6e-4 --save-every 200
         --eval-per-source "${EVAL_N:-20}" --eval-max-new-tokens 128 --no-progress)
