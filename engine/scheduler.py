@@ -298,6 +298,7 @@ class DsparkStats:
         self.accepted_ema = 1.0  # accepted drafts per DSpark cycle (EMA; the first cycle sets it)
         self.length_ema = 4.0  # verified draft length per DSpark cycle (EMA; the first sets it)
         self.cycles = 0  # DSpark cycles observed
+        self.drafted_cycles = 0  # ... of which verified a draft (the length estimate's count)
 
     def calibrated(self, conditional: list[float]) -> list[float]:
         survival, acc = [], 1.0
@@ -319,11 +320,11 @@ class DsparkStats:
         # each of the next few probes weighs as much as it (with the EMA's 5% from the start,
         # a drafter gated off by one unlucky probe would need dozens of winning probes, each
         # budget-limited, to come back). A cycle cut to no draft leaves the length alone.
-        rate = max(self.alpha, 1.0 / (self.cycles + 1))
         self.cycles += 1
-        self.accepted_ema += rate * (num_accepted - self.accepted_ema)
+        self.accepted_ema += max(self.alpha, 1.0 / self.cycles) * (num_accepted - self.accepted_ema)
         if num_draft:
-            self.length_ema += rate * (num_draft - self.length_ema)
+            self.drafted_cycles += 1
+            self.length_ema += max(self.alpha, 1.0 / self.drafted_cycles) * (num_draft - self.length_ema)
 
     def observe_cycle(self, seconds: float) -> None:
         """A target pass of ``seconds`` (measured; any drafter or none, one per batched pass):

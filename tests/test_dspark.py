@@ -506,6 +506,28 @@ def test_code_prompts_from_extra_roots(tmp_path):
     assert all(any(f"def g{i}(x)" in b for b in body) for i in range(4))
 
 
+def test_held_out_code_copied_into_training_files_is_dropped(tmp_path):
+    """Files are split by a hash of their path; a held-out snippet whose code (whitespace
+    aside) also sits in a training file is dropped, so eval prompts never reach training."""
+    from drafters.dspark.data import _hashed_fraction
+
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    names = [f"f{i}.py" for i in range(40)]
+    split = {n: _hashed_fraction(f"code:pkg/{n}") < 0.5 for n in names}  # True: held out
+    shared = "def shared(x):\n    y = x + 1\n    z = y * 2\n    return z\n"
+    for i, n in enumerate(names):
+        own = f"def own{i}(x):\n    y = x - {i}\n    z = y * 3\n    return z\n"
+        (pkg / n).write_text(own + "\n\n" + (shared if i % 2 else shared.replace("    ", "  ")))
+    code = code_prompts(1000, root=str(tmp_path / "empty"), eval_fraction=0.5, extra_roots=(str(pkg),),
+                        per_file=2)
+    held = [r for r in code if r.split == "eval"]
+    assert held and any(split.values()) and not all(split.values())
+    assert all("shared" not in (r.text or r.messages[0]["content"]) for r in held)
+    assert any("shared" in (r.text or r.messages[0]["content"]) for r in code if r.split == "train")
+    assert len(held) == sum(split.values())  # each held-out file keeps its own snippet
+
+
 def test_pre_query_prompt_is_the_template_up_to_user_content():
     tok = TokenizerWrapper(byte_tokenizer(), eos_token_ids=[2])
     prefix = pre_query_prompt(tok)
@@ -514,10 +536,12 @@ def test_pre_query_prompt_is_the_template_up_to_user_content():
     assert tok.decode(list(full[len(prefix):])).startswith("hi there")
 
 
-def test_self_instruct_keeps_finished_new_questions(tiny_target, monkeypatch):
+def test_self_instruct_keeps_finished_new_questions(tiny_target, monkeypatch, tmp_path):
     """Questions the target ended with EOS, of >= 3 words, first occurrence only, at most n; a
-    hashed share held out; None once the deadline passed."""
+    hashed share and held-out-family look-alikes held out; a run cut by its deadline goes on
+    from its batch log with the result of an uninterrupted run."""
     import drafters.dspark.train as train_mod
+    from drafters.dspark.data import _hashed_fraction
 
     model, tok = tiny_target
     eos = 2
@@ -525,27 +549,60 @@ def test_self_instruct_keeps_finished_new_questions(tiny_target, monkeypatch):
     def ids(text):
         return list(tok.encode(text, add_special_tokens=False))
 
-    outs = [ids("how do I sort a list") + [eos], ids("too short") + [eos], ids("no end in sight here"),
-            ids("how do I sort a list") + [eos], ids("what is a hash table") + [eos], []]
+    batches = [[ids("how do I sort a list") + [eos], ids("too short") + [eos], ids("no end in sight here"),
+                ids("how do I sort a list") + [eos], []],
+               [ids("what is a hash table") + [eos], ids("how do I sort a list") + [eos],
+                ids("write an email to my boss") + [eos], ids("one more question here") + [eos], []]]
     calls = []
 
     def fake_generate(m, prompts, max_new, sampler, eos_ids):
         calls.append((prompts, max_new, eos_ids))
-        return outs[: len(prompts)]
+        return batches[(len(calls) - 1) % 2][: len(prompts)]
 
     monkeypatch.setattr(train_mod, "_generate_batch", fake_generate)
-    cfg = DataConfig(n_self_instruct=3, gen_batch_size=6, eval_fraction=0.5)
+    cfg = DataConfig(n_self_instruct=3, gen_batch_size=5, eval_fraction=0.5)
     recs = self_instruct_prompts(model, tok, cfg, progress=False)
-    assert [r.messages[0]["content"] for r in recs] == ["how do I sort a list", "what is a hash table"]
-    assert [r.id for r in recs] == ["self_instruct:0", "self_instruct:1"] and len(calls) == 2  # 4 * 3 / 6 tries
-    assert calls[0][0] == [pre_query_prompt(tok)] * 6 and calls[0][1] == cfg.self_instruct_max_tokens
-    assert {r.split for r in recs} <= {"train", "eval"} and all(r.source == "self_instruct" for r in recs)
-    again = self_instruct_prompts(model, tok, cfg, progress=False)
-    assert [(r.split, r.messages) for r in again] == [(r.split, r.messages) for r in recs]
-    assert self_instruct_prompts(model, tok, DataConfig(n_self_instruct=1, gen_batch_size=6),
-                                 progress=False, deadline=0.0) is None
-    cfg1 = DataConfig(n_self_instruct=1, gen_batch_size=6)
-    assert len(self_instruct_prompts(model, tok, cfg1, progress=False)) == 1
+    texts = ["how do I sort a list", "what is a hash table", "write an email to my boss"]
+    assert [r.messages[0]["content"] for r in recs] == texts and len(calls) == 2
+    assert [r.id for r in recs] == ["self_instruct:0", "self_instruct:1", "self_instruct:2"]
+    assert calls[0][0] == [pre_query_prompt(tok)] * 5 and calls[0][1] == cfg.self_instruct_max_tokens
+    for r, text in zip(recs, texts):
+        held = "email" in text or _hashed_fraction("self_instruct:" + text) < 0.5
+        assert r.split == ("eval" if held else "train") and r.source == "self_instruct"
+    assert recs[2].split == "eval"  # an email: a held-out family
+    # A deadline after the first batch, then a rerun from the log: same records, no batch redone.
+    log_path = tmp_path / "self_instruct.jsonl"
+    calls.clear()
+    monkeypatch.setattr(train_mod.time, "perf_counter", lambda: 10.0 if calls else 0.0)
+    assert self_instruct_prompts(model, tok, cfg, progress=False, deadline=5.0, log_path=log_path) is None
+    assert len(calls) == 1 and len(log_path.read_text().splitlines()) == 1
+    resumed = self_instruct_prompts(model, tok, cfg, progress=False, log_path=log_path)
+    assert len(calls) == 2 and [(r.id, r.split, r.messages) for r in resumed] == [
+        (r.id, r.split, r.messages) for r in recs]
+
+
+def test_self_instruct_batches_are_seeded(tiny_target):
+    """Real sampled batches: the same seed gives the same questions, batch by batch."""
+    model, tok = tiny_target
+    cfg = DataConfig(n_self_instruct=64, gen_batch_size=8, self_instruct_max_tokens=12,
+                     self_instruct_top_p=1.0)
+    import drafters.dspark.train as train_mod
+
+    original = train_mod._generate_batch
+    outs: list[list] = [[], []]
+    for seen in outs:
+        def spy(*a, _seen=seen, **k):
+            out = original(*a, **k)
+            _seen.append(out)
+            return out
+
+        train_mod._generate_batch = spy
+        try:
+            self_instruct_prompts(model, tok, cfg, progress=False)
+        finally:
+            train_mod._generate_batch = original
+    assert outs[0] == outs[1] and len(outs[0]) == 32  # ceil(4 * 64 / 8) batches: few questions end
+    assert outs[0][0] != outs[0][1]  # each batch has its own seed
 
 
 def test_default_mask_token():

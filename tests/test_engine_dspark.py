@@ -146,6 +146,10 @@ def test_losing_dspark_is_probed_not_run_every_cycle(tiny, tmp_path, monkeypatch
     original = DSparkDrafter.propose
     monkeypatch.setattr(DSparkDrafter, "propose", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     eng.dspark_stats.decode_seconds = 1e6  # the probe budget is tested below: here only the back-off
+    # a fixed curve (T(k) = 3 + 0.2 (k - 1) ms): the priors' verdict on the first cycle must not
+    # hang on this machine's timing
+    monkeypatch.setattr(eng.cost, "alpha", 0.0)
+    monkeypatch.setattr(eng.cost, "_curve", [0.003 + 0.0002 * k for k in range(eng.cost.max_rows)])
     try:
         prompt = prompts(1, seed=3)[0]
         plain, _, _ = run(eng, prompt, "off", max_tokens=120, ignore_eos=True)
@@ -217,6 +221,8 @@ def test_warm_up_drafts_leave_no_dspark_evidence(tiny, tmp_path, monkeypatch):
         assert (ds.cycles, ds.accepted_ema, ds.length_ema, ds.draft_cost) == (0, fresh.accepted_ema,
                                                                               fresh.length_ema, 0.0)
         assert ds.realised == fresh.realised and ds.predicted == fresh.predicted
+        run(eng, prompts(1, seed=2)[0], "dspark", max_tokens=8)
+        assert eng.dspark_stats is ds and ds.cycles >= 1  # requests feed this object
     finally:
         eng.stop()
 
@@ -238,6 +244,11 @@ def test_early_dspark_evidence_is_a_running_mean():
     before = ds.accepted_ema
     ds.observe([0.9] * 4, 4, 0)
     assert before - ds.accepted_ema == pytest.approx(0.05 * before)  # the EMA from 1/alpha cycles on
+    # a cycle cut to no draft counts for the acceptance, not for the length
+    ds = DsparkStats(alpha=0.05)
+    ds.observe([], 0, 0)
+    ds.observe([0.9, 0.9], 2, 1)
+    assert ds.length_ema == 2.0 and ds.accepted_ema == pytest.approx(0.5)
 
 
 def test_probe_budget_rule():

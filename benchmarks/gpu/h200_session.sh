@@ -27,7 +27,7 @@ run=$root/dspark-run
 # One drafter recipe (dspark.md section 4): 3 layers, 5 taps, block 7, Markov rank 128.
 recipe=(--target default --layers 3 --block-size 7 --markov-rank 128
         --n-code "${N_CODE:-4000}" --n-instruct "${N_INSTRUCT:-3000}" --max-new-tokens "${MAX_NEW:-320}"
-        --n-self-instruct "${N_SELF:-0}" --code-per-file "${CODE_PER_FILE:-3}" ${CODE_ROOTS:+--code-root $CODE_ROOTS}
+        --n-self-instruct "${N_SELF:-0}" --code-per-file "${CODE_PER_FILE:-3}" $(for r in ${CODE_ROOTS:-}; do printf -- '--code-root %s ' "$r"; done)
         --target-weights "${TARGET_WEIGHTS:-auto}" ${NO_HUMANEVAL:+--no-humaneval}
         --gen-batch-size "${GEN_BATCH:-256}" --gen-shard-size "${GEN_SHARD:-512}"
         --batch-size "${BATCH:-8}" --num-anchors "${ANCHORS:-256}" --max-seq-len 1024 --lr 6e-4 --save-every 200
@@ -45,6 +45,9 @@ case "$1" in
       echo "seeded $run/data from staged data"
     fi
     train_dspark --out "$run" --generate-only --time-budget "$2" --steps 1 || true
+    if [ ! -f "$run/data/prompts.jsonl" ]; then  # out of time while the target wrote questions
+      echo "self-instruct questions unfinished (kept in $run/data/self_instruct.jsonl): rerun gen"; exit 3
+    fi
     if [ ! -f "$run/data/examples.jsonl" ]; then  # out of time: keep the finished shards only
       python3 - "$run/data" "${GEN_SHARD:-512}" <<'EOF'
 import json, pathlib, sys

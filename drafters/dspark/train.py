@@ -83,6 +83,7 @@ class DataConfig:
     self_instruct_top_p: float = 0.95
     self_instruct_max_tokens: int = 96
     gen_batch_size: int = 128
+    target_weights: str = "auto"  # the target's weight policy (recorded; the loader applies it)
     shard_size: int = 512  # prompts per resumable generation shard (a deadline mid-shard drops it)
     seed: int = 0
 
@@ -329,7 +330,8 @@ def generate_examples(model: nn.Module, tokenizer, records: list[PromptRecord], 
 
 
 def self_instruct_prompts(model: nn.Module, tokenizer, data_cfg: DataConfig, progress: bool = True,
-                          deadline: float | None = None) -> list[PromptRecord] | None:
+                          deadline: float | None = None, log_path: str | Path | None = None
+                          ) -> list[PromptRecord] | None:
     """``data_cfg.n_self_instruct`` user questions written by the target itself (Magpie: Xu et
     al. 2024, "Magpie: Alignment Data Synthesis from Scratch by Prompting Aligned LLMs with
     Nothing", arXiv:2406.08464).
@@ -337,42 +339,64 @@ def self_instruct_prompts(model: nn.Module, tokenizer, data_cfg: DataConfig, pro
     The target continues its chat template's empty user turn
     (:func:`~drafters.dspark.data.pre_query_prompt`), sampled at
     ``self_instruct_temperature``/``self_instruct_top_p`` for at most
-    ``self_instruct_max_tokens`` tokens, in batches of ``gen_batch_size``. A question is kept
-    when the model ended it (EOS) within the limit, it has at least 3 words, and it is new; a
-    hashed ``eval_fraction`` of them is held out. Stops after ``4 * n`` attempts.
+    ``self_instruct_max_tokens`` tokens, in batches of ``gen_batch_size`` (batch ``b`` seeded
+    with ``(seed + 1) * 100003 + b``). A question is kept when the model ended it (EOS) within
+    the limit, it has at least 3 words, and it is new. It is held out when a hash of its text
+    falls in ``eval_fraction`` or it looks like a held-out instruction family
+    (:func:`~drafters.dspark.data.looks_like_heldout_family`). At most ``ceil(4 n /
+    gen_batch_size)`` batches run; fewer questions than asked are logged.
 
-    Returns chat records ``self_instruct:<i>``, or None when ``deadline`` passed.
+    Args:
+        deadline: a ``time.perf_counter()`` value, checked between batches.
+        log_path: a JSONL file with one line per finished batch: a rerun after a deadline goes on
+            from the next batch with the same result as an uninterrupted run.
+    Returns:
+        Chat records ``self_instruct:<i>``, or None when ``deadline`` passed first.
+    Raises:
+        ValueError: the chat template does not place user content verbatim.
     """
     from mlx_lm.sample_utils import make_sampler
     from tqdm import tqdm
 
-    from .data import _hashed_fraction, pre_query_prompt
+    from .data import _hashed_fraction, looks_like_heldout_family, pre_query_prompt
 
     want = data_cfg.n_self_instruct
     prefix = pre_query_prompt(tokenizer)
     sampler = make_sampler(data_cfg.self_instruct_temperature, data_cfg.self_instruct_top_p)
     eos = sorted(int(t) for t in tokenizer.eos_token_ids)
     size = max(1, data_cfg.gen_batch_size)
-    mx.random.seed(data_cfg.seed + 1)
-    seen: set[str] = set()
-    records: list[PromptRecord] = []
-    with tqdm(total=want, desc="self-instruct", disable=not progress) as bar:
-        for _ in range(max(1, -(-4 * want // size))):
-            if len(records) >= want:
+    done = read_jsonl(log_path) if log_path is not None and Path(log_path).exists() else []
+    texts = [t for batch in done for t in batch["questions"]]
+    with tqdm(total=want, initial=min(want, len(texts)), desc="self-instruct", disable=not progress) as bar:
+        for b in range(len(done), max(1, -(-4 * want // size))):
+            if len(texts) >= want:
                 break
             if deadline is not None and time.perf_counter() > deadline:
                 return None
+            mx.random.seed((data_cfg.seed + 1) * 100003 + b)
+            seen, new = set(texts), []
             for out in _generate_batch(model, [prefix] * size, data_cfg.self_instruct_max_tokens, sampler, eos):
                 if not out or out[-1] not in eos:
                     continue
                 text = tokenizer.decode(out[:-1]).strip()
-                if len(text.split()) < 3 or text in seen or len(records) >= want:
+                if len(text.split()) < 3 or text in seen or len(texts) + len(new) >= want:
                     continue
                 seen.add(text)
-                split = "eval" if _hashed_fraction("self_instruct:" + text) < data_cfg.eval_fraction else "train"
-                records.append(PromptRecord(f"self_instruct:{len(records)}", "self_instruct", split,
-                                            messages=[{"role": "user", "content": text}]))
-                bar.update(1)
+                new.append(text)
+            texts += new
+            bar.update(len(new))
+            if log_path is not None:
+                Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+                with open(log_path, "a", encoding="utf-8") as fh:
+                    fh.write(json.dumps({"batch": b, "questions": new}) + "\n")
+    if len(texts) < want:
+        log.warning("self-instruct: %d of %d questions kept (did the model end its questions with EOS?)",
+                    len(texts), want)
+    records = []
+    for i, text in enumerate(texts[:want]):
+        held = looks_like_heldout_family(text) or _hashed_fraction("self_instruct:" + text) < data_cfg.eval_fraction
+        records.append(PromptRecord(f"self_instruct:{i}", "self_instruct", "eval" if held else "train",
+                                    messages=[{"role": "user", "content": text}]))
     return records
 
 
@@ -624,7 +648,8 @@ def _load_or_generate(target, tokenizer, out_dir: Path, data_cfg: DataConfig, re
                                    data_cfg.humaneval, data_cfg.humaneval_path, data_cfg.eval_fraction,
                                    data_cfg.code_per_file, data_cfg.code_roots)
         if data_cfg.n_self_instruct > 0:
-            extra = self_instruct_prompts(target, tokenizer, data_cfg, progress, deadline)
+            extra = self_instruct_prompts(target, tokenizer, data_cfg, progress, deadline,
+                                          log_path=out_dir / "data" / "self_instruct.jsonl")
             if extra is None:
                 log.info("time budget reached while the target wrote its questions; rerun to continue")
                 return None
@@ -815,7 +840,8 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
                       humaneval=not args.no_humaneval,
                       humaneval_path=args.humaneval_path, max_new_tokens=args.max_new_tokens,
                       temperature=args.gen_temperature, top_p=args.gen_top_p,
-                      gen_batch_size=args.gen_batch_size, shard_size=args.gen_shard_size, seed=args.seed)
+                      gen_batch_size=args.gen_batch_size, shard_size=args.gen_shard_size, seed=args.seed,
+                      target_weights=args.target_weights)
     train = TrainConfig(**{k: getattr(args, k) for k in (
         "steps", "batch_size", "num_anchors", "max_seq_len", "save_every", "seed", "lr",
         "warmup_ratio", "weight_decay", "grad_clip")})
