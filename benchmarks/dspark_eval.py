@@ -9,12 +9,18 @@ mean acceptance length (bonus included) and acceptance per position.
 
     python -m benchmarks.dspark_eval --out benchmarks/results/dspark_eval_cpu_v2.json \\
         v1=path/to/old-drafter v2=models/dspark-smollm2-135m-instruct
+
+``--run-prompts`` adds a training run's own held-out prompts (its ``data/prompts.jsonl``, or the
+gzipped copy ``h200_session.sh gen`` returns): the first ``--per-source`` eval-split prompts of
+each source, 96 new tokens, as sets ``run_<source>``.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -22,6 +28,7 @@ from pathlib import Path
 import engine  # noqa: F401  (OpenBLAS before mlx.core)
 from drafters.dspark.data import (
     HELDOUT_FAMILIES,
+    PromptRecord,
     encode_prompt,
     humaneval_prompts,
     instruction_prompts,
@@ -41,14 +48,44 @@ def prompt_sets() -> dict:
     return {"humaneval_raw": (he, 96), "instruct_heldout": (held, 96), "instruct_trainfamily_heldout": (fam, 64)}
 
 
+def _body(row: dict) -> str:
+    """A prompt's content (the code block of a wrapped code task), whitespace-normalised."""
+    text = row.get("text") or row["messages"][-1]["content"]
+    block = re.search(r"```python\n(.*)\n```", text, re.S)
+    return " ".join((block.group(1) if block else text).split())
+
+
+def run_prompt_sets(path: str, per_source: int) -> dict:
+    """``run_<source> -> (held-out records, 96)`` from a run's prompt file (JSONL, maybe gzipped):
+    the first ``per_source`` eval-split prompts of each source whose content does not occur
+    inside a training prompt's (copied code crossed the file split of runs before the
+    fourteenth session's fix)."""
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as fh:
+        rows = [json.loads(line) for line in fh if line.strip()]
+    trained = [_body(r) for r in rows if r["split"] == "train"]
+    by_source: dict[str, list[PromptRecord]] = {}
+    for row in rows:
+        if row["split"] == "eval" and len(by_source.setdefault(row["source"], [])) < per_source:
+            body = _body(row)
+            if not any(body in t for t in trained):
+                by_source[row["source"]].append(PromptRecord(**row))
+    return {f"run_{src}": (recs, 96) for src, recs in sorted(by_source.items())}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("drafters", nargs="+", help="NAME=DRAFTER_DIR")
     ap.add_argument("--target", default="default")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--run-prompts", default=None, help="a training run's prompts.jsonl[.gz]: add its held-out sets")
+    ap.add_argument("--per-source", type=int, default=10)
+    ap.add_argument("--only-run-prompts", action="store_true", help="skip the fixed sets")
     args = ap.parse_args(argv)
     target = load_target(args.target)
-    sets = prompt_sets()
+    sets = {} if args.only_run_prompts else prompt_sets()
+    if args.run_prompts:
+        sets.update(run_prompt_sets(args.run_prompts, args.per_source))
     out = {"_setup": {"target": f"{target.name} ({target.weights})",
                       "loop": "drafters.dspark.train.evaluate_acceptance (full block every cycle, greedy)",
                       "prompts": {k: [r.id for r in v[0]] for k, v in sets.items()},
