@@ -24,14 +24,18 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECSERVE_CACHE_DIR=${SPECSE
 mkdir -p "$SPECSERVE_CACHE_DIR/models" && cp -n "$stage"/files/*.gguf "$SPECSERVE_CACHE_DIR/models/" 2>/dev/null || true
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 run=$root/dspark-run
-# One drafter recipe (dspark.md section 4): 3 layers, 5 taps, block 7, Markov rank 128.
+# One drafter recipe (dspark.md section 4): 3 layers, 5 taps, block 7, Markov rank 128. The
+# defaults are v3's run (docs/benchmarks.md): a bfloat16 target for generation and training,
+# self-instruct questions, package code from the staged site directory (CODE_ROOTS); HumanEval
+# is not staged (HUMANEVAL=1 if it is; evaluate on a CPU with dspark_eval.py --run-prompts).
 recipe=(--target default --layers 3 --block-size 7 --markov-rank 128
-        --n-code "${N_CODE:-4000}" --n-instruct "${N_INSTRUCT:-3000}" --max-new-tokens "${MAX_NEW:-320}"
-        --n-self-instruct "${N_SELF:-0}" --code-per-file "${CODE_PER_FILE:-3}" $(for r in ${CODE_ROOTS:-}; do printf -- '--code-root %s ' "$r"; done)
-        --target-weights "${TARGET_WEIGHTS:-auto}" ${NO_HUMANEVAL:+--no-humaneval}
-        --gen-batch-size "${GEN_BATCH:-256}" --gen-shard-size "${GEN_SHARD:-512}"
-        --batch-size "${BATCH:-8}" --num-anchors "${ANCHORS:-256}" --max-seq-len 1024 --lr 6e-4 --save-every 200
-        --eval-per-source "${EVAL_N:-20}" --eval-max-new-tokens 128 --no-progress)
+        --n-code "${N_CODE:-10000}" --n-instruct "${N_INSTRUCT:-4000}" --max-new-tokens "${MAX_NEW:-256}"
+        --n-self-instruct "${N_SELF:-12000}" --code-per-file "${CODE_PER_FILE:-8}"
+        $(for r in ${CODE_ROOTS-/tmp/site}; do printf -- '--code-root %s ' "$r"; done)
+        --target-weights "${TARGET_WEIGHTS:-bfloat16}" $([ -n "${HUMANEVAL:-}" ] || echo --no-humaneval)
+        --gen-batch-size "${GEN_BATCH:-1024}" --gen-shard-size "${GEN_SHARD:-1024}"
+        --batch-size "${BATCH:-64}" --num-anchors "${ANCHORS:-64}" --max-seq-len 1024 --lr 6e-4 --save-every 200
+        --eval-per-source "${EVAL_N:-0}" --eval-max-new-tokens 128 --no-progress)
 train_dspark() {
   python3 -c "import sys; from server.cli import train_dspark; sys.exit(train_dspark(sys.argv[1:]))" "${recipe[@]}" "$@"
 }
@@ -49,7 +53,7 @@ case "$1" in
       echo "self-instruct questions unfinished (kept in $run/data/self_instruct.jsonl): rerun gen"; exit 3
     fi
     if [ ! -f "$run/data/examples.jsonl" ]; then  # out of time: keep the finished shards only
-      python3 - "$run/data" "${GEN_SHARD:-512}" <<'EOF'
+      python3 - "$run/data" "${GEN_SHARD:-1024}" <<'EOF'
 import json, pathlib, sys
 data, size = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 done = 0
