@@ -59,7 +59,8 @@ def run_prompt_sets(path: str, per_source: int) -> dict:
     """``run_<source> -> (held-out records, 96)`` from a run's prompt file (JSONL, maybe gzipped):
     the first ``per_source`` eval-split prompts of each source whose content does not occur
     inside a training prompt's (copied code crossed the file split of runs before the
-    fourteenth session's fix)."""
+    fourteenth session's fix; raw prefixes shorter than 80 characters are not checked).
+    Sources without such prompts are left out."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
@@ -68,9 +69,11 @@ def run_prompt_sets(path: str, per_source: int) -> dict:
     for row in rows:
         if row["split"] == "eval" and len(by_source.setdefault(row["source"], [])) < per_source:
             body = _body(row)
-            if not any(body in t for t in trained):
+            # (a raw completion's first line or two, e.g. "def forward(", is no copy)
+            copied = (row.get("text") is None or len(body) >= 80) and any(body in t for t in trained)
+            if not copied:
                 by_source[row["source"]].append(PromptRecord(**row))
-    return {f"run_{src}": (recs, 96) for src, recs in sorted(by_source.items())}
+    return {f"run_{src}": (recs, 96) for src, recs in sorted(by_source.items()) if recs}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--per-source", type=int, default=10)
     ap.add_argument("--only-run-prompts", action="store_true", help="skip the fixed sets")
     args = ap.parse_args(argv)
+    if args.only_run_prompts and not args.run_prompts:
+        ap.error("--only-run-prompts needs --run-prompts")
+    if args.per_source < 1:
+        ap.error("--per-source must be at least 1")
     target = load_target(args.target)
     sets = {} if args.only_run_prompts else prompt_sets()
     if args.run_prompts:

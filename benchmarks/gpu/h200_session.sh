@@ -10,7 +10,8 @@
 #   h200_session.sh throughput       # generation and training speed per target weight policy
 #                                    # (benchmarks/gpu/dspark_throughput.py; POLICIES, SHAPES)
 #   h200_session.sh probe            # 12 training steps on a copy of the data: seconds per step
-#   h200_session.sh train STEPS BUDGET_S  # train, export (4-bit) and evaluate on held-out prompts
+#   h200_session.sh train STEPS BUDGET_S  # train, export (4-bit) and, when EVAL_N > 0, evaluate on
+#                                    # held-out prompts (else: benchmarks/dspark_eval.py --run-prompts)
 #   h200_session.sh bench            # plain / prompt lookup / DSpark / auto on every workload
 # Results go to $OUT (JSON, the exported drafter, logs).
 set -euo pipefail
@@ -32,7 +33,7 @@ recipe=(--target default --layers 3 --block-size 7 --markov-rank 128
         --n-code "${N_CODE:-10000}" --n-instruct "${N_INSTRUCT:-4000}" --max-new-tokens "${MAX_NEW:-256}"
         --n-self-instruct "${N_SELF:-12000}" --code-per-file "${CODE_PER_FILE:-8}"
         $(for r in ${CODE_ROOTS-/tmp/site}; do printf -- '--code-root %s ' "$r"; done)
-        --target-weights "${TARGET_WEIGHTS:-bfloat16}" $([ -n "${HUMANEVAL:-}" ] || echo --no-humaneval)
+        --target-weights "${TARGET_WEIGHTS:-bfloat16}" $([ "${HUMANEVAL:-0}" = 1 ] || echo --no-humaneval)
         --gen-batch-size "${GEN_BATCH:-1024}" --gen-shard-size "${GEN_SHARD:-1024}"
         --batch-size "${BATCH:-64}" --num-anchors "${ANCHORS:-64}" --max-seq-len 1024 --lr 6e-4 --save-every 200
         --eval-per-source "${EVAL_N:-0}" --eval-max-new-tokens 128 --no-progress)
@@ -48,9 +49,15 @@ case "$1" in
       gunzip -c "$stage/files/prompts.jsonl.gz" > "$run/data/prompts.jsonl"
       echo "seeded $run/data from staged data"
     fi
-    train_dspark --out "$run" --generate-only --time-budget "$2" --steps 1 || true
+    if [ -f "$stage/files/self_instruct.jsonl.gz" ] && [ ! -f "$run/data/self_instruct.jsonl" ]; then
+      gunzip -c "$stage/files/self_instruct.jsonl.gz" > "$run/data/self_instruct.jsonl"
+    fi
+    rc=0; train_dspark --out "$run" --generate-only --time-budget "$2" --steps 1 || rc=$?
+    if [ "$rc" -ne 0 ] && [ "$rc" -ne 3 ]; then echo "gen failed (rc $rc)"; exit "$rc"; fi  # 3: budget
     if [ ! -f "$run/data/prompts.jsonl" ]; then  # out of time while the target wrote questions
-      echo "self-instruct questions unfinished (kept in $run/data/self_instruct.jsonl): rerun gen"; exit 3
+      gzip -c "$run/data/self_instruct.jsonl" > "$out/self_instruct.jsonl.gz" 2>/dev/null || true
+      echo "self-instruct questions unfinished (in \$OUT/self_instruct.jsonl.gz; stage it as"
+      echo "files/self_instruct.jsonl.gz on a new machine): rerun gen"; exit 3
     fi
     if [ ! -f "$run/data/examples.jsonl" ]; then  # out of time: keep the finished shards only
       python3 - "$run/data" "${GEN_SHARD:-1024}" <<'EOF'
@@ -59,6 +66,8 @@ data, size = pathlib.Path(sys.argv[1]), int(sys.argv[2])
 done = 0
 while (data / "shards" / f"shard-{done:05d}.jsonl").exists():
     done += 1
+if done == 0:
+    sys.exit("no shard finished: rerun gen (the prompt set is kept)")
 rows = [json.loads(line) for line in open(data / "prompts.jsonl")]
 train = [r for r in rows if r["split"] == "train"][: done * size]
 keep = {id(r) for r in train}
