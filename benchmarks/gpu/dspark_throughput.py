@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--train-steps", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.gen_steps < 2 or args.train_steps < 3:
+        ap.error("--gen-steps must be >= 2 and --train-steps >= 3 (the first steps are not timed)")
     out = {"_setup": vars(args)}
     records = build_prompt_set(600, 600, humaneval=False, code_per_file=12)
     prompts = None

@@ -225,6 +225,16 @@ def looks_like_heldout_family(text: str) -> bool:
     return _HELDOUT_FAMILY_TEXT.search(text) is not None
 
 
+def self_instruct_records(questions: list[str], eval_fraction: float = 0.1) -> list[PromptRecord]:
+    """Chat records ``self_instruct:<i>`` for questions the target wrote (see
+    :func:`drafters.dspark.train.self_instruct_prompts`): held out when a hash of the text falls
+    in ``eval_fraction`` or the text looks like a held-out family."""
+    return [PromptRecord(f"self_instruct:{i}", "self_instruct",
+                         "eval" if looks_like_heldout_family(q) or _hashed_fraction("self_instruct:" + q) < eval_fraction
+                         else "train", messages=[{"role": "user", "content": q}])
+            for i, q in enumerate(questions)]
+
+
 def instruction_prompts(n: int, seed: int = 0, eval_fraction: float = 0.1) -> list[PromptRecord]:
     """``n`` distinct generated instructions; held-out families go to ``eval`` whole."""
     rng = random.Random(seed + 1)

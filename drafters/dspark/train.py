@@ -358,7 +358,7 @@ def self_instruct_prompts(model: nn.Module, tokenizer, data_cfg: DataConfig, pro
     from mlx_lm.sample_utils import make_sampler
     from tqdm import tqdm
 
-    from .data import _hashed_fraction, looks_like_heldout_family, pre_query_prompt
+    from .data import pre_query_prompt, self_instruct_records
 
     want = data_cfg.n_self_instruct
     prefix = pre_query_prompt(tokenizer)
@@ -367,6 +367,7 @@ def self_instruct_prompts(model: nn.Module, tokenizer, data_cfg: DataConfig, pro
     size = max(1, data_cfg.gen_batch_size)
     done = read_jsonl(log_path) if log_path is not None and Path(log_path).exists() else []
     texts = [t for batch in done for t in batch["questions"]]
+    seen = set(texts)
     with tqdm(total=want, initial=min(want, len(texts)), desc="self-instruct", disable=not progress) as bar:
         for b in range(len(done), max(1, -(-4 * want // size))):
             if len(texts) >= want:
@@ -374,7 +375,7 @@ def self_instruct_prompts(model: nn.Module, tokenizer, data_cfg: DataConfig, pro
             if deadline is not None and time.perf_counter() > deadline:
                 return None
             mx.random.seed((data_cfg.seed + 1) * 100003 + b)
-            seen, new = set(texts), []
+            new = []
             for out in _generate_batch(model, [prefix] * size, data_cfg.self_instruct_max_tokens, sampler, eos):
                 if not out or out[-1] not in eos:
                     continue
@@ -392,12 +393,7 @@ def self_instruct_prompts(model: nn.Module, tokenizer, data_cfg: DataConfig, pro
     if len(texts) < want:
         log.warning("self-instruct: %d of %d questions kept (did the model end its questions with EOS?)",
                     len(texts), want)
-    records = []
-    for i, text in enumerate(texts[:want]):
-        held = looks_like_heldout_family(text) or _hashed_fraction("self_instruct:" + text) < data_cfg.eval_fraction
-        records.append(PromptRecord(f"self_instruct:{i}", "self_instruct", "eval" if held else "train",
-                                    messages=[{"role": "user", "content": text}]))
-    return records
+    return self_instruct_records(texts[:want], data_cfg.eval_fraction)
 
 
 def _generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: int, sampler,
