@@ -480,8 +480,11 @@ class Engine:
         if path is None:
             raise ValueError("SPECSERVE_DSPARK is on but no drafter was given (SPECSERVE_DSPARK_DRAFTER) "
                              "and none ships for this model")
-        on_cpu = mx.default_device() == mx.cpu  # 4-bit matmuls are slow on the CPU backend
-        self.dspark = load_dspark(path, dtype="float32", dequantize=on_cpu)
+        from metal_kernels import fused
+
+        # 4-bit matmuls are slow on the CPU backend; on a GPU the layers stay quantized (the
+        # one-launch block forward reads them packed)
+        self.dspark = load_dspark(path, dtype="float32", dequantize=fused.backend() == "cpu")
         cfg = self.dspark.config
         args = self.loaded.model.args
         if (cfg.vocab_size, cfg.hidden_size) != (args.vocab_size, args.hidden_size):
@@ -489,9 +492,38 @@ class Engine:
                              f"not match the target (vocab {args.vocab_size}, hidden {args.hidden_size})")
         self.target_taps = TargetTaps(self.loaded.model, cfg.target_layer_ids)
         self._dspark_drafter = DSparkDrafter
-        self._dspark_step = DraftStep(self.dspark, self.target_taps.embed, self.target_taps.lm_head)
+        self._dspark_step = DraftStep(self.dspark, self.target_taps.embed, self.target_taps.lm_head,
+                                      fused=self._make_draft_fused())
         log.info("DSpark drafter loaded from %s: %d layers, block %d, taps %s", path,
                  cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids)
+
+    def _make_draft_fused(self):
+        """The DSpark block forward in one kernel launch (``metal_kernels.fused.DraftFusedPass``,
+        CUDA), checked against the MLX ops on random context first; None when ``fused`` is off,
+        unsupported here, or the probe fails (``fused=on`` raises then)."""
+        mode = self.config.fused
+        if mode == "off":
+            return None
+        from drafters.dspark import DraftStep
+        from metal_kernels import fused
+
+        reason = fused.draft_unsupported_reason(self.dspark, self.loaded.model)
+        if reason:
+            log.info("fused DSpark drafts off: %s", reason)
+            return None
+        try:
+            fp = fused.DraftFusedPass(self.dspark, self.loaded.model)
+            probe = DraftStep(self.dspark, self.target_taps.embed, self.target_taps.lm_head, compiled=False, fused=fp)
+            err = probe.fused_error(fp.segment + 37)  # two key segments: the cross-segment combine runs
+            if not err <= 1e-3:
+                raise fused.FusedPassError(f"fused draft logits differ from the MLX ops' by {err:.3g} of their scale")
+        except Exception:
+            if mode == "on":
+                raise
+            log.warning("fused DSpark drafts off: the probe failed", exc_info=True)
+            return None
+        log.info("fused DSpark drafts on (one launch per block forward; probe error %.2g)", err)
+        return fp
 
     def _make_sequence(self, request: GenerationRequest) -> Sequence:
         cfg = self.config

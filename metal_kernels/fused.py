@@ -110,23 +110,22 @@ def architecture_reason(model) -> str:
     return ""
 
 
-def structure_reason(model) -> str:
-    """Empty when :class:`FusedPass` can run ``model`` (backend aside), else why not."""
-    reason = architecture_reason(model)
-    if reason:
-        return reason
-    args = model.args
-    inner = model.model
-    hd = args.head_dim or args.hidden_size // args.num_attention_heads
-    if hd not in SUPPORTED_HEAD_DIMS:
-        return f"head dim {hd} (the CUDA pass takes {SUPPORTED_HEAD_DIMS})"
-    dm, di = args.hidden_size, args.intermediate_size
-    if dm % 8 or di % 8 or not 256 <= dm <= _SHARED_BYTES // (4 * MAX_ROWS):
+def _shape_reason(hidden: int, intermediate: int, head_dim: int) -> str:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        return f"head dim {head_dim} (the CUDA pass takes {SUPPORTED_HEAD_DIMS})"
+    if hidden % 8 or intermediate % 8 or not 256 <= hidden <= _SHARED_BYTES // (4 * MAX_ROWS):
         # (>= 256: a column tile of o_proj/down_proj inputs then holds 32 packed words per row)
-        return (f"hidden size {dm} / intermediate {di} "
+        return (f"hidden size {hidden} / intermediate {intermediate} "
                 f"(hidden 256..{_SHARED_BYTES // (4 * MAX_ROWS)}, multiples of 8)")
+    return ""
+
+
+def _layers_reason(layers) -> str:
+    """Empty when every layer's projections are affine-quantized without biases, of one bit
+    width the pass takes, with power-of-two groups and float32 scales/biases, and its norms
+    float32; else why not."""
     bits = set()
-    for layer in inner.layers:
+    for layer in layers:
         for name, lin in linears(layer).items():
             if not isinstance(lin, nn.QuantizedLinear) or getattr(lin, "mode", "affine") != "affine":
                 return f"{name} is {type(lin).__name__} (needs affine-quantized weights)"
@@ -143,7 +142,11 @@ def structure_reason(model) -> str:
                 return f"activations {norm.weight.dtype} (float32 only)"
     if len(bits) != 1 or not bits <= set(SUPPORTED_BITS):
         return f"projection bits {sorted(bits)} (one of {SUPPORTED_BITS} for all)"
-    head = head_module(model)
+    return ""
+
+
+def _head_reason(head) -> str:
+    """Empty when ``head`` (a tied embedding or ``lm_head``) is a quantized LM head the pass takes."""
     if not isinstance(head, (nn.QuantizedEmbedding, nn.QuantizedLinear)) or head.bits not in SUPPORTED_BITS:
         return f"LM head {type(head).__name__} (needs a 4/8-bit quantized head)"
     if getattr(head, "mode", "affine") != "affine" or "bias" in head:
@@ -151,11 +154,53 @@ def structure_reason(model) -> str:
     hgs = head.group_size
     if hgs & (hgs - 1) or hgs < 32 // head.bits or head.biases.dtype != mx.float32:
         return f"LM head group size {hgs} or biases dtype {head.biases.dtype}"
+    if head.scales.dtype != mx.float32:
+        return "LM head scales not float32 (float32 activations only)"
+    return ""
+
+
+def structure_reason(model) -> str:
+    """Empty when :class:`FusedPass` can run ``model`` (backend aside), else why not."""
+    reason = architecture_reason(model)
+    if reason:
+        return reason
+    args = model.args
+    inner = model.model
+    hd = args.head_dim or args.hidden_size // args.num_attention_heads
+    reason = (_shape_reason(args.hidden_size, args.intermediate_size, hd) or _layers_reason(inner.layers)
+              or _head_reason(head_module(model)))
+    if reason:
+        return reason
     if inner.embed_tokens.weight.dtype != mx.uint32 or getattr(inner.embed_tokens, "scales", None) is None:
         return "embedding not quantized"
-    if inner.embed_tokens.scales.dtype != mx.float32 or head.scales.dtype != mx.float32:
-        return "embedding or LM head scales not float32 (float32 activations only)"
+    if inner.embed_tokens.scales.dtype != mx.float32:
+        return "embedding scales not float32 (float32 activations only)"
     return ""
+
+
+def draft_unsupported_reason(network, target) -> str:
+    """Empty when :class:`DraftFusedPass` runs the DSpark ``network``'s block forward with
+    ``target``'s LM head on this machine, else why not. ``network`` is a
+    ``drafters.dspark.DSparkModel`` (Qwen3-style layers with q/k norms, no biases, plain
+    non-traditional RoPE); ``target`` the mlx-lm model whose embedding and LM head it shares."""
+    if backend() != "cuda":
+        return f"backend {backend()} (the fused pass is CUDA only)"
+    cfg = network.config
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        return f"heads {cfg.num_attention_heads}:{cfg.num_key_value_heads}"
+    if getattr(cfg, "attention_bias", False):
+        return "projection biases"
+    for layer in network.layers:
+        rope = layer.self_attn.rope
+        if type(rope) is not nn.RoPE or rope.traditional or rope.dims != cfg.head_dim:
+            return f"RoPE {type(rope).__name__} (only nn.RoPE, non-traditional, full head dim)"
+        for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+            if norm.weight.dtype != mx.float32:
+                return f"q/k norms {norm.weight.dtype} (float32 only)"
+    if network.norm.weight.dtype != mx.float32:
+        return f"activations {network.norm.weight.dtype} (float32 only)"
+    return (_shape_reason(cfg.hidden_size, cfg.intermediate_size, cfg.head_dim) or _layers_reason(network.layers)
+            or _head_reason(head_module(target)))
 
 
 def unsupported_reason(model) -> str:
@@ -204,6 +249,12 @@ def writable_cache(cache: list, rows: int, kv_heads: int, head_dim: int) -> None
         c._fused_buffers = (keys, values)
 
 
+def _no_draft_inputs() -> dict[str, mx.array]:
+    u32, f32 = mx.zeros((1,), mx.uint32), mx.zeros((1,), mx.float32)
+    return {"tok0": mx.zeros((1,), mx.int32), "mw1": u32, "ms1": f32, "mb1": f32, "mw2": u32, "ms2": f32,
+            "mb2": f32, "cw": f32, "cb": f32}
+
+
 @dataclass
 class FusedOutput:
     """One fused pass (evaluated by :meth:`FusedPass.__call__`).
@@ -214,6 +265,8 @@ class FusedOutput:
     ``profile``: with ``profile=True``, ``[blocks, 5 L + 1, 2]`` uint32 SM cycles per block and
     barrier slot (layer ``l``'s phase ``p`` at ``5 l + p``, the LM head last): ``[.., 0]`` the
     block's work since the previous barrier, ``[.., 1]`` its wait at this one; else None.
+    ``tokens`` / ``confidence``: a :class:`DraftFusedPass`'s greedy drafts ``[M]`` int32 and
+    their confidence ``[M]`` float32 (None without a confidence head), else None.
     """
 
     logits: mx.array
@@ -221,6 +274,8 @@ class FusedOutput:
     embeddings: mx.array
     errors: mx.array
     profile: mx.array | None = None
+    tokens: mx.array | None = None
+    confidence: mx.array | None = None
 
 
 class FusedPass:
@@ -247,11 +302,22 @@ class FusedPass:
             raise ValueError(f"fused pass unsupported: {reason}")
         self.model = model
         args, inner = model.args, model.model
-        self.layers = len(inner.layers)
-        self.hidden_size = args.hidden_size
-        self.heads, self.kv_heads = args.num_attention_heads, args.num_key_value_heads
-        self.head_dim = args.head_dim or args.hidden_size // self.heads
-        self.intermediate = args.intermediate_size
+        self._build(inner.layers, head_module(model), inner.norm.weight, args.num_attention_heads,
+                    args.num_key_value_heads, args.head_dim or args.hidden_size // args.num_attention_heads,
+                    args.hidden_size, args.intermediate_size, blocks, warps, skip, profile)
+
+    def _build(self, layers, head, final_norm, heads, kv_heads, head_dim, hidden, intermediate, blocks, warps,
+               skip, profile, qk_norm: bool = False, bidirectional: bool = False) -> None:
+        """Stack the layers' weights for the kernel and choose its launch shape."""
+        self.layers = len(layers)
+        self.hidden_size = hidden
+        self.heads, self.kv_heads = heads, kv_heads
+        self.head_dim = head_dim
+        self.intermediate = intermediate
+        self.qk_norm, self.bidirectional = qk_norm, bidirectional
+        # a greedy DSpark draft after the LM head (DraftFusedPass sets these and _draft_inputs)
+        self.markov, self.markov_rank, self.markov_bits, self.confidence = False, 0, 4, 0
+        self._draft_inputs = _no_draft_inputs()
         self.blocks = min(blocks or multiprocessors(), multiprocessors())
         if warps is None:
             warps = next((w for w in WARPS if self._shared_bytes(w) <= 48 * 1024 and self._registers_fit(w)),
@@ -267,7 +333,7 @@ class FusedPass:
                              f"{65536 // (32 * warps)} registers per thread")
         self.warps, self.skip, self.profile = warps, skip, profile
         self.segment = 32 * warps  # keys per attention work unit (sources/fused_body.cu, phase B)
-        lins = [linears(layer) for layer in inner.layers]
+        lins = [linears(layer) for layer in layers]
 
         def stack(names, part):
             return mx.stack([mx.concatenate([getattr(li[n], part) for n in names], axis=0) for li in lins])
@@ -277,17 +343,18 @@ class FusedPass:
                            ("gu", ("gate_proj", "up_proj")), ("d", ("down_proj",))):
             w["w" + key], w["s" + key], w["b" + key] = (stack(names, p) for p in ("weight", "scales", "biases"))
         self.bits = lins[0]["q_proj"].bits
-        head = head_module(model)
         self.head_bits = head.bits
         w["we"], w["se"], w["bee"] = head.weight, head.scales, head.biases
         w["norms"] = mx.stack([mx.stack([layer.input_layernorm.weight, layer.post_attention_layernorm.weight])
-                               for layer in inner.layers])
-        w["fnorm"] = inner.norm.weight
-        rope = inner.layers[0].self_attn.rope
+                               for layer in layers])
+        w["fnorm"] = final_norm
+        w["qkn"] = (mx.stack([mx.stack([layer.self_attn.q_norm.weight, layer.self_attn.k_norm.weight])
+                              for layer in layers]) if qk_norm else mx.zeros((1,), mx.float32))
+        rope = layers[0].self_attn.rope
         half = np.arange(0, self.head_dim, 2, dtype=np.float64) / self.head_dim
         w["inv_freq"] = mx.array((rope.scale * rope.base ** -half).astype(np.float32))
-        self.eps = inner.layers[0].input_layernorm.eps
-        self.scale = inner.layers[0].self_attn.scale
+        self.eps = layers[0].input_layernorm.eps
+        self.scale = layers[0].self_attn.scale
         self.weights = {k: mx.contiguous(v) for k, v in w.items()}  # the kernel indexes them densely
         mx.eval(list(self.weights.values()))
         self._zero = mx.zeros((1,), dtype=mx.uint8)
@@ -309,7 +376,10 @@ class FusedPass:
             return 1 << 30
         return 4 * (MAX_ROWS * self.hidden_size + group * self.head_dim + 2 * warps * group)
 
-    _WEIGHT_NAMES = ("inv_freq", "norms", "fnorm", "wqkv", "sqkv", "bqkv", "wo", "so", "bo",
+    # per-launch draft inputs: the anchor, the Markov tables, the confidence head (dummies unless
+    # a DraftFusedPass drafts greedily in the launch)
+    _DRAFT_NAMES = ("tok0", "mw1", "ms1", "mb1", "mw2", "ms2", "mb2", "cw", "cb")
+    _WEIGHT_NAMES = ("inv_freq", "norms", "fnorm", "qkn", "wqkv", "sqkv", "bqkv", "wo", "so", "bo",
                      "wgu", "sgu", "bgu", "wd", "sd", "bd", "we", "se", "bee")
 
     def kernel_source(self) -> tuple[str, str, list[str], list[str]]:
@@ -320,23 +390,38 @@ class FusedPass:
                   f"const float* VC[NL] = {{{', '.join(f'vc{i}' for i in range(n))}}};\n")
         header = _minify((_SOURCES / "fused_cuda.cuh").read_text())
         body = tables + _minify((_SOURCES / "fused_body.cu").read_text())
-        inputs = ["x0", "pos", "pseg", *self._WEIGHT_NAMES, *(f"kc{i}" for i in range(n)), *(f"vc{i}" for i in range(n)), "bar"]
-        return header, body, inputs, ["logits", "hidden", "qkv", "att", "hmid", "act", "part", "prof", "err"]
+        inputs = ["x0", "pos", "pseg", *self._WEIGHT_NAMES, *self._DRAFT_NAMES, *(f"kc{i}" for i in range(n)), *(f"vc{i}" for i in range(n)), "bar"]
+        return header, body, inputs, ["logits", "hidden", "qkv", "att", "hmid", "act", "part", "prof", "err",
+                                      "dtok", "dconf", "cand"]
 
-    def template(self) -> list[tuple[str, object]]:
-        """The kernel's template arguments (type ``ST`` and integer constants)."""
+    def template(self, markov: bool = False) -> list[tuple[str, object]]:
+        """The kernel's template arguments (type ``ST`` and integer constants); ``markov``: a
+        launch that drafts greedily (:class:`DraftFusedPass` given the anchor)."""
         return [("ST", self.weights["sqkv"].dtype), ("NL", self.layers), ("DM", self.hidden_size),
                 ("NH", self.heads), ("NKV", self.kv_heads), ("HD", self.head_dim), ("DI", self.intermediate),
                 ("MB", MAX_ROWS), ("W", self.warps), ("BITS", self.bits), ("HBITS", self.head_bits),
                 ("EPS_BITS", _float_bits(self.eps)), ("SCALE_BITS", _float_bits(self.scale)), ("SKIP", self.skip),
-                ("PROF", int(self.profile))]
+                ("PROF", int(self.profile)), ("QKN", int(self.qk_norm)), ("BIDIR", int(self.bidirectional)),
+                ("MARKOV", int(markov)), ("MR", self.markov_rank), ("MBITS", self.markov_bits),
+                ("CONF", self.confidence)]
 
     @functools.cached_property
     def _kernel(self):
+        """The launcher: ``mx.fast.cuda_kernel`` objects per template (the target's pass and a
+        drafter's, greedy or not, differ only there; the template is part of the name)."""
         header, body, inputs, outputs = self.kernel_source()
-        digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-        return mx.fast.cuda_kernel(name=f"specserve_fused_pass_{digest}", input_names=inputs, output_names=outputs,
-                                   source=body, header=header, ensure_row_contiguous=False)
+        kernels = {}
+
+        def launch(*, template, **kw):
+            key = repr(template)
+            if key not in kernels:
+                digest = hashlib.sha1((header + body + key).encode()).hexdigest()[:10]
+                kernels[key] = mx.fast.cuda_kernel(name=f"specserve_fused_pass_{digest}", input_names=inputs,
+                                                   output_names=outputs, source=body, header=header,
+                                                   ensure_row_contiguous=False)
+            return kernels[key](template=template, **kw)
+
+        return launch
 
     def supports_cache(self, cache: list, rows: int) -> bool:
         """Whether a pass of ``rows`` rows can append to ``cache`` (:func:`cache_layout_ok`)."""
@@ -366,9 +451,20 @@ class FusedPass:
             raise ValueError(f"fused pass takes 1..{MAX_ROWS} rows over a prefilled float32 KVCache list "
                              f"of {self.layers} layers with equal shapes; got {m} rows")
         writable_cache(cache, m, self.kv_heads, self.head_dim)
-        inner = self.model.model
-        x0 = inner.embed_tokens(mx.array(tokens, dtype=mx.uint32))
-        start = cache[0].offset
+        x0 = self.model.model.embed_tokens(mx.array(tokens, dtype=mx.uint32))
+        out = self._launch(x0, cache[0].offset, [c.keys for c in cache], [c.values for c in cache])
+        mx.eval(out.logits, out.errors)  # (the hidden states and the profile are outputs of the same launch)
+        for c in cache:
+            c.offset += m
+        self.passes += 1
+        return out
+
+    def _launch(self, x0: mx.array, start: int, keys: list[mx.array], values: list[mx.array],
+                anchor: mx.array | None = None) -> FusedOutput:
+        """One launch over ``x0`` ``[m, d]`` float32 at positions ``start..start+m-1`` of the
+        per-layer key/value buffers (written in place at those positions); ``anchor``: the
+        ``[1]`` int32 token a greedy draft starts from (``markov`` only); lazy."""
+        m = int(x0.shape[0])
         nqkv = (self.heads + 2 * self.kv_heads) * self.head_dim
         d, nl, hd = self.hidden_size, self.layers, self.head_dim
         # Sizes reach the kernel as the lengths of stride-0 views (kernel parameters, no device
@@ -380,21 +476,26 @@ class FusedPass:
         # Each launch gets its own zeroed barrier slots and attention counters: no state carries
         # over between launches (a failed one cannot poison the next).
         bar = mx.zeros((self.blocks * 32 + nl * m * self.heads,), dtype=mx.uint32)
+        draft = dict(self._draft_inputs)
+        if anchor is not None:
+            draft["tok0"] = anchor.astype(mx.int32).reshape(1)
         inputs = [x0, pos, pseg, *(self.weights[k] for k in self._WEIGHT_NAMES),
-                  *(c.keys for c in cache), *(c.values for c in cache), bar]
+                  *(draft[k] for k in self._DRAFT_NAMES), *keys, *values, bar]
+        markov = self.markov and anchor is not None
+        drafted = m if markov else 1
         outs = self._kernel(
             inputs=inputs,
-            template=self.template(),
+            template=self.template(markov),
             grid=(self.blocks * 32 * self.warps, 1, 1), threadgroup=(32 * self.warps, 1, 1),
             output_shapes=[(m, self.weights["we"].shape[0]), (nl, m, d), (m, nqkv), (m, self.heads * hd), (m, d),
                            (m, self.intermediate), (m, self.heads, segments, hd + 2),
-                           (self.blocks, 5 * nl + 1, 2) if self.profile else (1,), (self.blocks,)],
-            output_dtypes=[mx.float32] * 7 + [mx.uint32, mx.int32])
+                           (self.blocks, 5 * nl + 1, 2) if self.profile else (1,), (self.blocks,),
+                           (drafted,), (drafted,), (2 * self.blocks if markov else 1,)],
+            output_dtypes=[mx.float32] * 7 + [mx.uint32, mx.int32, mx.int32, mx.float32, mx.float32])
         out = FusedOutput(outs[0], outs[1], x0, outs[8], outs[7] if self.profile else None)
-        mx.eval(out.logits, out.errors)  # (the hidden states and the profile are outputs of the same launch)
-        for c in cache:
-            c.offset += m
-        self.passes += 1
+        if markov:
+            out.tokens = outs[9]
+            out.confidence = outs[10] if self.confidence else None
         return out
 
     def check(self, out: FusedOutput) -> None:
@@ -404,3 +505,108 @@ class FusedPass:
         failed = int(np.count_nonzero(np.asarray(out.errors)))  # no new op: reads the evaluated flags
         if failed:
             raise FusedPassError(f"fused pass: {failed} of {self.blocks} blocks timed out at a grid barrier")
+
+
+def markov_reason(network) -> str:
+    """Empty when a greedy draft can run inside the launch (:class:`DraftFusedPass`): no Markov
+    head, or one whose two tables are affine-quantized with the same 4/8 bits, power-of-two
+    groups and float32 scales (rank a multiple of 8), and a float32 confidence head if any."""
+    head = getattr(network, "markov_head", None) if network.has_markov else None
+    if head is not None:
+        w1, w2 = head.markov_w1, head.markov_w2
+        if not (isinstance(w1, nn.QuantizedEmbedding) and isinstance(w2, nn.QuantizedLinear)):
+            return "Markov tables not quantized"
+        for t in (w1, w2):
+            if (t.bits not in SUPPORTED_BITS or t.bits != w1.bits or getattr(t, "mode", "affine") != "affine"
+                    or t.group_size & (t.group_size - 1) or t.scales.dtype != mx.float32
+                    or t.biases.dtype != mx.float32):
+                return f"Markov tables {t.bits} bits, group {t.group_size}, scales {t.scales.dtype}"
+        if network.config.markov_rank % 8:
+            return f"Markov rank {network.config.markov_rank} (a multiple of 8)"
+    if network.has_confidence and network.confidence_head.proj.weight.dtype != mx.float32:
+        return "confidence head not float32"
+    return ""
+
+
+class DraftFusedPass(FusedPass):
+    """A DSpark drafter's block forward and the target's LM head in one kernel launch, and for
+    greedy drafts the Markov head's left-to-right argmax and the confidence head too.
+
+    The same kernel as :class:`FusedPass` with Qwen3's per-head q/k RMSNorm (``QKN``) and
+    bidirectional attention among the block's rows (``BIDIR``): the block ``[anchor, MASK x
+    (B-1)]`` at positions ``p..p+B-1`` attends to the draft cache's context rows ``0..p-1`` and
+    to all of its own rows, as :class:`drafters.dspark.DSparkModel` does with ``fast=True``
+    (DSpark, arXiv 2607.05147; [DeepSpec] ``create_dspark_attention_mask``). The launch writes
+    the block's keys and values into the draft cache at ``p..p+B-1``: rows past the valid
+    context, masked for later blocks and overwritten when the next context rows arrive. With
+    ``markov`` (:func:`markov_reason` empty) a launch given the anchor also drafts greedily:
+    ``x_k = argmax(U_k + W2 W1[x_{k-1}])``, one grid barrier per draft, as
+    ``drafters.dspark.model.sample_block`` at temperature 0.
+
+    Args:
+        network: a ``drafters.dspark.DSparkModel`` that :func:`draft_unsupported_reason` accepts
+            (4/8-bit affine projections, float32 activations).
+        target: the mlx-lm target whose LM head (tied embedding or ``lm_head``) the drafter shares.
+        blocks, warps, skip, profile: as for :class:`FusedPass`.
+
+    Raises:
+        ValueError: unsupported network, target head or backend (the message says why).
+    """
+
+    def __init__(self, network, target, blocks: int | None = None, warps: int | None = None, skip: int = 0,
+                 profile: bool = False):
+        reason = draft_unsupported_reason(network, target)
+        if reason:
+            raise ValueError(f"fused draft pass unsupported: {reason}")
+        cfg = network.config
+        self.model = target
+        # 8 warps: with the Markov phase 16 warps' 128 registers per thread did not fit (the
+        # launch failed with "too many resources requested" on an H200)
+        self._build(network.layers, head_module(target), network.norm.weight, cfg.num_attention_heads,
+                    cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, blocks,
+                    warps or 8, skip, profile, qk_norm=True, bidirectional=True)
+        if markov_reason(network):
+            return  # greedy drafts stay MLX ops after the launch
+        inputs = _no_draft_inputs()
+        self.markov = True
+        if network.has_markov:
+            w1, w2 = network.markov_head.markov_w1, network.markov_head.markov_w2
+            self.markov_rank, self.markov_bits = cfg.markov_rank, w1.bits
+            inputs.update(mw1=w1.weight, ms1=w1.scales, mb1=w1.biases, mw2=w2.weight, ms2=w2.scales, mb2=w2.biases)
+        if network.has_confidence:
+            proj = network.confidence_head.proj
+            self.confidence = 2 if cfg.confidence_head_with_markov else 1
+            inputs.update(cw=proj.weight.reshape(-1), cb=proj.bias.reshape(-1))
+        self._draft_inputs = {k: mx.contiguous(v) for k, v in inputs.items()}
+        mx.eval(list(self._draft_inputs.values()))
+
+    def __call__(self, x0: mx.array, keys: list[mx.array], values: list[mx.array], start: int,
+                 anchor: mx.array | None = None) -> FusedOutput:
+        """The block forward (lazy; evaluate ``logits``/``tokens``, ``confidence`` and
+        ``errors`` together, then :meth:`check`).
+
+        Args:
+            x0: ``[B, d]`` float32 target embeddings of the block, ``B <= 16``.
+            keys, values: per draft layer ``[1, KV, capacity, D]`` float32 contiguous buffers
+                that no other array shares, rows ``0..start-1`` valid; ``capacity >= start + B``.
+            start: the anchor's position (= valid context rows).
+            anchor: ``[1]`` int32 anchor token: also draft greedily (needs ``markov``).
+
+        Returns:
+            :class:`FusedOutput`: ``logits`` ``[B, V]`` (final norm + LM head), ``hidden``
+            ``[layers, B, d]`` (each draft layer's output, before the final norm); with
+            ``anchor``, ``tokens`` ``[B]`` and ``confidence`` ``[B]`` (or None).
+
+        Raises:
+            ValueError: too many rows, buffers without room for them, or an anchor without
+                ``markov``.
+        """
+        m = int(x0.shape[0])
+        if not 1 <= m <= MAX_ROWS or len(keys) != self.layers or start + m > keys[0].shape[2]:
+            raise ValueError(f"fused draft pass takes 1..{MAX_ROWS} rows and {self.layers} layers' buffers "
+                             f"with room for them; got {m} rows at {start} in {keys[0].shape[2]}")
+        if anchor is not None and not self.markov:
+            raise ValueError("this drafter's Markov head cannot draft inside the launch")
+        out = self._launch(x0.astype(mx.float32), start, keys, values, anchor)
+        self.passes += 1
+        return out

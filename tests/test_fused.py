@@ -33,13 +33,14 @@ def _unbits(i: int) -> float:
 
 
 def reference_pass(inputs, template, output_shapes, **_):
-    """What the kernel computes, in MLX ops: same inputs (as FusedPass hands them to
+    """What the kernel computes, in MLX ops: same inputs (as FusedPass and DraftFusedPass hand them to
     ``mx.fast.cuda_kernel``), the two outputs that matter (logits, hidden), and the kernel's
     in-place append: the rows' keys and values go into the cache buffers it was handed (the
     inputs ``kc*``/``vc*``, updated in place as the kernel writes them). Scratch outputs are
-    zeros. Attention runs row by row, so rows do not depend on the width."""
+    zeros. Attention runs row by row, so rows do not depend on the width (causal, or over the
+    whole new block with ``BIDIR``); ``QKN`` adds the per-head q/k norms of a DSpark block."""
     t = dict(template)
-    names = ["x0", "pos", "pseg", *FusedPass._WEIGHT_NAMES]
+    names = ["x0", "pos", "pseg", *FusedPass._WEIGHT_NAMES, *FusedPass._DRAFT_NAMES]
     w = dict(zip(names, inputs))
     nl, nh, nkv, hd, di = t["NL"], t["NH"], t["NKV"], t["HD"], t["DI"]
     eps, scale = _unbits(t["EPS_BITS"]), _unbits(t["SCALE_BITS"])
@@ -63,13 +64,16 @@ def reference_pass(inputs, template, output_shapes, **_):
     hidden = []
     for layer in range(nl):
         qkv = proj(mx.fast.rms_norm(h, w["norms"][layer, 0], eps), "qkv", layer)
-        q = rope(qkv[:, : nh * hd].reshape(m, nh, hd)).transpose(1, 0, 2)[None]
-        kn = rope(qkv[:, nh * hd:(nh + nkv) * hd].reshape(m, nkv, hd)).transpose(1, 0, 2)
+        q, kn = qkv[:, : nh * hd].reshape(m, nh, hd), qkv[:, nh * hd:(nh + nkv) * hd].reshape(m, nkv, hd)
+        if t["QKN"]:  # a DSpark block: Qwen3's per-head q/k norms
+            q, kn = mx.fast.rms_norm(q, w["qkn"][layer, 0], eps), mx.fast.rms_norm(kn, w["qkn"][layer, 1], eps)
+        q, kn = rope(q).transpose(1, 0, 2)[None], rope(kn).transpose(1, 0, 2)
         vn = qkv[:, (nh + nkv) * hd:].reshape(m, nkv, hd).transpose(1, 0, 2)
         keys = mx.concatenate([kc[layer][0, :, :start], kn], axis=1)[None]
         values = mx.concatenate([vc[layer][0, :, :start], vn], axis=1)[None]
         att = mx.concatenate([mx.fast.scaled_dot_product_attention(
-            q[:, :, i:i + 1], keys[:, :, :start + i + 1], values[:, :, :start + i + 1], scale=scale)
+            q[:, :, i:i + 1], keys[:, :, :start + (m if t["BIDIR"] else i + 1)],
+            values[:, :, :start + (m if t["BIDIR"] else i + 1)], scale=scale)
             for i in range(m)], axis=2)
         hmid = h + proj(att[0].transpose(1, 0, 2).reshape(m, nh * hd), "o", layer)
         gu = proj(mx.fast.rms_norm(hmid, w["norms"][layer, 1], eps), "gu", layer)
@@ -77,10 +81,25 @@ def reference_pass(inputs, template, output_shapes, **_):
         hidden.append(h)
         kc[layer][..., start:start + m, :] = kn[None]  # the kernel's in-place append
         vc[layer][..., start:start + m, :] = vn[None]
-    logits = qmm(mx.fast.rms_norm(h, w["fnorm"], eps), w["we"], w["se"], w["bee"], t["HBITS"])
+    normed = mx.fast.rms_norm(h, w["fnorm"], eps)
+    logits = qmm(normed, w["we"], w["se"], w["bee"], t["HBITS"])
+    drafts, conf = mx.zeros(output_shapes[9], dtype=mx.int32), mx.zeros(output_shapes[10])
+    if t["MARKOV"]:  # greedy drafts left to right, Markov bias W2 W1[prev], confidence
+        r, prev, drafts, conf = t["MR"], w["tok0"], [], []
+        for k in range(m):
+            w1 = (mx.dequantize(w["mw1"][prev], w["ms1"][prev], w["mb1"][prev], group_size=r // w["ms1"].shape[1],
+                                bits=t["MBITS"]) if r else mx.zeros((1, 0)))
+            bias = qmm(w1, w["mw2"], w["ms2"], w["mb2"], t["MBITS"])[0] if r else 0.0
+            if t["CONF"]:
+                feats = mx.concatenate([normed[k], w1[0]]) if t["CONF"] == 2 else normed[k]
+                conf.append(mx.sigmoid((feats * w["cw"]).sum() + w["cb"][0]))
+            prev = mx.argmax(logits[k] + bias, keepdims=True).astype(mx.int32)
+            drafts.append(prev)
+        drafts = mx.concatenate(drafts)
+        conf = mx.stack(conf) if conf else mx.zeros((m,))
     scratch = [mx.zeros(s) for s in output_shapes[2:7]]
     return [logits, mx.stack(hidden), *scratch, mx.zeros(output_shapes[7], dtype=mx.uint32),
-            mx.zeros(output_shapes[8], dtype=mx.int32)]
+            mx.zeros(output_shapes[8], dtype=mx.int32), drafts, conf, mx.zeros(output_shapes[11])]
 
 
 @pytest.fixture
@@ -463,12 +482,13 @@ struct Strides { int64_t d[10]; __device__ int64_t operator[](int i) const { ret
 """
 
 
-def _render_fused(fp: FusedPass, name: str) -> str:
+def _render_fused(fp: FusedPass, name: str, markov: bool = False) -> str:
     """The fused kernel as mx.fast.cuda_kernel builds it (mlx/backend/cuda/custom_kernel.cpp):
     inputs as const pointers, with ``<name>_shape`` / ``<name>_strides`` parameters where the
     body uses them, outputs as pointers, template arguments as constants."""
     header, body, inputs, outputs = fp.kernel_source()
-    dtypes = {"x0": mx.float32, "pos": mx.uint8, "pseg": mx.uint8, "bar": mx.uint32, **{k: v.dtype for k, v in fp.weights.items()}}
+    dtypes = {"x0": mx.float32, "pos": mx.uint8, "pseg": mx.uint8, "bar": mx.uint32,
+              **{k: v.dtype for k, v in fp.weights.items()}, **{k: v.dtype for k, v in fp._draft_inputs.items()}}
     sig = []
     for n in inputs:
         sig.append(f"const {_C_TYPES[dtypes.get(n, mx.float32)]}* {n}")
@@ -476,11 +496,25 @@ def _render_fused(fp: FusedPass, name: str) -> str:
             sig.append(f"const __grid_constant__ Shape {n}_shape")
         if f"{n}_strides" in body:
             sig.append(f"const __grid_constant__ Strides {n}_strides")
-    out_types = {"prof": "uint32_t", "err": "int32_t"}
+    out_types = {"prof": "uint32_t", "err": "int32_t", "dtok": "int32_t"}
     sig += [f"{out_types.get(n, 'float')}* {n}" for n in outputs]
     consts = "".join(f"using {k} = {_C_TYPES[v]};\n" if isinstance(v, mx.Dtype) else f"constexpr int {k} = {v};\n"
-                     for k, v in fp.template())
+                     for k, v in fp.template(markov))
     return f"extern \"C\" __global__ void {name}({', '.join(sig)}) {{\n{consts}{body}}}\n"
+
+
+def _default_like_drafter(target):
+    """A random drafter of the shipped one's shapes for ``target`` (4-bit, group 64)."""
+    from drafters.dspark import DSparkModel, init_weights
+    from drafters.dspark.config import draft_config_from_target
+    from drafters.dspark.loader import _quantizable
+
+    cfg = draft_config_from_target({**vars(target.args), "num_hidden_layers": 30}, num_hidden_layers=3,
+                                   target_layer_ids=[1, 8, 14, 20, 27], block_size=7, markov_rank=128, mask_token_id=0)
+    net = DSparkModel(cfg)
+    init_weights(net, seed=2)
+    nn.quantize(net, group_size=64, bits=4, class_predicate=_quantizable(64))
+    return net
 
 
 @pytest.mark.skipif(_nvrtc() is None, reason="NVRTC not found (pip nvidia-cuda-nvrtc, or SPECSERVE_NVRTC=<libnvrtc.so>)")
@@ -491,6 +525,8 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
     128. No GPU needed."""
     import ctypes
 
+    from metal_kernels.fused import DraftFusedPass
+
     lib = _nvrtc()
     from mlx_lm.models import llama
 
@@ -500,12 +536,17 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
         num_attention_heads=9, num_key_value_heads=3, head_dim=64, rms_norm_eps=1e-5, vocab_size=512,
         rope_theta=100000.0, tie_word_embeddings=True))
     quantize_like_gguf(default_like, 4)
-    cases = [(_quantized_model(bits=b), w, False) for b in (4, 8) for w in (8, 16)]
-    cases += [(_quantized_model(head_dim=128), 8, False)]
-    cases += [(default_like, 8, False), (default_like, 16, False), (default_like, 16, True)]  # last: profile
-    src = _NVRTC_PRELUDE + FusedPass(cases[0][0]).kernel_source()[0]  # the header, once
-    for i, (model, warps, profile) in enumerate(cases):
-        src += _render_fused(FusedPass(model, warps=warps, profile=profile), f"fused{i}")
+    cases = [(FusedPass(_quantized_model(bits=b), warps=w), w, False) for b in (4, 8) for w in (8, 16)]
+    cases += [(FusedPass(_quantized_model(head_dim=128), warps=8), 8, False)]
+    cases += [(FusedPass(default_like, warps=w, profile=p), w, False) for w, p in ((8, False), (16, False), (16, True))]
+    # the shipped DSpark drafter's shapes (3 layers of the target's width, Markov rank 128),
+    # its block forward alone and with the greedy draft (Markov head, confidence) in the launch
+    draft = _default_like_drafter(default_like)
+    cases += [(DraftFusedPass(draft, default_like), 8, False), (DraftFusedPass(draft, default_like), 8, True)]
+    src = _NVRTC_PRELUDE + cases[0][0].kernel_source()[0]  # the header, once
+    for i, (fp, warps, markov) in enumerate(cases):
+        assert fp.warps == warps
+        src += _render_fused(fp, f"fused{i}", markov)
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"fused.cu", 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90", b"-std=c++17", b"--ptxas-options=-v"]
@@ -673,3 +714,197 @@ def test_engine_fused_passes_feed_dspark_its_hidden_states(stand_in, tmp_path):
         assert accepted > 10
     finally:
         eng.stop()
+
+
+# ---------------------------------------------------------------- a DSpark block forward in one launch
+
+
+def _draft_net(loaded, path, bits=4, boosts=None):
+    """A tiny 2-layer DSpark drafter for ``loaded``, saved with ``bits`` (None: plain weights)
+    and loaded back the way the engine loads it on a GPU (float32, quantized layers kept)."""
+    from test_engine_dspark import favour
+
+    from drafters.dspark import DSparkModel, init_weights, load_dspark, save_dspark
+    from drafters.dspark.config import draft_config_from_target
+
+    cfg = draft_config_from_target(loaded.config, num_hidden_layers=2, target_layer_ids=[-1, 0], block_size=5,
+                                   mask_token_id=0, markov_rank=64)  # (a quantized Markov head: rank = group)
+    net = DSparkModel(cfg)
+    init_weights(net, std=0.05, seed=3)
+    if boosts:
+        favour(net, boosts)
+    save_dspark(net, path, bits=bits)
+    return path, load_dspark(path, dtype="float32")
+
+
+def _draft_parts(loaded, net):
+    from drafters.dspark import TargetTaps
+
+    return TargetTaps(loaded.model, net.config.target_layer_ids)
+
+
+def test_draft_unsupported_reason_names_what_it_rejects(tmp_path, monkeypatch):
+    from metal_kernels.fused import DraftFusedPass, draft_unsupported_reason
+
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    _, quantized = _draft_net(loaded, tmp_path / "q")
+    _, plain = _draft_net(loaded, tmp_path / "plain", bits=None)
+    if not ON_CUDA:
+        assert "CUDA only" in draft_unsupported_reason(quantized, loaded.model)
+        with pytest.raises(ValueError, match="CUDA only"):
+            DraftFusedPass(quantized, loaded.model)
+    monkeypatch.setattr(fused, "backend", lambda: "cuda")
+    assert draft_unsupported_reason(quantized, loaded.model) == ""
+    assert "affine-quantized" in draft_unsupported_reason(plain, loaded.model)
+    assert "LM head" in draft_unsupported_reason(quantized, tiny_loaded(seed=4, head_dim=64).model)
+    quantized.layers[0].self_attn.rope = nn.RoPE(64, traditional=True)
+    assert "RoPE" in draft_unsupported_reason(quantized, loaded.model)
+
+
+@pytest.mark.parametrize("context", [1, 40, 300])
+def test_draft_fused_pass_matches_the_mlx_block_forward(stand_in, tmp_path, context):
+    """The launch's logits (q/k norms, bidirectional block, context strictly before the anchor,
+    the target's LM head) equal the MLX ops' block forward to rounding."""
+    from drafters.dspark import DraftStep
+    from metal_kernels.fused import DraftFusedPass
+
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    _, net = _draft_net(loaded, tmp_path / "d")
+    taps = _draft_parts(loaded, net)
+    fp = DraftFusedPass(net, loaded.model)
+    assert fp.markov and fp.confidence == 2  # (the quantized Markov head drafts inside the launch)
+    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=fp)
+    # (on CUDA the MLX side's float32 matmuls round more coarsely: the engine's probe allows 1e-3)
+    assert step.fused_error(context) < (1e-3 if ON_CUDA else 1e-4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stand_in, tmp_path, temperature):
+    """Two drafters fed the same committed rows, one through the launch and one through MLX ops,
+    propose the same tokens (and draft_probs / confidence to rounding) for 80 cycles that grow
+    the draft cache past its first capacity; the launch's writes past the context (the block's
+    own keys) never reach a later block, and the cache keeps room for them."""
+    from drafters.base import DraftContext
+    from drafters.dspark import DraftStep, DSparkDrafter
+    from metal_kernels.fused import DraftFusedPass
+
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    _, net = _draft_net(loaded, tmp_path / "d")
+    taps = _draft_parts(loaded, net)
+    fp = DraftFusedPass(net, loaded.model)
+    tokens = mx.random.randint(3, 259, (340,), key=mx.random.key(2)).tolist()
+    hidden = taps.forward(mx.array(tokens)[None])[1][0]
+    mx.eval(hidden)
+    fused_d = DSparkDrafter(net, taps.embed, taps.lm_head, DraftStep(net, taps.embed, taps.lm_head, fused=fp))
+    plain_d = DSparkDrafter(net, taps.embed, taps.lm_head, DraftStep(net, taps.embed, taps.lm_head))
+    pos, seen, block, differ = 30, 0, net.config.block_size, 0
+    for cycle in range(80):
+        ctx = DraftContext(tokens[: pos + 1], hidden[seen:pos], temperature=temperature, seed=11)
+        a, b = fused_d.propose(ctx, block), plain_d.propose(ctx, block)
+        if a.tokens != b.tokens:
+            differ += 1
+        else:  # (to rounding: on CUDA MLX's float32 matmuls round more coarsely than the launch)
+            assert np.allclose(a.confidence, b.confidence, atol=1e-3 if ON_CUDA else 1e-5)
+            if temperature:
+                assert mx.allclose(a.draft_probs, b.draft_probs, rtol=1e-2 if ON_CUDA else 1e-5,
+                                   atol=1e-4 if ON_CUDA else 1e-6).item()
+        assert fused_d._keys[0].shape[2] >= fused_d._length + block
+        seen, pos = pos, pos + 1 + cycle % 5
+    # The stand-in computes what the MLX ops do: identical drafts. On CUDA a sampled draw that
+    # sits on a boundary between two tokens may fall the other way after rounding, rarely.
+    assert differ <= (2 if ON_CUDA and temperature else 0), differ
+    assert fp.passes == 80 and fused_d.step.fused_failures == 0
+    assert fused_d._keys[0].shape[2] > 256  # the cache doubled on the way
+
+
+def test_failed_draft_launch_falls_back_to_mlx_ops(stand_in, tmp_path, monkeypatch):
+    """A launch that gave up at a grid barrier has garbage logits: the drafter drafts again
+    with MLX ops and counts the failure."""
+    from drafters.base import DraftContext
+    from drafters.dspark import DraftStep, DSparkDrafter
+    from metal_kernels.fused import DraftFusedPass
+
+    def timed_out(inputs, template, output_shapes, **kw):
+        outs = reference_pass(inputs, template, output_shapes)
+        outs[0], outs[8], outs[9] = mx.zeros_like(outs[0]), mx.ones(output_shapes[8], dtype=mx.int32), outs[9] * 0
+        return outs
+
+    monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: timed_out))
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    _, net = _draft_net(loaded, tmp_path / "d")
+    taps = _draft_parts(loaded, net)
+    tokens = mx.random.randint(3, 259, (40,), key=mx.random.key(2)).tolist()
+    hidden = taps.forward(mx.array(tokens)[None])[1][0]
+    ctx = DraftContext(tokens, hidden[:39])
+    fused_d = DSparkDrafter(net, taps.embed, taps.lm_head,
+                            DraftStep(net, taps.embed, taps.lm_head, fused=DraftFusedPass(net, loaded.model)))
+    plain_d = DSparkDrafter(net, taps.embed, taps.lm_head)
+    want = plain_d.propose(ctx, 5).tokens
+    assert want != [0] * 5  # (the garbage logits' argmax)
+    assert fused_d.propose(ctx, 5).tokens == want
+    assert fused_d.step.fused_failures == 1
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
+    """With fused passes on, the engine probes and uses the one-launch block forward for a
+    quantized drafter; greedy output stays identical to plain and DSpark drafts get accepted.
+    With them off it keeps to MLX ops."""
+    from test_engine_dspark import FORCE
+
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    path, _ = _draft_net(loaded, tmp_path / "d", boosts={77: 12.0})
+    eng = _engine(loaded, fused=mode, dspark=True, dspark_drafter=str(path), speculation="auto")
+    try:
+        fp = eng._dspark_step.fused
+        assert (fp is not None) == (mode == "on")
+        bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}  # the target's argmax is 77: drafts pass
+        accepted, before = 0, fp.passes if fp else 0
+        for prompt in ([5, 6, 7, 8] * 6, list(range(30, 70))):
+            plain = run(eng, prompt, "off", max_tokens=32, **bias)[0]
+            ids, _, last = run(eng, prompt, "x", max_tokens=32, speculative=FORCE, **bias)
+            assert ids == plain
+            accepted += last.stats.by_drafter["dspark"].num_accepted_tokens
+        assert accepted > 10
+        if fp is not None:
+            assert fp.passes > before
+    finally:
+        eng.stop()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("context", [1, 45, 600, 1100])
+def test_kernel_draft_pass_matches_reference(tmp_path, context):
+    """The CUDA kernel's DSpark block forward (q/k norms, bidirectional block) against
+    :func:`reference_pass`, with contexts of 1..3 attention segments; the context rows the
+    launch was handed keep their bits (it writes only past them)."""
+    from metal_kernels.fused import DraftFusedPass
+
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    _, net = _draft_net(loaded, tmp_path / "d")
+    taps = _draft_parts(loaded, net)
+    shape = (1, net.config.num_key_value_heads, context + 64, net.config.head_dim)
+    keys = [mx.random.normal(shape, key=mx.random.key(i)) for i in range(2)]
+    values = [mx.random.normal(shape, key=mx.random.key(10 + i)) for i in range(2)]
+    ref_keys, ref_values = [mx.array(np.array(k)) for k in keys], [mx.array(np.array(v)) for v in values]
+    x0 = taps.embed(mx.array([5, 0, 0, 0, 0]))
+    fp = DraftFusedPass(net, loaded.model)
+    out = fp(x0, keys, values, context)
+    mx.eval(out.logits, out.hidden, out.errors)
+    fp.check(out)
+    ref = DraftFusedPass(net, loaded.model)
+    ref.__dict__["_kernel"] = reference_pass
+    want = ref(x0, ref_keys, ref_values, context)
+    mx.eval(want.logits, want.hidden)
+    scale = mx.abs(want.logits).max().item()
+    assert mx.abs(out.logits - want.logits).max().item() < 1e-4 * scale
+    assert mx.allclose(out.hidden, want.hidden, rtol=1e-4, atol=1e-4).item()
+    for k, r in zip(keys, ref_keys):
+        assert mx.array_equal(k[..., :context, :], r[..., :context, :]).item()
+    anchor = mx.array([5], dtype=mx.int32)  # the greedy draft inside the launch
+    out, want = fp(x0, keys, values, context, anchor), ref(x0, ref_keys, ref_values, context, anchor)
+    mx.eval(out.tokens, out.confidence, out.errors, want.tokens, want.confidence)
+    fp.check(out)
+    assert out.tokens.tolist() == want.tokens.tolist()
+    assert mx.allclose(out.confidence, want.confidence, atol=1e-5).item()

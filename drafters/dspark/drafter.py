@@ -44,14 +44,28 @@ class DraftStep:
     update once per (padded row count <= 16, capacity). Larger updates (a prompt, or the rows
     that piled up while another drafter ran) run the same function uncompiled.
 
+    With a ``fused`` block pass (``metal_kernels.fused.DraftFusedPass`` on CUDA: the draft
+    layers and the LM head in one kernel launch instead of ~70 MLX ops), the block forward runs
+    there; a greedy draft (Markov loop and confidence head) too when the pass can (its
+    ``markov``), else those stay MLX ops after it (compiled per draft length). The draft cache then keeps ``block_size`` spare rows past the context, which the
+    launch writes (the block's own keys and values, never read by a later block).
+
     Args:
         compiled: ``False`` runs the same functions eagerly (tests compare the two).
+        fused: the one-launch block forward, called as ``fused(x0 [B, d], keys, values, start)``
+            and returning ``logits [B, V]``, ``hidden [layers, B, d]`` and ``errors``
+            (``metal_kernels.fused.FusedOutput``), or with ``anchor`` ``[1]`` as a last argument
+            (when ``fused.markov``) also the greedy ``tokens [B]`` and ``confidence [B]``;
+            None: MLX ops only.
     """
 
-    def __init__(self, network: DSparkModel, embed: Embed, lm_head: LMHead, compiled: bool = True):
+    def __init__(self, network: DSparkModel, embed: Embed, lm_head: LMHead, compiled: bool = True,
+                 fused=None):
         self.network, self.embed, self.lm_head = network, embed, lm_head
         self.config = network.config
         self.compiled = compiled
+        self.fused = fused
+        self.fused_failures = 0  # fused launches that gave up at a grid barrier (then MLX ops ran)
         self._fns: dict[tuple, object] = {}
         self._traced: set[tuple] = set()  # (function key, input shapes) already compiled
         self.traced = False  # whether a call since the last take_traced() compiled a new graph
@@ -79,6 +93,9 @@ class DraftStep:
             padded *= 2
         length = MAX_PADDED_ROWS  # (any valid context length: the graphs do not depend on it)
         outs = [self.draft(0, length, keys, values, n, 0.0, 0) for n in range(1, self.config.block_size + 1)]
+        if self.fused is not None:  # (the MLX graphs too: a failed launch falls back to them)
+            outs += [self.draft(0, length, keys, values, n, 0.0, 0, fused=False)
+                     for n in range(1, self.config.block_size + 1)]
         mx.eval(keys, values, *(a for out in outs for a in out if a is not None))
         self.take_traced()
 
@@ -116,32 +133,91 @@ class DraftStep:
               else build())
         return fn(rows, mx.array([start], dtype=mx.int32), keys, values)
 
+    @property
+    def spare_rows(self) -> int:
+        """Rows a draft cache keeps free past its context for the fused pass's writes."""
+        return self.config.block_size if self.fused is not None else 0
+
     def draft(self, anchor: int, anchor_pos: int, keys: list[mx.array], values: list[mx.array],
-              n: int, temperature: float, seed: int):
+              n: int, temperature: float, seed: int, fused: bool = True):
         """Draft ``n <= block_size`` tokens after ``anchor`` (position ``anchor_pos``, which is also
         the number of valid context rows). Returns ``(tokens [n] int32, draft_probs [n, V] float32
-        or None, confidence [n] float32 or None)``, lazy."""
+        or None, confidence [n] float32 or None)``, lazy, and ``errors`` (the fused launch's
+        per-block failure flags, or None without one) to evaluate with them and pass to
+        :meth:`failed`. ``fused=False`` keeps to MLX ops."""
         cfg, network, embed, lm_head = self.config, self.network, self.embed, self.lm_head
         sampled = temperature > 0
-
-        def build():
-            def step(anchor, pos, keys, values, *noise):
-                x = block_inputs(embed, anchor, cfg.mask_token_id, cfg.block_size)
-                visible = (mx.arange(keys[0].shape[2]) < pos)[None, None]
-                h = network(x, pos.reshape(1, 1), list(zip(keys, values)), visible, fast=True)[0, 0, :n]
-                base = lm_head(h).astype(mx.float32)
-                tokens, probs, conf = sample_block(network, base, h, anchor, 0, *noise)
-                return tuple(a for a in (tokens, probs, conf) if a is not None)
-            return step
-
-        fn = self._fn(("draft", n, sampled), build, (keys[0].shape[2],))
         noise = (mx.array(temperature, dtype=mx.float32), 0, draft_keys(seed, anchor_pos, n)) if sampled else ()
-        out = list(fn(mx.array([anchor], dtype=mx.int32), mx.array([anchor_pos], dtype=mx.int32),
-                      keys, values, *noise))
+        anchor_ids = mx.array([anchor], dtype=mx.int32)
+        if fused and self.fused is not None and anchor_pos + cfg.block_size <= keys[0].shape[2]:
+            x0 = block_inputs(embed, anchor_ids, cfg.mask_token_id, cfg.block_size)[0, 0]
+            if not sampled and self.fused.markov:  # the whole greedy draft in the launch
+                launch = self.fused(x0, keys, values, anchor_pos, anchor_ids)
+                conf = launch.confidence[:n] if launch.confidence is not None else None
+                return launch.tokens[:n], None, conf, launch.errors
+            launch = self.fused(x0, keys, values, anchor_pos)
+
+            def build_tail():
+                def tail(logits, hidden, anchor, *noise):
+                    h = network.norm(hidden[:n])
+                    tokens, probs, conf = sample_block(network, logits[:n], h, anchor, 0, *noise)
+                    return tuple(a for a in (tokens, probs, conf) if a is not None)
+                return tail
+
+            fn = self._fn(("tail", n, sampled), build_tail, ())
+            out = list(fn(launch.logits, launch.hidden[-1], anchor_ids, *noise))
+            errors = launch.errors
+        else:
+            def build():
+                def step(anchor, pos, keys, values, *noise):
+                    x = block_inputs(embed, anchor, cfg.mask_token_id, cfg.block_size)
+                    visible = (mx.arange(keys[0].shape[2]) < pos)[None, None]
+                    h = network(x, pos.reshape(1, 1), list(zip(keys, values)), visible, fast=True)[0, 0, :n]
+                    base = lm_head(h).astype(mx.float32)
+                    tokens, probs, conf = sample_block(network, base, h, anchor, 0, *noise)
+                    return tuple(a for a in (tokens, probs, conf) if a is not None)
+                return step
+
+            fn = self._fn(("draft", n, sampled), build, (keys[0].shape[2],))
+            out = list(fn(anchor_ids, mx.array([anchor_pos], dtype=mx.int32), keys, values, *noise))
+            errors = None
         tokens = out.pop(0)
         probs = out.pop(0) if sampled else None
         conf = out.pop(0) if out else None
-        return tokens, probs, conf
+        return tokens, probs, conf, errors
+
+    def fused_error(self, context: int) -> float:
+        """Largest difference between the fused block forward's logits and the MLX ops' over a
+        draft cache of ``context`` random context rows, relative to the largest MLX logit (a
+        start-up probe: float32 sums in another order differ by ~1e-6; a broken launch by ~1).
+
+        Raises:
+            ValueError: no fused pass. RuntimeError: the launch gave up at a grid barrier.
+        """
+        if self.fused is None:
+            raise ValueError("no fused block pass to probe")
+        cfg, network = self.config, self.network
+        rows = mx.random.normal((context, cfg.num_taps * cfg.hidden_size), key=mx.random.key(7))
+        keys, values = self.empty_cache(max(MIN_CAPACITY, _bucket(context + cfg.block_size)))
+        keys, values = self.absorb(rows.astype(network.fc_dtype), 0, keys, values)
+        x0 = block_inputs(self.embed, mx.array([1], dtype=mx.int32), cfg.mask_token_id, cfg.block_size)
+        visible = (mx.arange(keys[0].shape[2]) < context)[None, None]
+        h = network(x0, mx.array([[context]], dtype=mx.int32), list(zip(keys, values)), visible, fast=True)
+        want = self.lm_head(h[0, 0]).astype(mx.float32)
+        mx.eval(want, keys, values)  # (before the launch writes the spare rows)
+        out = self.fused(x0[0, 0], keys, values, context)
+        mx.eval(out.logits, out.errors)
+        if bool(mx.any(out.errors != 0).item()):
+            raise RuntimeError("the fused draft pass gave up at a grid barrier")
+        return (mx.abs(out.logits - want).max() / mx.abs(want).max()).item()
+
+    def failed(self, errors: mx.array | None) -> bool:
+        """Whether an evaluated fused launch gave up at a grid barrier (its drafts are garbage;
+        the caller drafts again with ``fused=False``)."""
+        if errors is None or not bool(mx.any(errors != 0).item()):
+            return False
+        self.fused_failures += 1
+        return True
 
 
 class DSparkDrafter:
@@ -190,7 +266,8 @@ class DSparkDrafter:
     def _update_context(self) -> None:
         """Project pending rows into the draft cache, growing it (doubling) when they don't fit."""
         pending = sum(int(h.shape[0]) for h in self._pending)
-        need = self._length + (_bucket(pending) if 0 < pending <= MAX_PADDED_ROWS else pending)
+        need = (self._length + (_bucket(pending) if 0 < pending <= MAX_PADDED_ROWS else pending)
+                + self.step.spare_rows)
         capacity = self._keys[0].shape[2] if self._keys else 0
         if need > capacity or not self._keys:
             new = max(MIN_CAPACITY, capacity)
@@ -233,9 +310,13 @@ class DSparkDrafter:
         self.step.take_traced()
         self._update_context()
         temperature = float(getattr(ctx, "temperature", 0.0) or 0.0)
-        tokens, probs, conf = self.step.draft(int(ctx.tokens[-1]), anchor_pos, self._keys, self._values, n,
-                                              temperature, int(getattr(ctx, "seed", 0) or 0))
-        mx.eval(*(a for a in (tokens, probs, conf, *self._keys, *self._values) if a is not None))
+        args = (int(ctx.tokens[-1]), anchor_pos, self._keys, self._values, n, temperature,
+                int(getattr(ctx, "seed", 0) or 0))
+        tokens, probs, conf, errors = self.step.draft(*args)
+        mx.eval(*(a for a in (tokens, probs, conf, errors, *self._keys, *self._values) if a is not None))
+        if self.step.failed(errors):
+            tokens, probs, conf, _ = self.step.draft(*args, fused=False)
+            mx.eval(*(a for a in (tokens, probs, conf) if a is not None))
         self.traced = self.step.take_traced()
         return Draft(tokens=tokens.tolist(), draft_probs=probs,
                      confidence=conf.tolist() if conf is not None else None)

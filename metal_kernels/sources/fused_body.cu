@@ -22,7 +22,15 @@
 // HBITS (LM head) quantization bits, EPS_BITS / SCALE_BITS the float bit patterns of the
 // RMSNorm epsilon and the softmax scale; ST the scales/biases type; SKIP a bit mask of phases
 // to leave out (A 1, B 2, C 4, D 8, E 16, LM head 32), for profiling only: 0 in service; PROF
-// 1 records per-block cycle counts per phase in `prof` (profiling only). The launcher prepends
+// 1 records per-block cycle counts per phase in `prof` (profiling only). QKN 1: Qwen3's
+// per-head q/k RMSNorm (weights `qkn` [NL, 2, HD]) between phases A and B, behind one more grid
+// barrier. BIDIR 1: every row attends to all M new rows (a DSpark draft block, which is
+// bidirectional), else causally. The target's pass has QKN = BIDIR = 0. MARKOV 1 (a greedy
+// DSpark draft, after the LM head): x_k = argmax(logits[k] + W2 W1[x_{k-1}]) left to right from
+// x_0 = tok0[0], with the Markov head's MR-rank quantized tables (mw1/ms1/mb1, mw2/ms2/mb2, MBITS
+// bits) -> dtok; CONF 1 / 2: the confidence head sigmoid(cw . [h_k (; W1[x_{k-1}])] + cb) -> dconf
+// (h_k the final-normed row). One grid barrier per draft (the argmax over all blocks' candidates
+// in `cand`). The launcher prepends
 // the per-layer KV-cache pointer tables KC / VC (inputs kc0.., vc0..: the caches' [1, NKV, P,
 // HD] buffers, contiguous, every layer's the same shape: FusedPass._writable makes them so).
 // The pass reads keys/values 0..S-1 and WRITES its own rows S..S+M-1 into these buffers in
@@ -97,17 +105,19 @@ __shared__ float wl[W * GQ];
 
 // Attention work units (phase B): (row m, KV head g, key segment sg), rows in order, then KV
 // heads; a unit serves the GQ query heads of its KV head.
+// the last key position row m attends to
+auto last_key = [&](int m) { return BIDIR ? S + M - 1 : S + m; };
 int units = 0;
 for (int m = 0; m < M; ++m) {
-  units += NKV * ((S + m) / SEG + 1);
+  units += NKV * (last_key(m) / SEG + 1);
 }
 auto unit_of = [&](int u, int& m, int& g, int& sg) {
   m = 0;
-  while (u >= NKV * ((S + m) / SEG + 1)) {
-    u -= NKV * ((S + m) / SEG + 1);
+  while (u >= NKV * (last_key(m) / SEG + 1)) {
+    u -= NKV * (last_key(m) / SEG + 1);
     ++m;
   }
-  const int nseg = (S + m) / SEG + 1;
+  const int nseg = last_key(m) / SEG + 1;
   g = u / nseg;
   sg = u - g * nseg;
 };
@@ -140,6 +150,31 @@ for (int l = 0; l < NL; ++l) {
   if (!(ok = sync_(l * 5 + 0))) {
     break;
   }
+  // ---- A2 (QKN only): RMSNorm over each q and k head of qkv, in place; one warp per (row, head)
+  if (QKN) {
+    for (int t = gw; t < M * (NH + NKV); t += TW) {
+      const int m = t / (NH + NKV);
+      const int hh = t - m * (NH + NKV);
+      float* r = qkv + m * NQKV + hh * HD;
+      const float* gq = qkn + ((size_t)l * 2 + (hh < NH ? 0 : 1)) * HD;
+      float v[DL];
+      float ss = 0.0f;
+#pragma unroll
+      for (int dd = 0; dd < DL; ++dd) {
+        v[dd] = __ldcg(r + lane * DL + dd);
+        ss = fmaf(v[dd], v[dd], ss);
+      }
+      ss = ss_warp_sum(ss);
+      const float inv = rsqrtf(ss / static_cast<float>(HD) + eps);
+#pragma unroll
+      for (int dd = 0; dd < DL; ++dd) {
+        r[lane * DL + dd] = v[dd] * inv * gq[lane * DL + dd];
+      }
+    }
+    if (!(ok = ss_grid_sync(barp, epoch))) {
+      break;
+    }
+  }
 
   // ---- B: the pass's keys (RoPE'd) and values appended to the cache at S..S+M-1; attention
   // -> att [M, NA]. A row's keys are split into segments of SEG = 32 W absolute positions, one
@@ -169,8 +204,8 @@ for (int l = 0; l < NL; ++l) {
   for (int u = blockIdx.x; u < ((SKIP & 2) ? 0 : units); u += NB) {
     int m, g, sg;
     unit_of(u, m, g, sg);
-    const int nseg = (S + m) / SEG + 1;  // segments of keys 0..S+m
-    const int nk = S + m + 1;
+    const int nseg = last_key(m) / SEG + 1;  // segments of keys 0..last_key(m)
+    const int nk = last_key(m) + 1;
     // the GQ query heads of KV head g (h = g GQ + hh), RoPE'd and scaled
     for (int i = threadIdx.x; i < GQ * HALF; i += blockDim.x) {
       const int hh = i / HALF;
@@ -449,6 +484,99 @@ if (ok && !(SKIP & 32)) {
         }
       }
     }
+  }
+}
+// ---- F (MARKOV): greedy drafts, left to right; xs still holds the final-normed rows
+if (MARKOV && ok) {
+  constexpr int MPK = 32 / MBITS;
+  constexpr uint32_t MMASK = (1u << MBITS) - 1u;
+  constexpr int MRW = MR > 0 ? MR : 4;
+  __shared__ __align__(16) float w1s[MRW];
+  __shared__ float red_v[W];
+  __shared__ int red_i[W];
+  __shared__ int next_s;
+  const int ng1 = ms1_shape[1];
+  const int ng2 = ms2_shape[1];
+  const int gs1 = gshift_of(MR, ng1);
+  const int gs2 = gshift_of(MR, ng2);
+  int prev = tok0[0];
+  ok = ss_grid_sync(barp, epoch);  // every block's logits written
+  for (int k = 0; k < M && ok; ++k) {
+    for (int i = threadIdx.x; i < MR; i += blockDim.x) {  // W1[prev], dequantized
+      const uint32_t word = mw1[(size_t)prev * (MR / MPK) + i / MPK];
+      const float q = static_cast<float>((word >> (MBITS * (i % MPK))) & MMASK);
+      const int gi = i >> gs1;
+      w1s[i] = fmaf(q, static_cast<float>(ms1[(size_t)prev * ng1 + gi]), static_cast<float>(mb1[(size_t)prev * ng1 + gi]));
+    }
+    __syncthreads();
+    float best = NEG_INF;
+    int bi = 0x7fffffff;
+    for (int v = gw; v < V; v += TW) {
+      float acc[1];
+      ss_qdot<MBITS, 1, ST>(mw2 + (size_t)v * (MR / MPK), ms2 + (size_t)v * ng2, mb2 + (size_t)v * ng2, MR, gs2, w1s,
+                            1, lane, acc);
+      const float val = __ldcg(logits + (size_t)k * V + v) + ss_warp_sum(acc[0]);
+      if (val > best) {  // (v increases: the first of equal maxima stays)
+        best = val;
+        bi = v;
+      }
+    }
+    if (lane == 0) {
+      red_v[warp] = best;
+      red_i[warp] = bi;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float bv = red_v[0];
+      int bix = red_i[0];
+      for (int w2 = 1; w2 < W; ++w2) {
+        if (red_v[w2] > bv || (red_v[w2] == bv && red_i[w2] < bix)) {
+          bv = red_v[w2];
+          bix = red_i[w2];
+        }
+      }
+      cand[blockIdx.x * 2] = bv;
+      cand[blockIdx.x * 2 + 1] = __int_as_float(bix);
+    }
+    if (!(ok = ss_grid_sync(barp, epoch))) {
+      break;
+    }
+    if (threadIdx.x == 0) {  // every block: the same scan of the same candidates
+      float bv = __ldcg(cand);
+      int bix = __float_as_int(__ldcg(cand + 1));
+      for (int b = 1; b < NB; ++b) {
+        const float cv = __ldcg(cand + b * 2);
+        const int ci = __float_as_int(__ldcg(cand + b * 2 + 1));
+        if (cv > bv || (cv == bv && ci < bix)) {
+          bv = cv;
+          bix = ci;
+        }
+      }
+      next_s = bix;
+    }
+    __syncthreads();
+    if (blockIdx.x == 0 && warp == 0) {
+      if (CONF > 0) {  // c_k from h_k and W1[x_{k-1}] (w1s)
+        float z = 0.0f;
+        for (int i = lane; i < DM; i += 32) {
+          z = fmaf(cw[i], xs[k * DM + i], z);
+        }
+        if (CONF == 2) {
+          for (int i = lane; i < MR; i += 32) {
+            z = fmaf(cw[DM + i], w1s[i], z);
+          }
+        }
+        z = ss_warp_sum(z) + cb[0];
+        if (lane == 0) {
+          dconf[k] = 1.0f / (1.0f + expf(-z));
+        }
+      }
+      if (lane == 0) {
+        dtok[k] = next_s;
+      }
+    }
+    prev = next_s;
+    __syncthreads();  // (w1s is rewritten next)
   }
 }
 if (PROF && threadIdx.x == 0) {

@@ -1,0 +1,167 @@
+"""Where a DSpark draft forward's time goes, and what dense weights buy (issue #5, GPU).
+
+Starts the engine with the shipped drafter, takes the tapped target states of a workload prompt,
+then times steady compiled draft forwards (7 drafts, greedy, the context already absorbed) of
+several weight variants side by side, each split into cumulative stages:
+
+* ``network``: the block through the draft layers (``h`` ``[7, d]``);
+* ``lm_head``: + the LM head and a plain argmax (no Markov head);
+* ``draft``: the engine's whole draft (:meth:`DraftStep.draft`: + Markov loop, confidence);
+* ``absorb``: the context update of 1-4 new rows (separately).
+
+Variants: the engine's quantized network through MLX ops (``mlx_ops``) or through the one-launch
+block forward (``fused``: ``metal_kernels.fused.DraftFusedPass``, CUDA), and the network
+dequantized to float32 / bfloat16 with a dense dequantized LM head (MLX ops). Medians of wall
+time per call including one host round trip (``mx.eval`` + ``tolist``), the way the engine pays.
+
+    python -m benchmarks.gpu.dspark_forward --iters 200 --out dspark_forward.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import engine  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
+import mlx.core as mx
+
+from benchmarks.bench_speculative import load_workloads, prompt_tokens
+from drafters.base import DraftContext
+from drafters.dspark import DraftStep, DSparkDrafter, load_dspark
+from drafters.dspark.model import block_inputs
+from engine import Engine, EngineConfig
+from engine.loader import default_dspark_path
+
+
+def _timed(fn, iters: int) -> float:
+    times = []
+    for i in range(iters + 5):
+        started = time.perf_counter()
+        out = fn()
+        mx.eval(out)
+        out.tolist() if out.size < 64 else out[:1].tolist()
+        if i >= 5:
+            times.append(1e3 * (time.perf_counter() - started))
+    return round(statistics.median(times), 4)
+
+
+def dense_head(lm_head, d: int, dtype):
+    """The LM head as a dense ``[d, V]`` matrix of ``dtype`` (exact: ``lm_head(I)``)."""
+    w = lm_head(mx.eye(d, dtype=mx.float32)).astype(dtype)
+    mx.eval(w)
+    return lambda h: h.astype(dtype) @ w
+
+
+def profile(net, embed, lm_head, hidden, tokens, pos: int, iters: int, fused=None) -> dict:
+    cfg = net.config
+    step = DraftStep(net, embed, lm_head, fused=fused)
+    d = DSparkDrafter(net, embed, lm_head, step)
+    d.propose(DraftContext(tokens[: pos + 1], hidden[:pos]), 7)  # absorbs the prompt
+    keys, values = d._keys, d._values
+    anchor, apos = mx.array([tokens[pos]], dtype=mx.int32), mx.array([pos], dtype=mx.int32)
+
+    def network_fn(anchor, apos, keys, values):
+        if fused is not None:
+            x = block_inputs(embed, anchor, cfg.mask_token_id, cfg.block_size)[0, 0]
+            return fused(x, keys, values, pos).hidden[-1]
+        x = block_inputs(embed, anchor, cfg.mask_token_id, cfg.block_size)
+        visible = (mx.arange(keys[0].shape[2]) < apos)[None, None]
+        return net(x, apos.reshape(1, 1), list(zip(keys, values)), visible, fast=True)[0, 0]
+
+    def head_fn(*a):
+        if fused is not None:
+            x = block_inputs(embed, anchor, cfg.mask_token_id, cfg.block_size)[0, 0]
+            return mx.argmax(fused(x, keys, values, pos).logits, axis=-1)
+        return mx.argmax(lm_head(network_fn(*a)).astype(mx.float32), axis=-1)
+
+    net_c = network_fn if fused is not None else mx.compile(network_fn)
+    head_c = head_fn if fused is not None else mx.compile(head_fn)
+    out = {
+        "network_ms": _timed(lambda: net_c(anchor, apos, keys, values), iters),
+        "lm_head_ms": _timed(lambda: head_c(anchor, apos, keys, values), iters),
+        "draft_ms": _timed(lambda: step.draft(tokens[pos], pos, keys, values, 7, 0.0, 0)[0], iters),
+    }
+    absorb = []
+    for i in range(iters + 5):
+        new = 1 + i % 4
+        started = time.perf_counter()
+        k2, v2 = step.absorb(hidden[pos : pos + new], pos, keys, values)
+        mx.eval(k2, v2)
+        k2[0][0, 0, 0, :1].tolist()
+        if i >= 5:
+            absorb.append(1e3 * (time.perf_counter() - started))
+    out["absorb_ms"] = round(statistics.median(absorb), 4)
+    out["drafts"] = step.draft(tokens[pos], pos, keys, values, 7, 0.0, 0)[0].tolist()
+    return out
+
+
+def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int) -> dict:
+    """Median ms of one evaluated fused launch with phases left out (``skip``: the layers' five
+    phases 1..16, the LM head 32): every phase, no LM head, nothing (launch + barriers), and
+    the greedy draft inside the launch on top of everything."""
+    from metal_kernels.fused import DraftFusedPass
+
+    cfg = net.config
+    d = DSparkDrafter(net, taps.embed, taps.lm_head, DraftStep(net, taps.embed, taps.lm_head))
+    d.propose(DraftContext(tokens[: pos + 1], hidden[:pos]), 7)
+    keys, values = d._keys, d._values
+    anchor = mx.array([tokens[pos]], dtype=mx.int32)
+    x0 = block_inputs(taps.embed, anchor, cfg.mask_token_id, cfg.block_size)[0, 0].astype(mx.float32)
+    mx.eval(x0)
+    out = {}
+    for name, skip, greedy in (("all_phases", 0, False), ("no_lm_head", 32, False), ("no_attention", 2, False),
+                               ("barriers_only", 63, False), ("greedy_draft", 0, True)):
+        fp = DraftFusedPass(net, target, skip=skip)
+        if greedy:
+            out[name] = _timed(lambda fp=fp: fp(x0, keys, values, pos, anchor).tokens, iters)
+        else:
+            out[name] = _timed(lambda fp=fp: fp(x0, keys, values, pos).errors, iters)
+    return out
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workload", default="novel_code")
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    eng = Engine(EngineConfig(speculation="dspark", dspark=True)).start(wait=True)
+    try:
+        taps, tok = eng.target_taps, eng.loaded.tokenizer
+        prompt = next(p for w in load_workloads([args.workload]) for p in w["prompts"]
+                      if p.get("kind") != "session")
+        tokens = prompt_tokens(tok, prompt)
+        tokens = (tokens * 4)[: len(tokens) + 64]
+        hidden = taps.forward(mx.array(tokens)[None])[1][0]
+        mx.eval(hidden)
+        pos = len(tokens) - 32
+        path = eng.config.dspark_drafter or default_dspark_path(eng.loaded)
+        d = eng.dspark.config.hidden_size
+        variants = [("mlx_ops", eng.dspark, taps.lm_head, None),
+                    ("fused", eng.dspark, taps.lm_head, eng._dspark_step.fused)]
+        for name, dtype in (("dense_f32", "float32"), ("dense_bf16", "bfloat16")):
+            net = load_dspark(path, dtype=dtype, dequantize=True)
+            variants.append((f"{name}+dense_head", net, dense_head(taps.lm_head, d, net.fc_dtype), None))
+        report = {"T1_ms": round(eng.cost.verify_cost[0] * 1e3, 4), "context": pos, "variants": {}}
+        if eng._dspark_step.fused is not None:
+            report["launch"] = launch_breakdown(eng.dspark, eng.loaded.model, taps, hidden, tokens, pos, args.iters)
+            print("launch", json.dumps(report["launch"]), flush=True)
+        for key, net, head, fused in variants:
+            if key == "fused" and fused is None:
+                continue  # (not on this machine)
+            report["variants"][key] = profile(net, taps.embed, head, hidden, tokens, pos, args.iters, fused)
+            print(key, json.dumps(report["variants"][key]), flush=True)
+    finally:
+        eng.stop()
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    main()
