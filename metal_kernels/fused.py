@@ -252,7 +252,7 @@ def writable_cache(cache: list, rows: int, kv_heads: int, head_dim: int) -> None
 def _no_draft_inputs() -> dict[str, mx.array]:
     u32, f32 = mx.zeros((1,), mx.uint32), mx.zeros((1,), mx.float32)
     return {"tok0": mx.zeros((1,), mx.int32), "mw1": u32, "ms1": f32, "mb1": f32, "mw2": u32, "ms2": f32,
-            "mb2": f32, "cw": f32, "cb": f32}
+            "mb2": f32, "cw": f32, "cb": f32, "crow": f32, "wfc": u32, "sfc": f32, "bfc": f32, "hnw": f32}
 
 
 @dataclass
@@ -317,6 +317,7 @@ class FusedPass:
         self.qk_norm, self.bidirectional = qk_norm, bidirectional
         # a greedy DSpark draft after the LM head (DraftFusedPass sets these and _draft_inputs)
         self.markov, self.markov_rank, self.markov_bits, self.confidence = False, 0, 4, 0
+        self.absorbs, self.taps = False, 1  # (a context update in the launch: DraftFusedPass)
         self._draft_inputs = _no_draft_inputs()
         self.blocks = min(blocks or multiprocessors(), multiprocessors())
         if warps is None:
@@ -378,7 +379,7 @@ class FusedPass:
 
     # per-launch draft inputs: the anchor, the Markov tables, the confidence head (dummies unless
     # a DraftFusedPass drafts greedily in the launch)
-    _DRAFT_NAMES = ("tok0", "mw1", "ms1", "mb1", "mw2", "ms2", "mb2", "cw", "cb")
+    _DRAFT_NAMES = ("tok0", "mw1", "ms1", "mb1", "mw2", "ms2", "mb2", "cw", "cb", "crow", "wfc", "sfc", "bfc", "hnw")
     _WEIGHT_NAMES = ("inv_freq", "norms", "fnorm", "qkn", "wqkv", "sqkv", "bqkv", "wo", "so", "bo",
                      "wgu", "sgu", "bgu", "wd", "sd", "bd", "we", "se", "bee")
 
@@ -392,18 +393,19 @@ class FusedPass:
         body = tables + _minify((_SOURCES / "fused_body.cu").read_text())
         inputs = ["x0", "pos", "pseg", *self._WEIGHT_NAMES, *self._DRAFT_NAMES, *(f"kc{i}" for i in range(n)), *(f"vc{i}" for i in range(n)), "bar"]
         return header, body, inputs, ["logits", "hidden", "qkv", "att", "hmid", "act", "part", "prof", "err",
-                                      "dtok", "dconf", "cand"]
+                                      "dtok", "dconf", "cand", "cfc", "ckv"]
 
-    def template(self, markov: bool = False) -> list[tuple[str, object]]:
+    def template(self, markov: bool = False, absorb: bool = False) -> list[tuple[str, object]]:
         """The kernel's template arguments (type ``ST`` and integer constants); ``markov``: a
-        launch that drafts greedily (:class:`DraftFusedPass` given the anchor)."""
+        launch that drafts greedily (:class:`DraftFusedPass` given the anchor); ``absorb``: one
+        that first writes new context rows into the draft cache (given ``rows``)."""
         return [("ST", self.weights["sqkv"].dtype), ("NL", self.layers), ("DM", self.hidden_size),
                 ("NH", self.heads), ("NKV", self.kv_heads), ("HD", self.head_dim), ("DI", self.intermediate),
                 ("MB", MAX_ROWS), ("W", self.warps), ("BITS", self.bits), ("HBITS", self.head_bits),
                 ("EPS_BITS", _float_bits(self.eps)), ("SCALE_BITS", _float_bits(self.scale)), ("SKIP", self.skip),
                 ("PROF", int(self.profile)), ("QKN", int(self.qk_norm)), ("BIDIR", int(self.bidirectional)),
                 ("MARKOV", int(markov)), ("MR", self.markov_rank), ("MBITS", self.markov_bits),
-                ("CONF", self.confidence)]
+                ("CONF", self.confidence), ("ABS", int(absorb)), ("NT", self.taps)]
 
     @functools.cached_property
     def _kernel(self):
@@ -460,10 +462,12 @@ class FusedPass:
         return out
 
     def _launch(self, x0: mx.array, start: int, keys: list[mx.array], values: list[mx.array],
-                anchor: mx.array | None = None) -> FusedOutput:
+                anchor: mx.array | None = None, rows: mx.array | None = None) -> FusedOutput:
         """One launch over ``x0`` ``[m, d]`` float32 at positions ``start..start+m-1`` of the
         per-layer key/value buffers (written in place at those positions); ``anchor``: the
-        ``[1]`` int32 token a greedy draft starts from (``markov`` only); lazy."""
+        ``[1]`` int32 token a greedy draft starts from (``markov`` only); ``rows``: ``[A,
+        taps * d]`` float32 context rows of positions ``start - A .. start - 1`` to write into
+        the buffers first (``absorbs`` only); lazy."""
         m = int(x0.shape[0])
         nqkv = (self.heads + 2 * self.kv_heads) * self.head_dim
         d, nl, hd = self.hidden_size, self.layers, self.head_dim
@@ -479,19 +483,24 @@ class FusedPass:
         draft = dict(self._draft_inputs)
         if anchor is not None:
             draft["tok0"] = anchor.astype(mx.int32).reshape(1)
+        absorb = rows is not None
+        if absorb:
+            draft["crow"] = rows.astype(mx.float32)
         inputs = [x0, pos, pseg, *(self.weights[k] for k in self._WEIGHT_NAMES),
                   *(draft[k] for k in self._DRAFT_NAMES), *keys, *values, bar]
         markov = self.markov and anchor is not None
         drafted = m if markov else 1
         outs = self._kernel(
             inputs=inputs,
-            template=self.template(markov),
+            template=self.template(markov, absorb),
             grid=(self.blocks * 32 * self.warps, 1, 1), threadgroup=(32 * self.warps, 1, 1),
             output_shapes=[(m, self.weights["we"].shape[0]), (nl, m, d), (m, nqkv), (m, self.heads * hd), (m, d),
                            (m, self.intermediate), (m, self.heads, segments, hd + 2),
                            (self.blocks, 5 * nl + 1, 2) if self.profile else (1,), (self.blocks,),
-                           (drafted,), (drafted,), (2 * self.blocks if markov else 1,)],
-            output_dtypes=[mx.float32] * 7 + [mx.uint32, mx.int32, mx.int32, mx.float32, mx.float32])
+                           (drafted,), (drafted,), (2 * self.blocks if markov else 1,),
+                           (rows.shape[0], d) if absorb else (1,),
+                           (nl * rows.shape[0] * 2 * self.kv_heads * hd,) if absorb else (1,)],
+            output_dtypes=[mx.float32] * 7 + [mx.uint32, mx.int32, mx.int32] + [mx.float32] * 4)
         out = FusedOutput(outs[0], outs[1], x0, outs[8], outs[7] if self.profile else None)
         if markov:
             out.tokens = outs[9]
@@ -525,6 +534,20 @@ def markov_reason(network) -> str:
             return f"Markov rank {network.config.markov_rank} (a multiple of 8)"
     if network.has_confidence and network.confidence_head.proj.weight.dtype != mx.float32:
         return "confidence head not float32"
+    return ""
+
+
+def absorb_reason(network, bits: int) -> str:
+    """Empty when the draft cache update (``fc``, ``hidden_norm``, each layer's k/v) can run
+    inside the launch: ``fc`` affine-quantized with the layers' ``bits``, a power-of-two group,
+    float32 scales, and a float32 ``hidden_norm``."""
+    fc = network.fc
+    if not isinstance(fc, nn.QuantizedLinear) or fc.bits != bits or getattr(fc, "mode", "affine") != "affine":
+        return f"fc is {type(fc).__name__} (needs the layers' {bits}-bit affine quantization)"
+    if fc.group_size & (fc.group_size - 1) or fc.scales.dtype != mx.float32 or fc.biases.dtype != mx.float32:
+        return f"fc group {fc.group_size}, scales {fc.scales.dtype}"
+    if network.hidden_norm.weight.dtype != mx.float32:
+        return f"hidden_norm {network.hidden_norm.weight.dtype}"
     return ""
 
 
@@ -565,23 +588,27 @@ class DraftFusedPass(FusedPass):
         self._build(network.layers, head_module(target), network.norm.weight, cfg.num_attention_heads,
                     cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, blocks,
                     warps or 8, skip, profile, qk_norm=True, bidirectional=True)
-        if markov_reason(network):
-            return  # greedy drafts stay MLX ops after the launch
         inputs = _no_draft_inputs()
-        self.markov = True
-        if network.has_markov:
-            w1, w2 = network.markov_head.markov_w1, network.markov_head.markov_w2
-            self.markov_rank, self.markov_bits = cfg.markov_rank, w1.bits
-            inputs.update(mw1=w1.weight, ms1=w1.scales, mb1=w1.biases, mw2=w2.weight, ms2=w2.scales, mb2=w2.biases)
-        if network.has_confidence:
-            proj = network.confidence_head.proj
-            self.confidence = 2 if cfg.confidence_head_with_markov else 1
-            inputs.update(cw=proj.weight.reshape(-1), cb=proj.bias.reshape(-1))
+        if not absorb_reason(network, self.bits):
+            self.absorbs, self.taps = True, cfg.num_taps
+            fc = network.fc
+            inputs.update(wfc=fc.weight, sfc=fc.scales, bfc=fc.biases, hnw=network.hidden_norm.weight)
+        if not markov_reason(network):  # else greedy drafts stay MLX ops after the launch
+            self.markov = True
+            if network.has_markov:
+                w1, w2 = network.markov_head.markov_w1, network.markov_head.markov_w2
+                self.markov_rank, self.markov_bits = cfg.markov_rank, w1.bits
+                inputs.update(mw1=w1.weight, ms1=w1.scales, mb1=w1.biases, mw2=w2.weight, ms2=w2.scales,
+                              mb2=w2.biases)
+            if network.has_confidence:
+                proj = network.confidence_head.proj
+                self.confidence = 2 if cfg.confidence_head_with_markov else 1
+                inputs.update(cw=proj.weight.reshape(-1), cb=proj.bias.reshape(-1))
         self._draft_inputs = {k: mx.contiguous(v) for k, v in inputs.items()}
         mx.eval(list(self._draft_inputs.values()))
 
     def __call__(self, x0: mx.array, keys: list[mx.array], values: list[mx.array], start: int,
-                 anchor: mx.array | None = None) -> FusedOutput:
+                 anchor: mx.array | None = None, rows: mx.array | None = None) -> FusedOutput:
         """The block forward (lazy; evaluate ``logits``/``tokens``, ``confidence`` and
         ``errors`` together, then :meth:`check`).
 
@@ -591,6 +618,9 @@ class DraftFusedPass(FusedPass):
                 that no other array shares, rows ``0..start-1`` valid; ``capacity >= start + B``.
             start: the anchor's position (= valid context rows).
             anchor: ``[1]`` int32 anchor token: also draft greedily (needs ``markov``).
+            rows: ``[A, taps * d]`` tapped target states of positions ``start - A .. start - 1``
+                (``1 <= A <= 16``) to project into the draft cache first (needs ``absorbs``):
+                the buffers then hold ``start - A`` valid rows before the launch.
 
         Returns:
             :class:`FusedOutput`: ``logits`` ``[B, V]`` (final norm + LM head), ``hidden``
@@ -607,6 +637,10 @@ class DraftFusedPass(FusedPass):
                              f"with room for them; got {m} rows at {start} in {keys[0].shape[2]}")
         if anchor is not None and not self.markov:
             raise ValueError("this drafter's Markov head cannot draft inside the launch")
-        out = self._launch(x0.astype(mx.float32), start, keys, values, anchor)
+        if rows is not None and (not self.absorbs or not 1 <= rows.shape[0] <= min(MAX_ROWS, start)
+                                 or rows.shape[1] != self.taps * self.hidden_size):
+            raise ValueError(f"context rows in the launch need absorbs and 1..{MAX_ROWS} rows of "
+                             f"{self.taps * self.hidden_size} features before the anchor")
+        out = self._launch(x0.astype(mx.float32), start, keys, values, anchor, rows)
         self.passes += 1
         return out

@@ -61,6 +61,22 @@ def reference_pass(inputs, template, output_shapes, **_):
         lo, hi = v[..., : hd // 2], v[..., hd // 2:]
         return mx.concatenate([lo * cos - hi * sin, hi * cos + lo * sin], axis=-1)
 
+    def rope_at(v, first):  # [n, heads, hd] at positions first..first+n-1
+        ang = mx.arange(first, first + v.shape[0]).astype(mx.float32)[:, None] * w["inv_freq"][None]
+        c, s_ = mx.cos(ang)[:, None], mx.sin(ang)[:, None]
+        lo, hi = v[..., : hd // 2], v[..., hd // 2:]
+        return mx.concatenate([lo * c - hi * s_, hi * c + lo * s_], axis=-1)
+
+    if t["ABS"]:  # a draft cache update first: rows of positions start - A .. start - 1
+        rows = w["crow"]
+        a = rows.shape[0]
+        ctx = mx.fast.rms_norm(qmm(rows, w["wfc"], w["sfc"], w["bfc"], t["BITS"]), w["hnw"], eps)
+        for layer in range(nl):
+            kv = proj(ctx, "qkv", layer)[:, nh * hd:]
+            k = mx.fast.rms_norm(kv[:, : nkv * hd].reshape(a, nkv, hd), w["qkn"][layer, 1], eps)
+            kc[layer][..., start - a:start, :] = rope_at(k, start - a).transpose(1, 0, 2)[None]
+            vc[layer][..., start - a:start, :] = kv[:, nkv * hd:].reshape(a, nkv, hd).transpose(1, 0, 2)[None]
+
     hidden = []
     for layer in range(nl):
         qkv = proj(mx.fast.rms_norm(h, w["norms"][layer, 0], eps), "qkv", layer)
@@ -99,7 +115,7 @@ def reference_pass(inputs, template, output_shapes, **_):
         conf = mx.stack(conf) if conf else mx.zeros((m,))
     scratch = [mx.zeros(s) for s in output_shapes[2:7]]
     return [logits, mx.stack(hidden), *scratch, mx.zeros(output_shapes[7], dtype=mx.uint32),
-            mx.zeros(output_shapes[8], dtype=mx.int32), drafts, conf, mx.zeros(output_shapes[11])]
+            mx.zeros(output_shapes[8], dtype=mx.int32), drafts, conf, *(mx.zeros(s) for s in output_shapes[11:])]
 
 
 @pytest.fixture
@@ -482,7 +498,7 @@ struct Strides { int64_t d[10]; __device__ int64_t operator[](int i) const { ret
 """
 
 
-def _render_fused(fp: FusedPass, name: str, markov: bool = False) -> str:
+def _render_fused(fp: FusedPass, name: str, markov: bool = False, absorb: bool = False) -> str:
     """The fused kernel as mx.fast.cuda_kernel builds it (mlx/backend/cuda/custom_kernel.cpp):
     inputs as const pointers, with ``<name>_shape`` / ``<name>_strides`` parameters where the
     body uses them, outputs as pointers, template arguments as constants."""
@@ -499,7 +515,7 @@ def _render_fused(fp: FusedPass, name: str, markov: bool = False) -> str:
     out_types = {"prof": "uint32_t", "err": "int32_t", "dtok": "int32_t"}
     sig += [f"{out_types.get(n, 'float')}* {n}" for n in outputs]
     consts = "".join(f"using {k} = {_C_TYPES[v]};\n" if isinstance(v, mx.Dtype) else f"constexpr int {k} = {v};\n"
-                     for k, v in fp.template(markov))
+                     for k, v in fp.template(markov, absorb))
     return f"extern \"C\" __global__ void {name}({', '.join(sig)}) {{\n{consts}{body}}}\n"
 
 
@@ -539,14 +555,17 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
     cases = [(FusedPass(_quantized_model(bits=b), warps=w), w, False) for b in (4, 8) for w in (8, 16)]
     cases += [(FusedPass(_quantized_model(head_dim=128), warps=8), 8, False)]
     cases += [(FusedPass(default_like, warps=w, profile=p), w, False) for w, p in ((8, False), (16, False), (16, True))]
-    # the shipped DSpark drafter's shapes (3 layers of the target's width, Markov rank 128),
-    # its block forward alone and with the greedy draft (Markov head, confidence) in the launch
+    # the shipped DSpark drafter's shapes (3 layers of the target's width, Markov rank 128):
     draft = _default_like_drafter(default_like)
-    cases += [(DraftFusedPass(draft, default_like), 8, False), (DraftFusedPass(draft, default_like), 8, True)]
+    # its block forward alone, with the greedy draft, and with the context update before it
+    cases = [(fp, w, False, False) for fp, w, _ in cases]
+    dp = DraftFusedPass(draft, default_like)
+    assert dp.markov and dp.absorbs
+    cases += [(dp, 8, False, False), (dp, 8, True, False), (dp, 8, True, True), (dp, 8, False, True)]
     src = _NVRTC_PRELUDE + cases[0][0].kernel_source()[0]  # the header, once
-    for i, (fp, warps, markov) in enumerate(cases):
+    for i, (fp, warps, markov, absorb) in enumerate(cases):
         assert fp.warps == warps
-        src += _render_fused(fp, f"fused{i}", markov)
+        src += _render_fused(fp, f"fused{i}", markov, absorb)
     prog = ctypes.c_void_p()
     assert lib.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), b"fused.cu", 0, None, None) == 0
     opts = [b"--gpu-architecture=sm_90", b"-std=c++17", b"--ptxas-options=-v"]
@@ -562,7 +581,7 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
     # one block per SM must fit the register file (64K 32-bit registers on sm_90)
     regs = dict(re.findall(r"Function properties for (fused\d+)\s*\n[^\n]*\n[^\n]*Used (\d+) registers", text))
     assert len(regs) == len(cases), text[-4000:]
-    for i, (_, warps, _) in enumerate(cases):
+    for i, (_, warps, *_) in enumerate(cases):
         assert int(regs[f"fused{i}"]) * 32 * warps <= 65536, (i, regs)
 
 
@@ -792,6 +811,7 @@ def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stan
     _, net = _draft_net(loaded, tmp_path / "d")
     taps = _draft_parts(loaded, net)
     fp = DraftFusedPass(net, loaded.model)
+    assert fp.absorbs and fp.markov  # (new context rows and the greedy draft go into the launch)
     tokens = mx.random.randint(3, 259, (340,), key=mx.random.key(2)).tolist()
     hidden = taps.forward(mx.array(tokens)[None])[1][0]
     mx.eval(hidden)
@@ -808,7 +828,7 @@ def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stan
             if temperature:
                 assert mx.allclose(a.draft_probs, b.draft_probs, rtol=1e-2 if ON_CUDA else 1e-5,
                                    atol=1e-4 if ON_CUDA else 1e-6).item()
-        assert fused_d._keys[0].shape[2] >= fused_d._length + block
+        assert fused_d._length == pos and fused_d._keys[0].shape[2] >= pos + block
         seen, pos = pos, pos + 1 + cycle % 5
     # The stand-in computes what the MLX ops do: identical drafts. On CUDA a sampled draw that
     # sits on a boundary between two tokens may fall the other way after rounding, rarely.
@@ -908,3 +928,13 @@ def test_kernel_draft_pass_matches_reference(tmp_path, context):
     fp.check(out)
     assert out.tokens.tolist() == want.tokens.tolist()
     assert mx.allclose(out.confidence, want.confidence, atol=1e-5).item()
+    if context >= 4:  # the last 3 context rows projected into the cache inside the launch
+        rows = mx.random.normal((3, net.config.num_taps * net.config.hidden_size), key=mx.random.key(3))
+        out, want = fp(x0, keys, values, context, anchor, rows), ref(x0, ref_keys, ref_values, context, anchor, rows)
+        mx.eval(out.tokens, out.logits, out.errors, want.tokens, want.logits, *keys, *values)
+        fp.check(out)
+        assert mx.abs(out.logits - want.logits).max().item() < 1e-4 * scale
+        assert out.tokens.tolist() == want.tokens.tolist()
+        for got, ref_buf in zip(keys + values, ref_keys + ref_values):
+            assert mx.allclose(got[..., context - 3:context, :], ref_buf[..., context - 3:context, :],
+                               rtol=1e-4, atol=1e-4).item()

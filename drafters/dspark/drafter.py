@@ -96,6 +96,14 @@ class DraftStep:
         if self.fused is not None:  # (the MLX graphs too: a failed launch falls back to them)
             outs += [self.draft(0, length, keys, values, n, 0.0, 0, fused=False)
                      for n in range(1, self.config.block_size + 1)]
+            # and every kernel variant once: with and without the greedy draft and the context rows
+            x0 = block_inputs(self.embed, mx.array([0], dtype=mx.int32), self.config.mask_token_id,
+                              self.config.block_size)[0, 0]
+            one = mx.zeros((1, features), self.network.fc_dtype)
+            for anchor in (None, mx.array([0], dtype=mx.int32)) if self.fused.markov else (None,):
+                for rows in (None, one) if self.fused.absorbs else (None,):
+                    launch = self.fused(x0, keys, values, length, anchor, rows)
+                    outs.append((launch.logits, launch.errors))
         mx.eval(keys, values, *(a for out in outs for a in out if a is not None))
         self.take_traced()
 
@@ -138,24 +146,38 @@ class DraftStep:
         """Rows a draft cache keeps free past its context for the fused pass's writes."""
         return self.config.block_size if self.fused is not None else 0
 
+    def absorbs_in_launch(self, rows: int) -> bool:
+        """Whether the fused launch projects ``rows`` new context rows itself (``draft(rows=)``)."""
+        return self.fused is not None and self.fused.absorbs and 1 <= rows <= MAX_PADDED_ROWS
+
     def draft(self, anchor: int, anchor_pos: int, keys: list[mx.array], values: list[mx.array],
-              n: int, temperature: float, seed: int, fused: bool = True):
+              n: int, temperature: float, seed: int, fused: bool = True, rows: mx.array | None = None):
         """Draft ``n <= block_size`` tokens after ``anchor`` (position ``anchor_pos``, which is also
         the number of valid context rows). Returns ``(tokens [n] int32, draft_probs [n, V] float32
         or None, confidence [n] float32 or None)``, lazy, and ``errors`` (the fused launch's
         per-block failure flags, or None without one) to evaluate with them and pass to
-        :meth:`failed`. ``fused=False`` keeps to MLX ops."""
+        :meth:`failed`. ``fused=False`` keeps to MLX ops. ``rows``: ``[A, m*d]`` context rows of
+        positions ``anchor_pos - A .. anchor_pos - 1`` not yet in the buffers, which the fused
+        launch writes first (:meth:`absorbs_in_launch`; the buffers need room for them and
+        ``block_size`` more rows).
+
+        Raises:
+            ValueError: ``rows`` the fused launch cannot take here.
+        """
         cfg, network, embed, lm_head = self.config, self.network, self.embed, self.lm_head
         sampled = temperature > 0
         noise = (mx.array(temperature, dtype=mx.float32), 0, draft_keys(seed, anchor_pos, n)) if sampled else ()
         anchor_ids = mx.array([anchor], dtype=mx.int32)
-        if fused and self.fused is not None and anchor_pos + cfg.block_size <= keys[0].shape[2]:
+        room = anchor_pos + cfg.block_size <= keys[0].shape[2]
+        if rows is not None and not (fused and room and self.absorbs_in_launch(int(rows.shape[0]))):
+            raise ValueError("context rows go into the fused launch only (absorb() them otherwise)")
+        if fused and self.fused is not None and room:
             x0 = block_inputs(embed, anchor_ids, cfg.mask_token_id, cfg.block_size)[0, 0]
             if not sampled and self.fused.markov:  # the whole greedy draft in the launch
-                launch = self.fused(x0, keys, values, anchor_pos, anchor_ids)
+                launch = self.fused(x0, keys, values, anchor_pos, anchor_ids, rows)
                 conf = launch.confidence[:n] if launch.confidence is not None else None
                 return launch.tokens[:n], None, conf, launch.errors
-            launch = self.fused(x0, keys, values, anchor_pos)
+            launch = self.fused(x0, keys, values, anchor_pos, None, rows)
 
             def build_tail():
                 def tail(logits, hidden, anchor, *noise):
@@ -263,11 +285,13 @@ class DSparkDrafter:
         if rows.shape[0]:
             self._pending.append(rows)
 
-    def _update_context(self) -> None:
-        """Project pending rows into the draft cache, growing it (doubling) when they don't fit."""
+    def _update_context(self, absorb: bool = True) -> mx.array | None:
+        """Project pending rows into the draft cache, growing it (doubling) when they don't fit;
+        ``absorb=False`` only makes room and returns the pending rows (``[A, m*d]``) for the
+        fused launch to project (the caller counts them once written), else None."""
         pending = sum(int(h.shape[0]) for h in self._pending)
-        need = (self._length + (_bucket(pending) if 0 < pending <= MAX_PADDED_ROWS else pending)
-                + self.step.spare_rows)
+        padded = _bucket(pending) if absorb and 0 < pending <= MAX_PADDED_ROWS else pending
+        need = self._length + padded + self.step.spare_rows
         capacity = self._keys[0].shape[2] if self._keys else 0
         if need > capacity or not self._keys:
             new = max(MIN_CAPACITY, capacity)
@@ -280,11 +304,15 @@ class DSparkDrafter:
                 values = [mx.slice_update(b, v[:, :, : self._length], mx.array([0]), (2,))
                           for b, v in zip(values, self._values)]
             self._keys, self._values = keys, values
-        if pending:
-            rows = mx.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
-            self._pending = []
-            self._keys, self._values = self.step.absorb(rows, self._length, self._keys, self._values)
-            self._length += pending
+        if not pending:
+            return None
+        rows = mx.concatenate(self._pending) if len(self._pending) > 1 else self._pending[0]
+        self._pending = []
+        if not absorb:
+            return rows
+        self._keys, self._values = self.step.absorb(rows, self._length, self._keys, self._values)
+        self._length += pending
+        return None
 
     def propose(self, ctx: DraftContext, max_len: int) -> Draft:
         """Draft up to ``min(max_len, block_size)`` tokens after the anchor ``ctx.tokens[-1]``.
@@ -308,15 +336,22 @@ class DSparkDrafter:
         if n <= 0:
             return Draft()
         self.step.take_traced()
-        self._update_context()
+        pending = anchor_pos - self._length
+        rows = self._update_context(absorb=not self.step.absorbs_in_launch(pending))
+        if rows is not None:  # the launch writes them (positions _length .. anchor_pos - 1)
+            self._length = anchor_pos
         temperature = float(getattr(ctx, "temperature", 0.0) or 0.0)
         args = (int(ctx.tokens[-1]), anchor_pos, self._keys, self._values, n, temperature,
                 int(getattr(ctx, "seed", 0) or 0))
-        tokens, probs, conf, errors = self.step.draft(*args)
+        tokens, probs, conf, errors = self.step.draft(*args, rows=rows)
         mx.eval(*(a for a in (tokens, probs, conf, errors, *self._keys, *self._values) if a is not None))
-        if self.step.failed(errors):
+        if self.step.failed(errors):  # the MLX ops again, context rows included
+            if rows is not None:
+                self._keys, self._values = self.step.absorb(rows, anchor_pos - int(rows.shape[0]),
+                                                            self._keys, self._values)
+            args = (*args[:2], self._keys, self._values, *args[4:])
             tokens, probs, conf, _ = self.step.draft(*args, fused=False)
-            mx.eval(*(a for a in (tokens, probs, conf) if a is not None))
+            mx.eval(*(a for a in (tokens, probs, conf, *self._keys, *self._values) if a is not None))
         self.traced = self.step.take_traced()
         return Draft(tokens=tokens.tolist(), draft_probs=probs,
                      confidence=conf.tolist() if conf is not None else None)

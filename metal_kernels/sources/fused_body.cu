@@ -30,7 +30,10 @@
 // x_0 = tok0[0], with the Markov head's MR-rank quantized tables (mw1/ms1/mb1, mw2/ms2/mb2, MBITS
 // bits) -> dtok; CONF 1 / 2: the confidence head sigmoid(cw . [h_k (; W1[x_{k-1}])] + cb) -> dconf
 // (h_k the final-normed row). One grid barrier per draft (the argmax over all blocks' candidates
-// in `cand`). The launcher prepends
+// in `cand`). ABS 1 (a DSpark draft cache update before the block): the A = crow_shape[0] new
+// context rows crow [A, NT DM] (tapped target states of positions S - A .. S - 1) become
+// hidden_norm(fc(.)) (wfc/sfc/bfc, hnw), then each draft layer's k_norm'd, RoPE'd keys and its
+// values at those positions of the cache buffers; three more grid barriers. The launcher prepends
 // the per-layer KV-cache pointer tables KC / VC (inputs kc0.., vc0..: the caches' [1, NKV, P,
 // HD] buffers, contiguous, every layer's the same shape: FusedPass._writable makes them so).
 // The pass reads keys/values 0..S-1 and WRITES its own rows S..S+M-1 into these buffers in
@@ -122,7 +125,74 @@ auto unit_of = [&](int u, int& m, int& g, int& sg) {
   sg = u - g * nseg;
 };
 bool ok = true;
-for (int l = 0; l < NL; ++l) {
+// ---- Z (ABS): the new context rows into the draft cache, before the block reads it
+if (ABS) {
+  const int A = crow_shape[0];
+  const int S0 = S - A;
+  constexpr int NKVD = 2 * NKV * HD;  // a layer's keys and values per row
+  // Z1: fc -> cfc [A, DM]
+  ss_proj_residual<BITS, MB, W, ST>(wfc, sfc, bfc, DM, NT * DM, gshift_of(NT * DM, sfc_shape[1]), sfc_shape[1], crow,
+                                    nullptr, cfc, A, xs, MB * DM);
+  ok = ss_grid_sync(barp, epoch);
+  // Z2: hidden_norm, then every layer's k/v projections (rows NA.. of its wqkv) -> ckv [NL, A, NKVD]
+  if (ok) {
+    ss_rmsnorm<DM, W>(cfc, hnw, eps, A, xs);
+    for (int t = gw; t < NL * NKVD; t += TW) {
+      const int l = t / NKVD;
+      const int n = NA + (t - l * NKVD);
+      const size_t row = (size_t)l * NQKV + n;
+      float acc[MB];
+      ss_qdot<BITS, MB, ST>(wqkv + row * (DM / PK), sqkv + row * ng_qkv, bqkv + row * ng_qkv, DM, gs_qkv, xs, A, lane,
+                            acc);
+#pragma unroll
+      for (int m = 0; m < MB; ++m) {
+        if (m < A) {
+          const float v = ss_warp_sum(acc[m]);
+          if (lane == 0) {
+            ckv[((size_t)l * A + m) * NKVD + (n - NA)] = v;
+          }
+        }
+      }
+    }
+    ok = ss_grid_sync(barp, epoch);
+  }
+  // Z3: k_norm + RoPE at S0 + m into the keys, values as they are; one warp per (layer, row, KV
+  // head), lane t holding dims t DL .. t DL + DL - 1 (a RoPE pair's other half sits in lane t ^ 16)
+  if (ok) {
+    for (int t = gw; t < NL * A * NKV; t += TW) {
+      const int l = t / (A * NKV);
+      const int m = (t / NKV) % A;
+      const int g = t % NKV;
+      const float* kr = ckv + ((size_t)l * A + m) * NKVD + g * HD;
+      const float* vr = kr + NKV * HD;
+      const float* gk = qkn + ((size_t)l * 2 + 1) * HD;
+      float kv_[DL];
+      float ss = 0.0f;
+#pragma unroll
+      for (int dd = 0; dd < DL; ++dd) {
+        kv_[dd] = __ldcg(kr + lane * DL + dd);
+        ss = fmaf(kv_[dd], kv_[dd], ss);
+      }
+      ss = ss_warp_sum(ss);
+      const float inv = rsqrtf(ss / static_cast<float>(HD) + eps);
+      float* kd = const_cast<float*>(KC[l]) + g * KHS + (int64_t)(S0 + m) * HD;
+      float* vd = const_cast<float*>(VC[l]) + g * VHS + (int64_t)(S0 + m) * HD;
+#pragma unroll
+      for (int dd = 0; dd < DL; ++dd) {
+        const int i = lane * DL + dd;
+        const float own = kv_[dd] * inv * gk[i];
+        const float other = __shfl_xor_sync(FULL, own, 16);
+        float lo, hi;
+        const bool low = i < HALF;
+        ss_rope(low ? own : other, low ? other : own, S0 + m, inv_freq[low ? i : i - HALF], lo, hi);
+        kd[i] = low ? lo : hi;
+        vd[i] = __ldcg(vr + i);
+      }
+    }
+    ok = ss_grid_sync(barp, epoch);
+  }
+}
+for (int l = 0; l < NL && ok; ++l) {
   const float* hin = l == 0 ? x0 : hidden + (size_t)(l - 1) * M * DM;
   float* hout = hidden + (size_t)l * M * DM;
 

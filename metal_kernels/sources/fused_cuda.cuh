@@ -185,7 +185,8 @@ __device__ __forceinline__ void ss_rmsnorm(const float* src, const float* __rest
 // and down_proj phases), warp w of the grid taking rows w, w + (all warps), ... src [M, K]
 // (global, written earlier in this launch) reaches the warps through shared memory xs (CAP
 // floats): whole when M K fits, else in column tiles of KT inputs, KT a multiple of 32 packed
-// words (ss_qdot_acc: the same bits as one piece, whatever M). res/out are [M, N].
+// words (ss_qdot_acc: the same bits as one piece, whatever M). res/out are [M, N]; res may be
+// nullptr (no residual: out = src W^T).
 template <int BITS, int MB, int W, typename S>
 __device__ __forceinline__ void ss_proj_residual(const uint32_t* w, const S* sc, const S* bi, int N, int K, int gshift,
                                                  int NG, const float* src, const float* res, float* out, int M,
@@ -200,7 +201,7 @@ __device__ __forceinline__ void ss_proj_residual(const uint32_t* w, const S* sc,
       if (m < M) {
         const float v = ss_warp_sum(acc[m]);
         if (lane == 0) {
-          out[m * N + n] = __ldcg(res + m * N + n) + v;
+          out[m * N + n] = res != nullptr ? __ldcg(res + m * N + n) + v : v;
         }
       }
     }
