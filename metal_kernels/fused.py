@@ -485,7 +485,7 @@ class FusedPass:
             draft["tok0"] = anchor.astype(mx.int32).reshape(1)
         absorb = rows is not None
         if absorb:
-            draft["crow"] = rows.astype(mx.float32)
+            draft["crow"] = mx.contiguous(rows.astype(mx.float32))  # (the kernel reads it densely)
         inputs = [x0, pos, pseg, *(self.weights[k] for k in self._WEIGHT_NAMES),
                   *(draft[k] for k in self._DRAFT_NAMES), *keys, *values, bar]
         markov = self.markov and anchor is not None
@@ -497,7 +497,7 @@ class FusedPass:
             output_shapes=[(m, self.weights["we"].shape[0]), (nl, m, d), (m, nqkv), (m, self.heads * hd), (m, d),
                            (m, self.intermediate), (m, self.heads, segments, hd + 2),
                            (self.blocks, 5 * nl + 1, 2) if self.profile else (1,), (self.blocks,),
-                           (drafted,), (drafted,), (2 * self.blocks if markov else 1,),
+                           (drafted,), (drafted,), (4 * self.blocks if markov else 1,),
                            (rows.shape[0], d) if absorb else (1,),
                            (nl * rows.shape[0] * 2 * self.kv_heads * hd,) if absorb else (1,)],
             output_dtypes=[mx.float32] * 7 + [mx.uint32, mx.int32, mx.int32] + [mx.float32] * 4)
@@ -593,7 +593,9 @@ class DraftFusedPass(FusedPass):
             self.absorbs, self.taps = True, cfg.num_taps
             fc = network.fc
             inputs.update(wfc=fc.weight, sfc=fc.scales, bfc=fc.biases, hnw=network.hidden_norm.weight)
-        if not markov_reason(network):  # else greedy drafts stay MLX ops after the launch
+        markov_shared = 4 * cfg.markov_rank + 8 * self.warps + 4  # w1s, red_v/red_i, next_s
+        if not markov_reason(network) and self._shared_bytes(self.warps) + markov_shared <= 48 * 1024:
+            # (else greedy drafts stay MLX ops after the launch)
             self.markov = True
             if network.has_markov:
                 w1, w2 = network.markov_head.markov_w1, network.markov_head.markov_w2

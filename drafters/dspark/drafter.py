@@ -92,19 +92,21 @@ class DraftStep:
             keys, values = self.absorb(rows, 0, keys, values)
             padded *= 2
         length = MAX_PADDED_ROWS  # (any valid context length: the graphs do not depend on it)
-        outs = [self.draft(0, length, keys, values, n, 0.0, 0) for n in range(1, self.config.block_size + 1)]
-        if self.fused is not None:  # (the MLX graphs too: a failed launch falls back to them)
-            outs += [self.draft(0, length, keys, values, n, 0.0, 0, fused=False)
-                     for n in range(1, self.config.block_size + 1)]
-            # and every kernel variant once: with and without the greedy draft and the context rows
+        mx.eval(keys, values)
+        # One evaluation per draft: independent fused launches in one graph could run side by
+        # side, and a launch's grid barrier needs all of its blocks resident.
+        for n in range(1, self.config.block_size + 1):
+            mx.eval(*(a for a in self.draft(0, length, keys, values, n, 0.0, 0) if a is not None))
+            if self.fused is not None:  # (the MLX graphs too: a failed launch falls back to them)
+                mx.eval(*(a for a in self.draft(0, length, keys, values, n, 0.0, 0, fused=False) if a is not None))
+        if self.fused is not None:  # every kernel variant once: with(out) the greedy draft, context rows
             x0 = block_inputs(self.embed, mx.array([0], dtype=mx.int32), self.config.mask_token_id,
                               self.config.block_size)[0, 0]
             one = mx.zeros((1, features), self.network.fc_dtype)
             for anchor in (None, mx.array([0], dtype=mx.int32)) if self.fused.markov else (None,):
                 for rows in (None, one) if self.fused.absorbs else (None,):
                     launch = self.fused(x0, keys, values, length, anchor, rows)
-                    outs.append((launch.logits, launch.errors))
-        mx.eval(keys, values, *(a for out in outs for a in out if a is not None))
+                    mx.eval(launch.logits, launch.errors)
         self.take_traced()
 
     def take_traced(self) -> bool:
@@ -209,29 +211,58 @@ class DraftStep:
         return tokens, probs, conf, errors
 
     def fused_error(self, context: int) -> float:
-        """Largest difference between the fused block forward's logits and the MLX ops' over a
-        draft cache of ``context`` random context rows, relative to the largest MLX logit (a
-        start-up probe: float32 sums in another order differ by ~1e-6; a broken launch by ~1).
+        """How far the fused launch is from the MLX ops over a draft cache of ``context >= 4``
+        random context rows (a start-up probe): the largest logit difference relative to the
+        largest MLX logit, for the block forward alone and with the last 3 context rows written
+        by the launch itself; with the greedy draft in the launch (``markov``), 1.0 if its
+        tokens differ from the MLX ops' greedy draft or its confidence by more than 1e-3. Float32
+        sums in another order differ by ~1e-6 (~1e-4 against MLX-CUDA's matmuls); a broken
+        launch by ~1.
 
         Raises:
-            ValueError: no fused pass. RuntimeError: the launch gave up at a grid barrier.
+            ValueError: no fused pass, or ``context < 4``. RuntimeError: a launch gave up at a
+                grid barrier.
         """
-        if self.fused is None:
-            raise ValueError("no fused block pass to probe")
-        cfg, network = self.config, self.network
+        if self.fused is None or context < 4:
+            raise ValueError("the probe needs a fused block pass and at least 4 context rows")
+        cfg, network, fused = self.config, self.network, self.fused
         rows = mx.random.normal((context, cfg.num_taps * cfg.hidden_size), key=mx.random.key(7))
-        keys, values = self.empty_cache(max(MIN_CAPACITY, _bucket(context + cfg.block_size)))
-        keys, values = self.absorb(rows.astype(network.fc_dtype), 0, keys, values)
-        x0 = block_inputs(self.embed, mx.array([1], dtype=mx.int32), cfg.mask_token_id, cfg.block_size)
-        visible = (mx.arange(keys[0].shape[2]) < context)[None, None]
-        h = network(x0, mx.array([[context]], dtype=mx.int32), list(zip(keys, values)), visible, fast=True)
-        want = self.lm_head(h[0, 0]).astype(mx.float32)
-        mx.eval(want, keys, values)  # (before the launch writes the spare rows)
-        out = self.fused(x0[0, 0], keys, values, context)
-        mx.eval(out.logits, out.errors)
-        if bool(mx.any(out.errors != 0).item()):
-            raise RuntimeError("the fused draft pass gave up at a grid barrier")
-        return (mx.abs(out.logits - want).max() / mx.abs(want).max()).item()
+        rows = rows.astype(network.fc_dtype)
+        capacity = max(MIN_CAPACITY, _bucket(context + cfg.block_size))
+
+        def cache(n):
+            keys, values = self.empty_cache(capacity)
+            keys, values = self.absorb(rows[:n], 0, keys, values)
+            mx.eval(keys, values)
+            return keys, values
+
+        anchor = mx.array([1], dtype=mx.int32)
+        x0 = block_inputs(self.embed, anchor, cfg.mask_token_id, cfg.block_size)
+        keys, values = cache(context)
+        visible = (mx.arange(capacity) < context)[None, None]
+        h = network(x0, mx.array([[context]], dtype=mx.int32), list(zip(keys, values)), visible, fast=True)[0, 0]
+        want = self.lm_head(h).astype(mx.float32)
+        want_tokens, _, want_conf = sample_block(network, want, h, anchor, 0)
+        mx.eval(want, want_tokens, *(a for a in (want_conf,) if a is not None))
+        scale = mx.abs(want).max()
+        errors = []
+        for new in (0, 3) if fused.absorbs else (0,):
+            keys, values = cache(context - new)  # (fresh buffers: the launch writes into them)
+            out = fused(x0[0, 0], keys, values, context, None, rows[context - new:] if new else None)
+            mx.eval(out.logits, out.errors)
+            if bool(mx.any(out.errors != 0).item()):
+                raise RuntimeError("the fused draft pass gave up at a grid barrier")
+            errors.append((mx.abs(out.logits - want).max() / scale).item())
+            if fused.markov:
+                keys, values = cache(context - new)
+                out = fused(x0[0, 0], keys, values, context, anchor, rows[context - new:] if new else None)
+                mx.eval(out.tokens, out.errors, *(a for a in (out.confidence,) if a is not None))
+                if bool(mx.any(out.errors != 0).item()):
+                    raise RuntimeError("the fused draft pass gave up at a grid barrier")
+                same = out.tokens.tolist() == want_tokens.tolist() and (
+                    want_conf is None or mx.abs(out.confidence - want_conf).max().item() <= 1e-3)
+                errors.append(0.0 if same else 1.0)
+        return max(errors)
 
     def failed(self, errors: mx.array | None) -> bool:
         """Whether an evaluated fused launch gave up at a grid barrier (its drafts are garbage;
@@ -290,8 +321,10 @@ class DSparkDrafter:
         ``absorb=False`` only makes room and returns the pending rows (``[A, m*d]``) for the
         fused launch to project (the caller counts them once written), else None."""
         pending = sum(int(h.shape[0]) for h in self._pending)
-        padded = _bucket(pending) if absorb and 0 < pending <= MAX_PADDED_ROWS else pending
-        need = self._length + padded + self.step.spare_rows
+        # room for the rows as the MLX update writes them (padded; also the fallback after a
+        # failed launch) and for the rows plus the launch's spare rows
+        padded = _bucket(pending) if 0 < pending <= MAX_PADDED_ROWS else pending
+        need = self._length + max(padded, pending + self.step.spare_rows)
         capacity = self._keys[0].shape[2] if self._keys else 0
         if need > capacity or not self._keys:
             new = max(MIN_CAPACITY, capacity)
@@ -338,8 +371,6 @@ class DSparkDrafter:
         self.step.take_traced()
         pending = anchor_pos - self._length
         rows = self._update_context(absorb=not self.step.absorbs_in_launch(pending))
-        if rows is not None:  # the launch writes them (positions _length .. anchor_pos - 1)
-            self._length = anchor_pos
         temperature = float(getattr(ctx, "temperature", 0.0) or 0.0)
         args = (int(ctx.tokens[-1]), anchor_pos, self._keys, self._values, n, temperature,
                 int(getattr(ctx, "seed", 0) or 0))
@@ -352,6 +383,7 @@ class DSparkDrafter:
             args = (*args[:2], self._keys, self._values, *args[4:])
             tokens, probs, conf, _ = self.step.draft(*args, fused=False)
             mx.eval(*(a for a in (tokens, probs, conf, *self._keys, *self._values) if a is not None))
+        self._length = anchor_pos  # (rows given to the launch are in the cache now)
         self.traced = self.step.take_traced()
         return Draft(tokens=tokens.tolist(), draft_probs=probs,
                      confidence=conf.tolist() if conf is not None else None)

@@ -30,10 +30,11 @@
 // x_0 = tok0[0], with the Markov head's MR-rank quantized tables (mw1/ms1/mb1, mw2/ms2/mb2, MBITS
 // bits) -> dtok; CONF 1 / 2: the confidence head sigmoid(cw . [h_k (; W1[x_{k-1}])] + cb) -> dconf
 // (h_k the final-normed row). One grid barrier per draft (the argmax over all blocks' candidates
-// in `cand`). ABS 1 (a DSpark draft cache update before the block): the A = crow_shape[0] new
-// context rows crow [A, NT DM] (tapped target states of positions S - A .. S - 1) become
-// hidden_norm(fc(.)) (wfc/sfc/bfc, hnw), then each draft layer's k_norm'd, RoPE'd keys and its
-// values at those positions of the cache buffers; three more grid barriers. The launcher prepends
+// in `cand`, two sets of 2 NB floats used in turn). ABS 1 (a DSpark draft cache update before
+// the block): the A = crow_shape[0] new context rows crow [A, NT DM] (tapped target states of
+// positions S - A .. S - 1) become hidden_norm(fc(.)) (wfc/sfc/bfc, hnw), then each draft
+// layer's k_norm'd, RoPE'd keys and its values at those positions of the cache buffers; three
+// more grid barriers. The launcher prepends
 // the per-layer KV-cache pointer tables KC / VC (inputs kc0.., vc0..: the caches' [1, NKV, P,
 // HD] buffers, contiguous, every layer's the same shape: FusedPass._writable makes them so).
 // The pass reads keys/values 0..S-1 and WRITES its own rows S..S+M-1 into these buffers in
@@ -605,24 +606,27 @@ if (MARKOV && ok) {
           bix = red_i[w2];
         }
       }
-      cand[blockIdx.x * 2] = bv;
-      cand[blockIdx.x * 2 + 1] = __int_as_float(bix);
+      // (two candidate sets used in turn: a block may write draft k + 1's while a slower one
+      // still scans draft k's)
+      cand[(k & 1) * 2 * NB + blockIdx.x * 2] = bv;
+      cand[(k & 1) * 2 * NB + blockIdx.x * 2 + 1] = __int_as_float(bix);
     }
     if (!(ok = ss_grid_sync(barp, epoch))) {
       break;
     }
     if (threadIdx.x == 0) {  // every block: the same scan of the same candidates
-      float bv = __ldcg(cand);
-      int bix = __float_as_int(__ldcg(cand + 1));
+      const float* cs = cand + (k & 1) * 2 * NB;
+      float bv = __ldcg(cs);
+      int bix = __float_as_int(__ldcg(cs + 1));
       for (int b = 1; b < NB; ++b) {
-        const float cv = __ldcg(cand + b * 2);
-        const int ci = __float_as_int(__ldcg(cand + b * 2 + 1));
+        const float cv = __ldcg(cs + b * 2);
+        const int ci = __float_as_int(__ldcg(cs + b * 2 + 1));
         if (cv > bv || (cv == bv && ci < bix)) {
           bv = cv;
           bix = ci;
         }
       }
-      next_s = bix;
+      next_s = bix >= 0 && bix < V ? bix : 0;  // (no finite score anywhere: token 0, never out of range)
     }
     __syncthreads();
     if (blockIdx.x == 0 && warp == 0) {
