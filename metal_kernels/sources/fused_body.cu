@@ -168,14 +168,7 @@ if (ABS) {
       const float* vr = kr + NKV * HD;
       const float* gk = qkn + ((size_t)l * 2 + 1) * HD;
       float kv_[DL];
-      float ss = 0.0f;
-#pragma unroll
-      for (int dd = 0; dd < DL; ++dd) {
-        kv_[dd] = __ldcg(kr + lane * DL + dd);
-        ss = fmaf(kv_[dd], kv_[dd], ss);
-      }
-      ss = ss_warp_sum(ss);
-      const float inv = rsqrtf(ss / static_cast<float>(HD) + eps);
+      const float inv = ss_head_rms<HD>(kr, eps, lane, kv_);
       float* kd = const_cast<float*>(KC[l]) + g * KHS + (int64_t)(S0 + m) * HD;
       float* vd = const_cast<float*>(VC[l]) + g * VHS + (int64_t)(S0 + m) * HD;
 #pragma unroll
@@ -229,14 +222,7 @@ for (int l = 0; l < NL && ok; ++l) {
       float* r = qkv + m * NQKV + hh * HD;
       const float* gq = qkn + ((size_t)l * 2 + (hh < NH ? 0 : 1)) * HD;
       float v[DL];
-      float ss = 0.0f;
-#pragma unroll
-      for (int dd = 0; dd < DL; ++dd) {
-        v[dd] = __ldcg(r + lane * DL + dd);
-        ss = fmaf(v[dd], v[dd], ss);
-      }
-      ss = ss_warp_sum(ss);
-      const float inv = rsqrtf(ss / static_cast<float>(HD) + eps);
+      const float inv = ss_head_rms<HD>(r, eps, lane, v);
 #pragma unroll
       for (int dd = 0; dd < DL; ++dd) {
         r[lane * DL + dd] = v[dd] * inv * gq[lane * DL + dd];

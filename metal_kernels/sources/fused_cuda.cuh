@@ -138,6 +138,21 @@ __device__ __forceinline__ float ss_warp_sum(float v) {
   return v;
 }
 
+// One head of HD floats at r (global, written earlier in this launch), lane t taking
+// r[t DL .. t DL + DL - 1] (DL = HD / 32) into v; returns rsqrt(mean(r^2) + eps), the same bits
+// in every lane (Qwen3's per-head q/k RMSNorm: v[dd] * inv * g[t DL + dd]).
+template <int HD>
+__device__ __forceinline__ float ss_head_rms(const float* r, float eps, int lane, float* v) {
+  constexpr int DL = HD / 32;
+  float ss = 0.0f;
+#pragma unroll
+  for (int dd = 0; dd < DL; ++dd) {
+    v[dd] = __ldcg(r + lane * DL + dd);
+    ss = fmaf(v[dd], v[dd], ss);
+  }
+  return rsqrtf(ss_warp_sum(ss) / static_cast<float>(HD) + eps);
+}
+
 // RMSNorm of M rows of `src` (global, [M, DM]) into shared `xs`: xs[m, k] = src[m, k] *
 // rsqrt(mean_k(src[m, k]^2) + eps) * g[k]. Warp w normalizes rows w, w + W, ...; lane l holds
 // the row's float4s at k = 4 l, 4 l + 128, ... (one load each, all in flight together), sums
