@@ -20,12 +20,19 @@ Contract with the engine:
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ..base import Draft, DraftContext
 from .model import DSparkModel, Embed, LMHead, block_inputs, draft_keys, sample_block
 
 MIN_CAPACITY = 256  # context rows a new draft cache holds; it doubles when full
 MAX_PADDED_ROWS = 16  # absorbs of up to this many rows run padded to a power of two (few shapes)
+
+
+def _any_set(flags: mx.array) -> bool:
+    """Whether any of an evaluated launch's per-block failure flags is set (reads them through
+    numpy: no new MLX op or evaluation on the per-cycle path)."""
+    return bool(np.count_nonzero(np.asarray(flags)))
 
 
 def _bucket(n: int) -> int:
@@ -47,8 +54,9 @@ class DraftStep:
     With a ``fused`` block pass (``metal_kernels.fused.DraftFusedPass`` on CUDA: the draft
     layers and the LM head in one kernel launch instead of ~70 MLX ops), the block forward runs
     there; a greedy draft (Markov loop and confidence head) too when the pass can (its
-    ``markov``), else those stay MLX ops after it (compiled per draft length). The draft cache then keeps ``block_size`` spare rows past the context, which the
-    launch writes (the block's own keys and values, never read by a later block).
+    ``markov``), else those stay MLX ops after it (compiled per draft length). The draft cache
+    then keeps ``block_size`` spare rows past the context, which the launch writes (the block's
+    own keys and values, never read by a later block).
 
     Args:
         compiled: ``False`` runs the same functions eagerly (tests compare the two).
@@ -245,20 +253,21 @@ class DraftStep:
         want_tokens, _, want_conf = sample_block(network, want, h, anchor, 0)
         mx.eval(want, want_tokens, *(a for a in (want_conf,) if a is not None))
         scale = mx.abs(want).max()
+
+        def launch(greedy: bool, new: int):
+            keys, values = cache(context - new)  # (fresh buffers: the launch writes into them)
+            out = fused(x0[0, 0], keys, values, context, anchor if greedy else None,
+                        rows[context - new:] if new else None)
+            mx.eval(*(a for a in (out.logits, out.tokens, out.confidence, out.errors) if a is not None))
+            if _any_set(out.errors):
+                raise RuntimeError("the fused draft pass gave up at a grid barrier")
+            return out
+
         errors = []
         for new in (0, 3) if fused.absorbs else (0,):
-            keys, values = cache(context - new)  # (fresh buffers: the launch writes into them)
-            out = fused(x0[0, 0], keys, values, context, None, rows[context - new:] if new else None)
-            mx.eval(out.logits, out.errors)
-            if bool(mx.any(out.errors != 0).item()):
-                raise RuntimeError("the fused draft pass gave up at a grid barrier")
-            errors.append((mx.abs(out.logits - want).max() / scale).item())
+            errors.append((mx.abs(launch(False, new).logits - want).max() / scale).item())
             if fused.markov:
-                keys, values = cache(context - new)
-                out = fused(x0[0, 0], keys, values, context, anchor, rows[context - new:] if new else None)
-                mx.eval(out.tokens, out.errors, *(a for a in (out.confidence,) if a is not None))
-                if bool(mx.any(out.errors != 0).item()):
-                    raise RuntimeError("the fused draft pass gave up at a grid barrier")
+                out = launch(True, new)
                 same = out.tokens.tolist() == want_tokens.tolist() and (
                     want_conf is None or mx.abs(out.confidence - want_conf).max().item() <= 1e-3)
                 errors.append(0.0 if same else 1.0)
@@ -267,7 +276,7 @@ class DraftStep:
     def failed(self, errors: mx.array | None) -> bool:
         """Whether an evaluated fused launch gave up at a grid barrier (its drafts are garbage;
         the caller drafts again with ``fused=False``)."""
-        if errors is None or not bool(mx.any(errors != 0).item()):
+        if errors is None or not _any_set(errors):
             return False
         self.fused_failures += 1
         return True
