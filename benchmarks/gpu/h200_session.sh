@@ -12,6 +12,9 @@
 #   h200_session.sh probe            # 12 training steps on a copy of the data: seconds per step
 #   h200_session.sh train STEPS BUDGET_S  # train, export (4-bit) and, when EVAL_N > 0, evaluate on
 #                                    # held-out prompts (else: benchmarks/dspark_eval.py --run-prompts)
+#   h200_session.sh merge            # add a staged earlier run's data (files/base_examples.jsonl.gz,
+#                                    # files/base_prompts.jsonl.gz) to this run's (after `gen` with
+#                                    # another SEED): benchmarks/gpu/merge_dspark_data.py
 #   h200_session.sh bench            # plain / prompt lookup / DSpark / auto on every workload
 # Results go to $OUT (JSON, the exported drafter, logs).
 set -euo pipefail
@@ -36,7 +39,7 @@ recipe=(--target default --layers 3 --block-size 7 --markov-rank 128
         --target-weights "${TARGET_WEIGHTS:-bfloat16}" $([ "${HUMANEVAL:-0}" = 1 ] || echo --no-humaneval)
         --gen-batch-size "${GEN_BATCH:-1024}" --gen-shard-size "${GEN_SHARD:-1024}"
         --batch-size "${BATCH:-64}" --num-anchors "${ANCHORS:-64}" --max-seq-len 1024 --lr 6e-4 --save-every 200
-        --eval-per-source "${EVAL_N:-0}" --eval-max-new-tokens 128 --no-progress)
+        --eval-per-source "${EVAL_N:-0}" --eval-max-new-tokens 128 --seed "${SEED:-0}" --no-progress)
 train_dspark() {
   python3 -c "import sys; from server.cli import train_dspark; sys.exit(train_dspark(sys.argv[1:]))" "${recipe[@]}" "$@"
 }
@@ -108,6 +111,12 @@ print('seconds per step (after the first):', (b['elapsed_s']-a['elapsed_s'])/(b[
     mkdir -p "$out/drafter"
     cp "$run"/drafter-q4/* "$out/drafter/" 2>/dev/null || true
     cp "$run"/eval.json "$run"/train_log.jsonl "$run"/run_config.json "$out/" 2>/dev/null || true
+    ;;
+  merge)
+    python3 -m benchmarks.gpu.merge_dspark_data --base "$stage/files/base_examples.jsonl.gz" \
+      --base-prompts "$stage/files/base_prompts.jsonl.gz" --into "$run/data" --suffix "s${SEED:-0}" \
+      --summary "$out/merge_summary.json"
+    gzip -c "$run/data/prompts.jsonl" > "$out/prompts.jsonl.gz"
     ;;
   bench)
     python3 -m benchmarks.bench_speculative --methods off,prompt_lookup,dspark,auto \
