@@ -262,9 +262,10 @@ class FusedOutput:
     ``logits``: ``[M, V]`` float32; ``hidden``: ``[L, M, d]`` float32, decoder layer ``l``'s
     output (what mlx-lm's layer ``l`` returns); ``embeddings``: ``[M, d]``, the pass's input;
     ``errors``: ``[blocks]`` int32, nonzero where a block gave up at a grid barrier;
-    ``profile``: with ``profile=True``, ``[blocks, 5 L + 1, 2]`` uint32 SM cycles per block and
-    barrier slot (layer ``l``'s phase ``p`` at ``5 l + p``, the LM head last): ``[.., 0]`` the
-    block's work since the previous barrier, ``[.., 1]`` its wait at this one; else None.
+    ``profile``: with ``profile=True``, ``[blocks, 5 L + 2, 2]`` uint32 SM cycles per block and
+    barrier slot (layer ``l``'s phase ``p`` at ``5 l + p``, the LM head at ``5 L``, a greedy
+    draft's Markov phase at ``5 L + 1``): ``[.., 0]`` the block's work since the previous
+    barrier, ``[.., 1]`` its wait at this one (0 after the last phase); else None.
     ``tokens`` / ``confidence``: a :class:`DraftFusedPass`'s greedy drafts ``[M]`` int32 and
     their confidence ``[M]`` float32 (None without a confidence head), else None.
     """
@@ -496,7 +497,7 @@ class FusedPass:
             grid=(self.blocks * 32 * self.warps, 1, 1), threadgroup=(32 * self.warps, 1, 1),
             output_shapes=[(m, self.weights["we"].shape[0]), (nl, m, d), (m, nqkv), (m, self.heads * hd), (m, d),
                            (m, self.intermediate), (m, self.heads, segments, hd + 2),
-                           (self.blocks, 5 * nl + 1, 2) if self.profile else (1,), (self.blocks,),
+                           (self.blocks, 5 * nl + 2, 2) if self.profile else (1,), (self.blocks,),
                            (drafted,), (drafted,), (4 * self.blocks if markov else 1,),
                            (rows.shape[0], d) if absorb else (1,),
                            (nl * rows.shape[0] * 2 * self.kv_heads * hd,) if absorb else (1,)],

@@ -124,7 +124,45 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int) ->
             out[name] = _timed(lambda fp=fp, new=new: fp(x0, keys, values, pos, anchor, new).tokens, iters)
         else:
             out[name] = _timed(lambda fp=fp: fp(x0, keys, values, pos).errors, iters)
+    fp = DraftFusedPass(net, target)
+    build, wait = [], []
+    for i in range(iters + 5):  # host time to build the launch vs its evaluation (device + sync)
+        started = time.perf_counter()
+        res = fp(x0, keys, values, pos, anchor, rows)
+        built = time.perf_counter()
+        mx.eval(res.tokens, res.errors)
+        res.tokens.tolist()
+        if i >= 5:
+            build.append(1e3 * (built - started))
+            wait.append(1e3 * (time.perf_counter() - built))
+    out["greedy_draft_3_new_rows_build"] = round(statistics.median(build), 4)
+    out["greedy_draft_3_new_rows_eval"] = round(statistics.median(wait), 4)
+    out["profile_cycles"] = draft_profile(DraftFusedPass(net, target, profile=True), x0, keys, values, pos, anchor, rows)
     return out
+
+
+def draft_profile(fp, x0, keys, values, pos, anchor, rows) -> dict:
+    """SM cycles per phase of the greedy draft launch with 3 context rows (the kernel's clock64()
+    marks, medians over 9 launches): each phase's slowest block's work summed over the layers
+    (the context update and layer 0's A are one slot; A2 is in B), the LM head, the Markov phase,
+    and block 0's whole launch."""
+    import numpy as np
+
+    samples = []
+    for i in range(12):
+        res = fp(x0, keys, values, pos, anchor, rows)
+        mx.eval(res.tokens, res.errors, res.profile)
+        if i >= 3:
+            samples.append(np.array(res.profile).astype(np.float64))  # [blocks, 5 L + 2, 2]
+    prof = np.median(np.stack(samples), axis=0)
+    layers = (prof.shape[1] - 2) // 5
+    body = prof[:, :-2].reshape(prof.shape[0], layers, 5, 2)
+    entry = {"total_cycles_block0": float(prof[0].sum()), "lm_head_work_max": float(prof[:, -2, 0].max()),
+             "lm_head_wait_min": float(prof[:, -2, 1].min()), "markov_work_max": float(prof[:, -1, 0].max())}
+    for p, phase in enumerate(("A_absorb_norm_qkv", "B_qknorm_attention", "C_o_proj", "D_norm_gate_up", "E_down")):
+        entry[phase] = {"work_max": float(body[:, :, p, 0].max(axis=0).sum()),
+                        "wait_min": float(body[:, :, p, 1].min(axis=0).sum())}
+    return entry
 
 
 def main(argv=None) -> dict:
@@ -132,6 +170,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--workload", default="novel_code")
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-dense", action="store_true", help="skip the dense-weight variants")
     args = ap.parse_args(argv)
     eng = Engine(EngineConfig(speculation="dspark", dspark=True)).start(wait=True)
     try:
@@ -147,7 +186,7 @@ def main(argv=None) -> dict:
         d = eng.dspark.config.hidden_size
         variants = [("mlx_ops", eng.dspark, taps.lm_head, None),
                     ("fused", eng.dspark, taps.lm_head, eng._dspark_step.fused)]
-        for name, dtype in (("dense_f32", "float32"), ("dense_bf16", "bfloat16")):
+        for name, dtype in () if args.no_dense else (("dense_f32", "float32"), ("dense_bf16", "bfloat16")):
             net = load_dspark(path, dtype=dtype, dequantize=True)
             variants.append((f"{name}+dense_head", net, dense_head(taps.lm_head, d, net.fc_dtype), None))
         report = {"T1_ms": round(eng.cost.verify_cost[0] * 1e3, 4), "context": pos, "variants": {}}

@@ -73,8 +73,8 @@ auto sync_ = [&](int slot) -> bool {
   const bool r = ss_grid_sync(barp, epoch);
   if (PROF && threadIdx.x == 0) {
     const long long tb = clock64();
-    prof[((size_t)blockIdx.x * (NL * 5 + 1) + slot) * 2] = static_cast<unsigned int>(ta - tprof);
-    prof[((size_t)blockIdx.x * (NL * 5 + 1) + slot) * 2 + 1] = static_cast<unsigned int>(tb - ta);
+    prof[((size_t)blockIdx.x * (NL * 5 + 2) + slot) * 2] = static_cast<unsigned int>(ta - tprof);
+    prof[((size_t)blockIdx.x * (NL * 5 + 2) + slot) * 2 + 1] = static_cast<unsigned int>(tb - ta);
     tprof = tb;
   }
   return r;
@@ -548,6 +548,7 @@ if (MARKOV && ok) {
   constexpr int MPK = 32 / MBITS;
   constexpr uint32_t MMASK = (1u << MBITS) - 1u;
   constexpr int MRW = MR > 0 ? MR : 4;
+  constexpr int MKW = MR / MPK;  // packed words per row of W2
   __shared__ __align__(16) float w1s[MRW];
   __shared__ float red_v[W];
   __shared__ int red_i[W];
@@ -557,7 +558,7 @@ if (MARKOV && ok) {
   const int gs1 = gshift_of(MR, ng1);
   const int gs2 = gshift_of(MR, ng2);
   int prev = tok0[0];
-  ok = ss_grid_sync(barp, epoch);  // every block's logits written
+  ok = sync_(NL * 5);  // every block's logits written
   for (int k = 0; k < M && ok; ++k) {
     for (int i = threadIdx.x; i < MR; i += blockDim.x) {  // W1[prev], dequantized
       const uint32_t word = mw1[(size_t)prev * (MR / MPK) + i / MPK];
@@ -568,14 +569,54 @@ if (MARKOV && ok) {
     __syncthreads();
     float best = NEG_INF;
     int bi = 0x7fffffff;
-    for (int v = gw; v < V; v += TW) {
-      float acc[1];
-      ss_qdot<MBITS, 1, ST>(mw2 + (size_t)v * (MR / MPK), ms2 + (size_t)v * ng2, mb2 + (size_t)v * ng2, MR, gs2, w1s,
-                            1, lane, acc);
-      const float val = __ldcg(logits + (size_t)k * V + v) + ss_warp_sum(acc[0]);
-      if (val > best) {  // (v increases: the first of equal maxima stays)
-        best = val;
-        bi = v;
+    if (MKW <= 16) {
+      // A rank of at most 16 packed words: each half-warp scores its own vocabulary row, so a
+      // warp takes two rows per step. Lanes past MKW hold 0 and the half-warp butterfly is
+      // ss_warp_sum's without its first step (which added those lanes' zeros), so every row's
+      // sum has ss_qdot's bits.
+      const int half = lane >> 4;
+      const int sub = lane & 15;
+      for (int v0 = gw; v0 < V; v0 += 2 * TW) {
+        const int v = v0 + half * TW;
+        float acc = 0.0f;
+        if (v < V && sub < MKW) {
+          const uint32_t word = mw2[(size_t)v * MKW + sub];
+          const int gi = (sub * MPK) >> gs2;
+          const float sv = static_cast<float>(ms2[(size_t)v * ng2 + gi]);
+          const float bv2 = static_cast<float>(mb2[(size_t)v * ng2 + gi]);
+#pragma unroll
+          for (int p = 0; p < MPK; ++p) {
+            const float q = __uint_as_float(0x4B000000u | ((word >> (MBITS * p)) & MMASK)) - 8388608.0f;
+            acc = fmaf(w1s[sub * MPK + p], fmaf(q, sv, bv2), acc);
+          }
+        }
+#pragma unroll
+        for (int o = 8; o > 0; o >>= 1) {
+          acc += __shfl_xor_sync(0xffffffffu, acc, o);
+        }
+        // (the two halves' rows in order: v0 < v0 + TW, so the first of equal maxima stays)
+        for (int h = 0; h < 2; ++h) {
+          const int vh = v0 + h * TW;
+          const float sh = __shfl_sync(0xffffffffu, acc, h * 16);
+          if (vh < V) {
+            const float val = __ldcg(logits + (size_t)k * V + vh) + sh;
+            if (val > best) {
+              best = val;
+              bi = vh;
+            }
+          }
+        }
+      }
+    } else {
+      for (int v = gw; v < V; v += TW) {
+        float acc[1];
+        ss_qdot<MBITS, 1, ST>(mw2 + (size_t)v * MKW, ms2 + (size_t)v * ng2, mb2 + (size_t)v * ng2, MR, gs2, w1s, 1,
+                              lane, acc);
+        const float val = __ldcg(logits + (size_t)k * V + v) + ss_warp_sum(acc[0]);
+        if (val > best) {  // (v increases: the first of equal maxima stays)
+          best = val;
+          bi = v;
+        }
       }
     }
     if (lane == 0) {
@@ -600,11 +641,15 @@ if (MARKOV && ok) {
     if (!(ok = ss_grid_sync(barp, epoch))) {
       break;
     }
-    if (threadIdx.x == 0) {  // every block: the same scan of the same candidates
+    if (warp == 0) {  // every block: the same candidates reduced the same way
+      // The largest score, the smallest index among equal ones: an order-free choice (scores
+      // are never NaN: a block's best only takes values greater than the one before), so a
+      // warp-wide butterfly gives every block the serial scan's token, without its chain of
+      // NB dependent L2 reads.
       const float* cs = cand + (k & 1) * 2 * NB;
-      float bv = __ldcg(cs);
-      int bix = __float_as_int(__ldcg(cs + 1));
-      for (int b = 1; b < NB; ++b) {
+      float bv = NEG_INF;
+      int bix = 0x7fffffff;
+      for (int b = lane; b < NB; b += 32) {
         const float cv = __ldcg(cs + b * 2);
         const int ci = __float_as_int(__ldcg(cs + b * 2 + 1));
         if (cv > bv || (cv == bv && ci < bix)) {
@@ -612,7 +657,18 @@ if (MARKOV && ok) {
           bix = ci;
         }
       }
-      next_s = bix >= 0 && bix < V ? bix : 0;  // (no finite score anywhere: token 0, never out of range)
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) {
+        const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+        const int oi = __shfl_xor_sync(0xffffffffu, bix, o);
+        if (ov > bv || (ov == bv && oi < bix)) {
+          bv = ov;
+          bix = oi;
+        }
+      }
+      if (lane == 0) {
+        next_s = bix >= 0 && bix < V ? bix : 0;  // (no finite score anywhere: token 0, never out of range)
+      }
     }
     __syncthreads();
     if (blockIdx.x == 0 && warp == 0) {
@@ -639,8 +695,8 @@ if (MARKOV && ok) {
     __syncthreads();  // (w1s is rewritten next)
   }
 }
-if (PROF && threadIdx.x == 0) {
-  prof[((size_t)blockIdx.x * (NL * 5 + 1) + NL * 5) * 2] = static_cast<unsigned int>(clock64() - tprof);
+if (PROF && threadIdx.x == 0) {  // the work after the last barrier: the LM head, or the Markov phase
+  prof[((size_t)blockIdx.x * (NL * 5 + 2) + NL * 5 + (MARKOV ? 1 : 0)) * 2] = static_cast<unsigned int>(clock64() - tprof);
 }
 if (threadIdx.x == 0) {
   err[blockIdx.x] = ok ? 0 : 1;
