@@ -821,7 +821,7 @@ def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in
     _, net = _draft_net(loaded, tmp_path / "d")
     taps = _draft_parts(loaded, net)
     step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=DraftFusedPass(net, loaded.model))
-    assert step.fused_error(40) < 1e-4
+    assert step.fused_error(40) < (1e-3 if ON_CUDA else 1e-4)  # (as above: the engine's probe allows 1e-3)
     monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: bad))
     assert step.fused_error(40) > 1e-3
 
