@@ -15,6 +15,9 @@
 #                            # and decode steps part (WEIGHTS, KERNELS, EXACT, WIDTHS, TOKENS)
 #   kernels_h200.sh fused    # tests/test_fused.py (GPU tier included), then benchmarks/step_profile.py
 #                            # eager vs fused passes on the default model (MODES, STEP_ARGS)
+#   kernels_h200.sh draft    # the fused DSpark draft: its GPU tests first (a launch that fails
+#                            # cannot be recovered in-process, so before any engine starts), then
+#                            # benchmarks/gpu/dspark_forward.py and benchmarks/dspark_cost.py
 # Staging: ../shared/tools/stage-for-gpu.sh --pip transformers==5.24.0 \
 #   "$SPECSERVE_CACHE_DIR"/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # Results go to $OUT.
@@ -60,5 +63,13 @@ case "$1" in
     timeout -k 5 "${STEP_LIMIT:-240}" python3 -m benchmarks.step_profile --model "$gguf" --modes "${MODES:-eager,fused}" \
       --out "$out/step_profile_fused_h200.json" ${STEP_ARGS:---reps 10 --decode-tokens 128 --engine-tokens 128 --context 512 --calibrate 16} \
       2>&1 | grep -v "^INFO" | tail -40 ;;
-  *) echo "usage: $0 cal|spec|verify|check|attn|overhead|probe|fused" >&2; exit 2 ;;
+  draft)
+    # (the GPU tests compile several kernel variants each: give them most of a call)
+    timeout -k 5 "${TEST_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_fused.py \
+      -k "${CHECK_K:-draft or drafter or probe}" -rfE 2>&1 | grep -v "^WARNING" | tail -30 || true
+    timeout -k 5 200 python3 -m benchmarks.gpu.dspark_forward --no-dense --iters "${ITERS:-100}" \
+      --out "$out/dspark_forward_h200.json" 2>&1 | grep -v "^INFO" | tail -4
+    timeout -k 5 120 python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
+      --out "$out/dspark_cost_h200.json" 2>&1 | grep -v "^INFO" | tail -12 ;;
+  *) echo "usage: $0 cal|spec|verify|check|attn|overhead|probe|fused|draft" >&2; exit 2 ;;
 esac
