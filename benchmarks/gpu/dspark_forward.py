@@ -143,26 +143,19 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int) ->
 
 def draft_profile(fp, x0, keys, values, pos, anchor, rows) -> dict:
     """SM cycles per phase of the greedy draft launch with 3 context rows (the kernel's clock64()
-    marks, medians over 9 launches): each phase's slowest block's work summed over the layers
-    (the context update and layer 0's A are one slot; A2 is in B), the LM head, the Markov phase,
-    and block 0's whole launch."""
+    marks, medians over 9 launches; ``fused_probe.phase_cycles``). The context update and layer
+    0's A share a slot; A2 (q/k norm) is in B."""
     import numpy as np
+
+    from benchmarks.gpu.fused_probe import phase_cycles
 
     samples = []
     for i in range(12):
         res = fp(x0, keys, values, pos, anchor, rows)
         mx.eval(res.tokens, res.errors, res.profile)
         if i >= 3:
-            samples.append(np.array(res.profile).astype(np.float64))  # [blocks, 5 L + 2, 2]
-    prof = np.median(np.stack(samples), axis=0)
-    layers = (prof.shape[1] - 2) // 5
-    body = prof[:, :-2].reshape(prof.shape[0], layers, 5, 2)
-    entry = {"total_cycles_block0": float(prof[0].sum()), "lm_head_work_max": float(prof[:, -2, 0].max()),
-             "lm_head_wait_min": float(prof[:, -2, 1].min()), "markov_work_max": float(prof[:, -1, 0].max())}
-    for p, phase in enumerate(("A_absorb_norm_qkv", "B_qknorm_attention", "C_o_proj", "D_norm_gate_up", "E_down")):
-        entry[phase] = {"work_max": float(body[:, :, p, 0].max(axis=0).sum()),
-                        "wait_min": float(body[:, :, p, 1].min(axis=0).sum())}
-    return entry
+            samples.append(np.array(res.profile).astype(np.float64))
+    return phase_cycles(samples, ("A_absorb_norm_qkv", "B_qknorm_attention", "C_o_proj", "D_norm_gate_up", "E_down"))
 
 
 def main(argv=None) -> dict:

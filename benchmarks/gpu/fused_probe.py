@@ -81,6 +81,26 @@ def main(argv=None):
 PHASES = ("A_norm_qkv", "B_attention", "C_o_proj", "D_norm_gate_up", "E_down")
 
 
+def phase_cycles(samples: list, phases: tuple[str, ...]) -> dict:
+    """Medians over launches of ``FusedOutput.profile`` arrays (``[blocks, 5 L + 2, 2]`` SM
+    cycles): per layer phase, the slowest block's work and the fastest block's wait at its
+    barrier (and the means over blocks), summed over layers; the LM head's and a greedy draft's
+    Markov phase's slowest work; block 0's whole launch."""
+    import numpy as np
+
+    prof = np.median(np.stack(samples), axis=0)
+    layers = (prof.shape[1] - 2) // 5
+    body = prof[:, :-2].reshape(prof.shape[0], layers, 5, 2)
+    entry = {"total_cycles_block0": float(prof[0].sum()), "lm_head_work_max": float(prof[:, -2, 0].max()),
+             "lm_head_wait_min": float(prof[:, -2, 1].min()), "markov_work_max": float(prof[:, -1, 0].max())}
+    for p, name in enumerate(phases):
+        entry[name] = {"work_max": float(body[:, :, p, 0].max(axis=0).sum()),
+                       "wait_min": float(body[:, :, p, 1].min(axis=0).sum()),
+                       "work_mean": float(body[:, :, p, 0].mean(axis=0).sum()),
+                       "wait_mean": float(body[:, :, p, 1].mean(axis=0).sum())}
+    return entry
+
+
 def phase_profile(model, runner, cache, ids, context, warps):
     """Cycle counts per phase from the kernel's own clock64() marks (medians over 5 passes)."""
     import numpy as np
@@ -97,16 +117,7 @@ def phase_profile(model, runner, cache, ids, context, warps):
             runner.trim(cache, rows)
             if i >= 2:
                 samples.append(np.array(res.profile).astype(np.float64))  # [blocks, 5 L + 2, 2]
-        prof = np.median(np.stack(samples), axis=0)
-        layers = (prof.shape[1] - 2) // 5  # (the last slot is a draft pass's Markov phase: 0 here)
-        body = prof[:, :-2].reshape(prof.shape[0], layers, 5, 2)
-        entry = {"total_cycles_block0": float(prof[0, :, :].sum()),
-                 "lm_head_work_max": float(prof[:, -2, 0].max())}
-        for p, name in enumerate(PHASES):
-            entry[name] = {"work_max": float(body[:, :, p, 0].max(axis=0).sum()),
-                           "wait_min": float(body[:, :, p, 1].min(axis=0).sum()),
-                           "work_mean": float(body[:, :, p, 0].mean(axis=0).sum()),
-                           "wait_mean": float(body[:, :, p, 1].mean(axis=0).sum())}
+        entry = phase_cycles(samples, PHASES)
         out[str(rows)] = entry
         print(json.dumps({"warps": warps, "rows": rows, **entry}), flush=True)
     return out
