@@ -1,10 +1,15 @@
 """specserve's MLX engine.
 
-Importing this package first loads an optimised BLAS for MLX's Linux CPU backend (see
+Importing this package first sets MLX's process-wide environment defaults (see
+:mod:`engine.mlx_env`) and loads an optimised BLAS for MLX's Linux CPU backend (see
 :mod:`engine.blas`); import it before anything imports ``mlx.core``.
 """
 
-from .blas import preload_blas
+from .mlx_env import apply_mlx_env_defaults
+
+MLX_ENV = apply_mlx_env_defaults()
+
+from .blas import preload_blas  # noqa: E402
 
 BLAS = preload_blas()
 
@@ -29,6 +34,7 @@ from .stats import NullSink, StatsSink  # noqa: E402
 
 __all__ = [
     "BLAS",
+    "MLX_ENV",
     "SPECULATION_METHODS",
     "ContextLengthExceeded",
     "Engine",

@@ -47,13 +47,14 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from engine import BLAS, Engine
+    from engine import BLAS, MLX_ENV, Engine
 
     from .app import create_app, drain
     from .metrics import Metrics
 
     log = logging.getLogger("specserve")
     log.info("BLAS: %s %s %s", BLAS.status, BLAS.path or "", BLAS.detail)
+    log.info("MLX environment: %s", " ".join(f"{k}={v}" for k, v in MLX_ENV.items()))
     metrics = Metrics()
     engine = Engine(settings.engine_config(), sink=metrics)
     app = create_app(engine, settings, metrics)

@@ -18,7 +18,8 @@
 #   kernels_h200.sh draft    # the fused DSpark draft: its GPU tests first (a launch that fails
 #                            # cannot be recovered in-process, so before any engine starts), then
 #                            # benchmarks/gpu/dspark_forward.py and benchmarks/dspark_cost.py
-#                            # (GRAPHS_AB=1: dspark_forward again with MLX_USE_CUDA_GRAPHS=0)
+#                            # (GRAPHS_AB=1: dspark_forward again with MLX_USE_CUDA_GRAPHS=1, MLX's
+#                            # default; engine/mlx_env.py turns CUDA graphs off)
 # Staging: ../shared/tools/stage-for-gpu.sh --pip transformers==5.24.0 \
 #   "$SPECSERVE_CACHE_DIR"/models/SmolLM2-135M-Instruct.Q4_1.gguf
 # Results go to $OUT.
@@ -70,9 +71,9 @@ case "$1" in
       -k "${CHECK_K:-draft or drafter or probe}" -rfE 2>&1 | grep -v "^WARNING" | tail -30 || true
     timeout -k 5 200 python3 -m benchmarks.gpu.dspark_forward --no-dense --iters "${ITERS:-100}" \
       --out "$out/dspark_forward_h200.json" 2>&1 | grep -v "^INFO" | tail -4
-    if [ "${GRAPHS_AB:-0}" = 1 ]; then  # the same without MLX-CUDA's CUDA graphs (docs/kernels.md)
-      MLX_USE_CUDA_GRAPHS=0 timeout -k 5 200 python3 -m benchmarks.gpu.dspark_forward --no-dense \
-        --iters "${ITERS:-100}" --out "$out/dspark_forward_h200_no_graphs.json" 2>&1 | grep -v "^INFO" | tail -4
+    if [ "${GRAPHS_AB:-0}" = 1 ]; then  # the same with MLX-CUDA's CUDA graphs (docs/kernels.md)
+      MLX_USE_CUDA_GRAPHS=1 timeout -k 5 200 python3 -m benchmarks.gpu.dspark_forward --no-dense \
+        --iters "${ITERS:-100}" --out "$out/dspark_forward_h200_graphs.json" 2>&1 | grep -v "^INFO" | tail -4
     fi
     timeout -k 5 120 python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
       --out "$out/dspark_cost_h200.json" 2>&1 | grep -v "^INFO" | tail -12 ;;
