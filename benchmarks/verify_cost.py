@@ -31,9 +31,6 @@ import statistics
 import time
 import traceback
 
-import engine  # noqa: F401  (MLX environment and BLAS as the server has them: engine/mlx_env.py)
-
-# isort: split
 import mlx.core as mx
 import mlx.nn as nn
 

@@ -6,12 +6,15 @@ environment is kept (the deployer's choice wins).
 
 ``MLX_USE_CUDA_GRAPHS=0`` (MLX-CUDA only; other backends never read it): MLX-CUDA 0.32.4 records
 each evaluation's kernels as a CUDA graph keyed by its topology, and updates or instantiates an
-executable graph before launching it (``mlx/backend/cuda/device.cpp``). The engine's passes are
-one or a few large kernels per evaluation, so that bookkeeping is pure overhead: on an NVIDIA
-H200 with the default model, direct stream launches made an empty fused draft launch 0.53 ->
-0.27 ms, the fused DSpark draft network 0.97 -> 0.81 ms, a drafter cycle ~12% cheaper, and
-one-token fused decode 5-8% faster (docs/benchmarks.md, seventeenth session). Set
-``MLX_USE_CUDA_GRAPHS=1`` to get MLX's own default back.
+executable graph before launching it (``mlx/backend/cuda/device.cpp``). For the engine's fused
+passes (one kernel per evaluation: the default model) that bookkeeping is pure overhead: on an
+NVIDIA H200, direct stream launches made an empty fused draft launch 0.53 -> 0.27 ms, the fused
+DSpark draft network 0.97 -> 0.81 ms, a drafter cycle ~12% cheaper and one-token fused decode
+5-8% faster. Passes of many kernels gain from graphs instead (mlx-lm's modules on an 8B-shaped
+4-bit stack: 8-16 verify rows ~18 ms with graphs, ~23 ms without; docs/benchmarks.md,
+seventeenth session), so the server chooses per model before importing the engine
+(``SPECSERVE_CUDA_GRAPHS``, ``server/cli.py``); this module's default serves the engine's own
+default target.
 """
 
 from __future__ import annotations

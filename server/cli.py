@@ -1,7 +1,7 @@
 """``specserve``: parse settings, then start uvicorn with the app.
 
-Options that must act before MLX is imported (``--blas``, ``--cache-dir``) are exported to the
-environment first; the engine package is imported only after that.
+Options that must act before MLX is imported (``--blas``, ``--cache-dir``, ``--cuda-graphs``) are
+exported to the environment first; the engine package is imported only after that.
 
 Shutdown: the first SIGTERM or SIGINT drains (new requests get 503, in-flight ones get
 ``shutdown_timeout`` seconds, the rest end with a 503 error), then uvicorn closes connections and
@@ -20,6 +20,8 @@ import threading
 def train_dspark(argv: list[str]) -> int:
     """``specserve train-dspark --target ... --out ...``: the DSpark self-distillation trainer
     (drafters/dspark/train.py) with the engine's loader, so GGUF targets work too."""
+    # training runs passes of many kernels: keep MLX's CUDA graphs (engine/mlx_env.py) unless set
+    os.environ.setdefault("MLX_USE_CUDA_GRAPHS", "1")
     # engine first: it loads OpenBLAS before anything imports mlx.core
     from engine.loader import load_target  # noqa: I001
     from drafters.dspark.train import main as train_main
@@ -31,6 +33,18 @@ def train_dspark(argv: list[str]) -> int:
     return train_main(argv, load_target=load)
 
 
+def cuda_graphs_env(settings, environ=os.environ) -> str:
+    """The ``MLX_USE_CUDA_GRAPHS`` value for ``settings.cuda_graphs`` (``"0"`` or ``"1"``): ``on``
+    and ``off`` say it; ``auto`` keeps a value already in ``environ``, else turns graphs off only
+    where the target is expected to run as fused one-kernel passes (the default model with
+    ``fused`` auto/on), whose graph capture costs more than it saves (docs/benchmarks.md)."""
+    if settings.cuda_graphs != "auto":
+        return "1" if settings.cuda_graphs == "on" else "0"
+    if "MLX_USE_CUDA_GRAPHS" in environ:
+        return environ["MLX_USE_CUDA_GRAPHS"]
+    return "0" if settings.model == "default" and settings.fused != "off" else "1"
+
+
 def main(argv: list[str] | None = None) -> None:
     from .settings import load_settings
 
@@ -40,6 +54,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(train_dspark(argv[1:]))
     settings = load_settings(argv)
     os.environ["SPECSERVE_BLAS"] = settings.blas
+    os.environ["MLX_USE_CUDA_GRAPHS"] = cuda_graphs_env(settings)
     if settings.cache_dir:
         os.environ["SPECSERVE_CACHE_DIR"] = settings.cache_dir
     logging.basicConfig(level=settings.log_level.upper(),

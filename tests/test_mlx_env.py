@@ -44,3 +44,19 @@ def test_apply_only_fills_unset_variables(monkeypatch):
     monkeypatch.setenv("MLX_USE_CUDA_GRAPHS", "1")
     assert apply_mlx_env_defaults()["MLX_USE_CUDA_GRAPHS"] == "1"
     assert os.environ["MLX_USE_CUDA_GRAPHS"] == "1"
+
+
+def test_server_chooses_cuda_graphs_per_model():
+    from server.cli import cuda_graphs_env
+    from server.settings import load_settings
+
+    def choice(argv, environ=None):
+        return cuda_graphs_env(load_settings(argv), environ or {})
+
+    assert choice([]) == "0"  # the default model runs as fused one-kernel passes
+    assert choice(["--fused", "off"]) == "1"  # mlx-lm's modules: many kernels per pass
+    assert choice(["--model", "some/other-model"]) == "1"
+    assert choice([], {"MLX_USE_CUDA_GRAPHS": "1"}) == "1"  # auto keeps the deployer's value
+    assert choice(["--model", "x"], {"MLX_USE_CUDA_GRAPHS": "0"}) == "0"
+    assert choice(["--cuda-graphs", "on"], {"MLX_USE_CUDA_GRAPHS": "0"}) == "1"
+    assert choice(["--cuda-graphs", "off", "--model", "x"]) == "0"
