@@ -11,6 +11,7 @@ from metal_kernels.patch import (
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
     PatchReport,
+    SiblingGroup,
     patch_model,
     swap_layers,
     unpatch_model,
@@ -22,6 +23,7 @@ from metal_kernels.qmv import (
     plan,
     quantized_matmul,
     reference_matmul,
+    sibling_matmul,
 )
 
 
@@ -57,6 +59,7 @@ __all__ = [
     "KernelQuantizedEmbedding",
     "KernelQuantizedLinear",
     "PatchReport",
+    "SiblingGroup",
     "backend",
     "fused_unsupported_reason",
     "make_fused_pass",
@@ -64,6 +67,7 @@ __all__ = [
     "plan",
     "quantized_matmul",
     "reference_matmul",
+    "sibling_matmul",
     "swap_layers",
     "unpatch_model",
 ]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import mlx.core as mx
 import mlx.nn as nn
 
 from metal_kernels.qmv import (
@@ -21,19 +22,113 @@ from metal_kernels.qmv import (
     SUPPORTED_GROUP_SIZES,
     backend,
     layer_matmul,
+    run_sibling_launch,
+    sibling_launcher,
 )
 
 MODES = ("auto", "off")
 
 
 class KernelQuantizedLinear(nn.QuantizedLinear):
-    """``nn.QuantizedLinear`` whose matmul goes through the small-batch dispatcher."""
+    """``nn.QuantizedLinear`` whose matmul goes through the small-batch dispatcher (and, for
+    a member of a :class:`SiblingGroup`, through its group's one launch)."""
 
     def __call__(self, x):
-        y = layer_matmul(self, x)
+        member = self.__dict__.get("_ssk_sibling")
+        y = layer_matmul(self, x) if member is None else member[0].output(member[1], self, x)
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+
+# Projections of one module that read the same input in mlx-lm's Llama/Qwen/Mistral-style
+# blocks: ``attn(x)`` calls q_proj(x), k_proj(x), v_proj(x); ``mlp(x)`` gate_proj(x), up_proj(x).
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class SiblingGroup:
+    """Two or three projections that read the same input, computed by one kernel launch.
+
+    The members' weights, scales and biases are concatenated along N once; each member's
+    arrays become row slices (views) of the concatenation, so no memory is added and every
+    other path (``mx.quantized_matmul`` for prefill, unpatching, saving) still sees each
+    member's own weights. The first member called on an input ``x`` launches the fused
+    kernel (:func:`metal_kernels.qmv.sibling_matmul`) and keeps the outputs; the others, called
+    on the same ``x`` object (MLX arrays are immutable, so the same object means the same
+    values), take theirs. Calls on another input, or where the fused launch does not apply
+    (more than 16 rows, fp32 activations, the CPU), compute that member alone.
+
+    Why: a decode or verify pass of an 8B-shaped Llama is bound by the host's cost per
+    graph node (benchmarks/gpu/host_split.py); this removes 3 of 7 launches per layer.
+    """
+
+    def __init__(self, layers):
+        self.bits, self.group_size = layers[0].bits, layers[0].group_size
+        ns = [m["weight"].shape[0] for m in layers]
+        self.cuts = tuple(sum(ns[:i + 1]) for i in range(len(ns) - 1))
+        self.size = len(layers)
+        cat = {key: mx.concatenate([m[key] for m in layers]) for key in ("weight", "scales", "biases")}
+        mx.eval(cat)
+        self.weight, self.scales, self.biases = cat["weight"], cat["scales"], cat["biases"]
+        lo = 0
+        for i, (m, n) in enumerate(zip(layers, ns)):
+            m.update({key: cat[key][lo:lo + n] for key in cat})
+            object.__setattr__(m, "_ssk_sibling", (self, i))
+            lo += n
+        mx.eval([m.parameters() for m in layers])
+        self._launches: dict = {}
+        self._x = None
+        self._ys: list | None = None
+        self._taken: set[int] = set()
+
+    def _launch(self, x):
+        key = (x.size // x.shape[-1] if x.shape[-1] else 0, x.shape[-1], x.dtype, backend())
+        launch = self._launches.get(key, False)
+        if launch is False:
+            w, s, b = self.weight, self.scales, self.biases
+            launch = self._launches[key] = sibling_launcher(
+                key[0], w.shape[0], key[1], w.shape[1], s.shape, b.shape, x.dtype, w.dtype,
+                s.dtype, b.dtype, self.bits, self.group_size, key[3], self.cuts)
+        return launch
+
+    def output(self, index: int, layer: nn.Module, x: mx.array) -> mx.array:
+        """Member ``index``'s product with ``x`` (no bias), shape (..., N_index)."""
+        if self._x is not x or index in self._taken:
+            launch = self._launch(x)
+            if launch is None:
+                return layer_matmul(layer, x)
+            self._x, self._taken = x, set()
+            self._ys = run_sibling_launch(launch, x, self.weight, self.scales, self.biases, self.cuts)
+        y = self._ys[index]
+        self._taken.add(index)
+        if len(self._taken) == self.size:  # every member served: let the arrays go
+            self._x = self._ys = None
+        return y
+
+
+def _group_siblings(model: nn.Module) -> int:
+    """Form a :class:`SiblingGroup` wherever all members of a :data:`SIBLINGS` set are
+    patched layers of one module with the same input width, bits, group size and dtypes.
+    Returns the number of groups (existing ones count; idempotent)."""
+    groups = 0
+    for _, parent in model.named_modules():
+        for names in SIBLINGS:
+            layers = [parent.get(n) if isinstance(parent, dict) else None for n in names]
+            if not all(type(m) is KernelQuantizedLinear for m in layers):
+                continue
+            if all(m.__dict__.get("_ssk_sibling") is not None for m in layers):
+                groups += 1
+                continue
+            ref = layers[0]
+            if any(m.bits != ref.bits or m.group_size != ref.group_size
+                   or m.__dict__.get("_ssk_sibling") is not None
+                   or m["weight"].shape[1] != ref["weight"].shape[1]
+                   or m["scales"].dtype != ref["scales"].dtype
+                   or m["biases"].dtype != ref["biases"].dtype for m in layers):
+                continue
+            SiblingGroup(layers)
+            groups += 1
+    return groups
 
 
 class KernelQuantizedEmbedding(nn.QuantizedEmbedding):
@@ -61,6 +156,7 @@ class PatchReport:
     patched: list[str] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     reason: str = ""
+    sibling_groups: int = 0
 
     @property
     def enabled(self) -> bool:
@@ -72,6 +168,8 @@ class PatchReport:
         if not self.patched:
             return f"{head}: not patched ({self.reason})"
         s = f"{head}: {len(self.patched)} layers patched"
+        if self.sibling_groups:
+            s += f", {self.sibling_groups} sibling groups (q/k/v, gate/up) in one launch each"
         return s + (f", {len(self.skipped)} skipped" if self.skipped else "")
 
 
@@ -87,13 +185,15 @@ def _unsupported(m: nn.Module) -> str:
     return ""
 
 
-def swap_layers(model: nn.Module, report: PatchReport | None = None) -> PatchReport:
+def swap_layers(model: nn.Module, report: PatchReport | None = None,
+                siblings: bool = True) -> PatchReport:
     """Make every supported quantized layer of ``model`` a dispatching layer, in place.
 
     Works on any backend (on the CPU the dispatcher always picks ``mx.quantized_matmul``,
     so results are unchanged); :func:`patch_model` is the policy-aware entry point.
     Idempotent; only exact ``nn.QuantizedLinear``/``nn.QuantizedEmbedding`` instances are
-    touched (subclasses may override ``__call__``).
+    touched (subclasses may override ``__call__``). ``siblings``: also fuse the projections
+    that read one input into :class:`SiblingGroup` s (``report.sibling_groups``).
     """
     report = report or PatchReport(mode="auto", backend=backend())
     for path, m in model.named_modules():
@@ -108,6 +208,8 @@ def swap_layers(model: nn.Module, report: PatchReport | None = None) -> PatchRep
             continue
         m.__class__ = new_cls
         report.patched.append(path)
+    if siblings:
+        report.sibling_groups = _group_siblings(model)
     return report
 
 
@@ -117,18 +219,20 @@ def unpatch_model(model: nn.Module) -> int:
     for _, m in model.named_modules():
         old = _UNSWAPS.get(type(m))
         if old is not None:
+            m.__dict__.pop("_ssk_sibling", None)  # (its weights stay views of the group's arrays)
             m.__class__ = old
             n += 1
     return n
 
 
-def patch_model(model: nn.Module, mode: str = "auto") -> PatchReport:
+def patch_model(model: nn.Module, mode: str = "auto", siblings: bool = True) -> PatchReport:
     """Route ``model``'s quantized matmuls through the small-batch kernels where they apply.
 
     Args:
         model: an mlx-lm model (any ``nn.Module``), modified in place.
         mode: ``"auto"`` patches on a GPU backend (Metal or CUDA, MLX's default device)
             and does nothing on the CPU; ``"off"`` does nothing. (``SPECSERVE_KERNELS``.)
+        siblings: fuse q/k/v and gate/up into one launch each (:class:`SiblingGroup`).
 
     Returns a :class:`PatchReport`. Raises ``ValueError`` for another mode.
     """
@@ -141,7 +245,7 @@ def patch_model(model: nn.Module, mode: str = "auto") -> PatchReport:
     if report.backend == "cpu":
         report.reason = "no GPU backend: the CPU uses mx.quantized_matmul"
         return report
-    swap_layers(model, report)
+    swap_layers(model, report, siblings=siblings)
     if not report.patched:
         report.reason = "no supported quantized layers"
     return report

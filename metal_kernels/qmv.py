@@ -108,6 +108,7 @@ def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
         _NTU_OVERRIDE[(n, k, bits, mb)] = ntu
     _plan_cached.cache_clear()
     _launcher.cache_clear()
+    sibling_launcher.cache_clear()
 
 
 def clear_mma_config() -> None:
@@ -116,6 +117,7 @@ def clear_mma_config() -> None:
     _NTU_OVERRIDE.clear()
     _plan_cached.cache_clear()
     _launcher.cache_clear()
+    sibling_launcher.cache_clear()
 
 
 def mma_config_fits(nt: int, u: int, mb: int, wk: int) -> bool:
@@ -202,10 +204,28 @@ def _minify(src: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def kernel_sources(kind: str, be: str) -> tuple[str, str]:
-    """(header, body) of one kernel family exactly as they are handed to MLX (minified)."""
+def _sibling_store(nout: int) -> str:
+    """The mma body's ``SSK_STORE`` for ``nout`` outputs ``y0..``: output i holds columns
+    [S_i, S_{i+1}) of the concatenated weight (S_0 = 0, S_nout = N), row-major."""
+    cuts = ["0"] + [f"S{i}" for i in range(1, nout)] + ["N"]
+    cases = []
+    for i in range(nout):
+        lo, hi = cuts[i], cuts[i + 1]
+        put = f"y{i}[(size_t)(m) * ({hi} - {lo}) + (n) - {lo}] = static_cast<T>(v);"
+        cases.append(put if i == nout - 1 else f"if ((n) < {hi}) {{ {put} }} else ")
+    return "#define SSK_STORE(m, n, v) do { " + "".join(cases) + " } while (0)\n"
+
+
+def kernel_sources(kind: str, be: str, nout: int = 1) -> tuple[str, str]:
+    """(header, body) of one kernel family exactly as they are handed to MLX (minified).
+
+    ``nout`` > 1 (mma only): the sibling variant with one output per fused projection."""
+    if nout != 1 and kind != "mma":
+        raise ValueError("only the mma kernel has a sibling (multi-output) variant")
     if kind == "mma":
         header, body = _read("mma_cuda.cuh"), _read("mma_body.cu")
+        if nout > 1:
+            body = _sibling_store(nout) + body
     elif be == "cuda":
         header, body = _read("simd_cuda.cuh"), _read("simd_cuda_prologue.inc") + _read(
             "simd_body.inc")
@@ -216,14 +236,16 @@ def kernel_sources(kind: str, be: str) -> tuple[str, str]:
 
 
 @functools.cache
-def _kernel(kind: str, be: str):
-    """The mx.fast kernel object for one kernel family (compiled per template on first use)."""
-    header, body = kernel_sources(kind, be)
+def _kernel(kind: str, be: str, nout: int = 1):
+    """The mx.fast kernel object for one kernel family (compiled per template on first use);
+    ``nout`` > 1: the mma kernel's sibling variant (outputs ``y0..``)."""
+    header, body = kernel_sources(kind, be, nout)
     # The source hash is in the name so an edited source never reuses a kernel compiled
     # under the same name (MLX caches compiled kernels by name).
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-    name = f"specserve_qmv_{kind}_{digest}"
-    args = dict(name=name, input_names=["x", "w", "scales", "biases"], output_names=["y"],
+    name = f"specserve_qmv_{kind}{nout if nout > 1 else ''}_{digest}"
+    outs = ["y"] if nout == 1 else [f"y{i}" for i in range(nout)]
+    args = dict(name=name, input_names=["x", "w", "scales", "biases"], output_names=outs,
                 source=body, header=header, ensure_row_contiguous=True)
     if be == "cuda":
         return mx.fast.cuda_kernel(**args)
@@ -252,18 +274,37 @@ def reference_matmul(x, w, scales, biases=None, group_size=64, bits=4, mode="aff
                                group_size=group_size, bits=bits, mode=mode)
 
 
-@functools.lru_cache(maxsize=4096)
-def _launcher(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be):
-    """(kernel, template, grid, threadgroup) for one call signature, or None (reference)."""
+def _signature_plan(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be):
     if (gs not in SUPPORTED_GROUP_SIZES or wdt != mx.uint32 or wcols * 32 != k * bits or not k
             or k % gs or sshape != (n, k // gs)
             or bshape != sshape or sdt not in SUPPORTED_DTYPES or bdt != sdt):
         return None
-    p = _plan_cached(rows, n, k, bits, gs, xdt, be)
+    return _plan_cached(rows, n, k, bits, gs, xdt, be)
+
+
+@functools.lru_cache(maxsize=4096)
+def _launcher(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be):
+    """(kernel, template, grid, threadgroup, nd) for one call signature, or None (reference).
+    ``nd``: the kernel takes x as (..., K) (mma), else x is flattened to (rows, K)."""
+    p = _signature_plan(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be)
     if p is None:
         return None
     return (_kernel(p.kind, p.backend), [("T", xdt), ("S", sdt), *p.consts], p.grid,
-            p.threadgroup)
+            p.threadgroup, p.kind == "mma")
+
+
+@functools.lru_cache(maxsize=1024)
+def sibling_launcher(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be, cuts):
+    """:func:`_launcher` for projections fused along N at ``cuts`` (one output each), or
+    None where the fused launch does not apply (not the mma kernel, or a cut inside a block);
+    the projections then run one launch each."""
+    p = _signature_plan(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be)
+    if p is None or p.kind != "mma" or not 1 <= len(cuts) <= 2:
+        return None
+    if any(c <= 0 or c >= n or c % (16 * p.const("NT")) for c in cuts) or list(cuts) != sorted(set(cuts)):
+        return None
+    template = [("T", xdt), ("S", sdt), *p.consts, *((f"S{i + 1}", c) for i, c in enumerate(cuts))]
+    return (_kernel("mma", p.backend, len(cuts) + 1), template, p.grid, p.threadgroup, True)
 
 
 _MISSING = object()
@@ -300,12 +341,48 @@ def layer_matmul(layer, x: mx.array) -> mx.array:
 
 
 def _run(launch, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, rows: int) -> mx.array:
-    """Launch a :func:`_launcher` decision on ``x`` flattened to ``rows`` rows; (..., N)."""
-    kernel, template, grid, tg = launch
+    """Launch a :func:`_launcher` decision on ``x`` (..., K); returns (..., N)."""
+    kernel, template, grid, tg, nd = launch
     n = w.shape[0]
+    if nd:  # no reshapes: each is one more graph node for the host to build and dispatch
+        return kernel(inputs=[x, w, scales, biases], template=template, grid=grid, threadgroup=tg,
+                      output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])[0]
     y = kernel(inputs=[x.reshape(rows, x.shape[-1]), w, scales, biases], template=template,
                grid=grid, threadgroup=tg, output_shapes=[(rows, n)], output_dtypes=[x.dtype])[0]
     return y.reshape(*x.shape[:-1], n)
+
+
+def sibling_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                   cuts: tuple[int, ...], group_size: int, bits: int) -> list[mx.array] | None:
+    """Projections that read the same ``x`` (q/k/v, gate/up), in one kernel launch.
+
+    ``w``/``scales``/``biases`` are the projections' weights concatenated along N (rows
+    ``[0, cuts[0])`` are the first projection's, and so on; 2 or 3 projections). Returns one
+    (..., N_i) output per projection, or ``None`` when the fused launch does not apply (rows
+    outside 1..16, a kernel other than mma, unsupported layout): the caller then runs each
+    projection on its own. Each row is bit-identical whatever the row count, as for
+    :func:`quantized_matmul` (the split depends on (N, K, bits) of the concatenation, so the
+    bits differ from unfused launches of the same projections: use one or the other for
+    every pass of a model).
+    """
+    k, n = x.shape[-1], w.shape[0]
+    rows = x.size // k if k else 0
+    launch = sibling_launcher(rows, n, k, w.shape[1], scales.shape, biases.shape, x.dtype,
+                               w.dtype, scales.dtype, biases.dtype, bits, group_size, backend(),
+                               tuple(cuts))
+    if launch is None:
+        return None
+    return run_sibling_launch(launch, x, w, scales, biases, cuts)
+
+
+def run_sibling_launch(launch, x, w, scales, biases, cuts) -> list[mx.array]:
+    """Run a :func:`sibling_launcher` decision (a cached one: see patch.SiblingGroup)."""
+    kernel, template, grid, tg, _ = launch
+    bounds = (0, *cuts, w.shape[0])
+    lead = x.shape[:-1]
+    return kernel(inputs=[x, w, scales, biases], template=template, grid=grid, threadgroup=tg,
+                  output_shapes=[(*lead, bounds[i + 1] - bounds[i]) for i in range(len(cuts) + 1)],
+                  output_dtypes=[x.dtype] * (len(cuts) + 1))
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None = None,

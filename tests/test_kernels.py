@@ -22,11 +22,13 @@ from mlx_lm.models import llama
 from metal_kernels import (
     KernelQuantizedEmbedding,
     KernelQuantizedLinear,
+    SiblingGroup,
     backend,
     patch_model,
     plan,
     qmv,
     quantized_matmul,
+    sibling_matmul,
     swap_layers,
     unpatch_model,
 )
@@ -188,12 +190,99 @@ def test_swap_layers_keeps_cpu_forward_identical():
     assert len(report.patched) == 15 and not report.skipped
     assert isinstance(model.layers[1].mlp.down_proj, KernelQuantizedLinear)
     assert isinstance(model.model.embed_tokens, KernelQuantizedEmbedding)
+    # q/k/v and gate/up of both layers share one concatenated weight; each member's own
+    # weight is a row slice of it, with the values it had
+    assert report.sibling_groups == 4
+    attn = model.layers[0].self_attn
+    group, index = attn.k_proj.__dict__["_ssk_sibling"]
+    assert isinstance(group, SiblingGroup) and index == 1 and group.cuts == (256, 384)
+    assert mx.array_equal(group.weight[256:384], attn.k_proj["weight"])
     after = model(tokens)
     assert mx.array_equal(before, after)
-    assert len(swap_layers(model).patched) == 15  # idempotent
+    again = swap_layers(model)  # idempotent
+    assert len(again.patched) == 15 and again.sibling_groups == 4
+    assert attn.k_proj.__dict__["_ssk_sibling"][0] is group
     assert unpatch_model(model) == 15
     assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
+    assert "_ssk_sibling" not in attn.q_proj.__dict__
     assert mx.array_equal(model(tokens), before)
+
+
+def _fake_cuda(monkeypatch):
+    """Pretend the backend is CUDA; every "kernel" computes the reference product (split at
+    the sibling cuts for the multi-output variant). Returns the list of launches made."""
+    launches = []
+
+    def make(kind, be, nout=1):
+        def fake_kernel(*, inputs, template, output_shapes, output_dtypes, **_):
+            x, w, s, b = inputs
+            t = dict(template)
+            launches.append((kind, nout, x.size // x.shape[-1]))
+            gs = x.shape[-1] // s.shape[1]
+            y = qmv.reference_matmul(x, w, s, b, gs, t["BITS"])
+            if nout == 1:
+                return [y.reshape(output_shapes[0])]
+            cuts = [t[f"S{i}"] for i in range(1, nout)]
+            return list(mx.split(y, cuts, axis=-1))
+        return fake_kernel
+
+    monkeypatch.setattr(qmv, "backend", lambda: "cuda")
+    monkeypatch.setattr(qmv, "_gpu_backend", lambda: "cuda")
+    monkeypatch.setattr(qmv, "_kernel", make)
+    monkeypatch.setattr("metal_kernels.patch.backend", lambda: "cuda")
+    qmv.clear_mma_config()  # (empties the plan and launch caches)
+    return launches
+
+
+def test_sibling_groups_launch_once_per_input(monkeypatch):
+    """With the (faked) mma kernel, q/k/v and gate/up each cost one launch, for decode and
+    verify widths alike; more than 16 rows go to the reference per projection."""
+    model = _tiny_llama(dtype=mx.float16)
+    tokens = mx.array([[3, 17, 250, 9, 44, 101, 7]])
+    before = model(tokens[:, :1])
+    launches = _fake_cuda(monkeypatch)
+    try:
+        report = swap_layers(model)
+        assert report.sibling_groups == 4
+        one = model(tokens[:, :1])
+        # per layer: q/k/v, o, gate/up, down; then the tied LM head
+        assert [(k, n) for k, n, _ in launches] == [("mma", 3), ("mma", 1), ("mma", 2), ("mma", 1)] * 2 + [
+            ("mma", 1)]
+        assert mx.allclose(one, before, rtol=1e-2, atol=1e-2)
+        launches.clear()
+        model(tokens)  # 7 rows: the same launches
+        assert len(launches) == 9 and {r for _, _, r in launches} == {7}
+        launches.clear()
+        model(mx.zeros((1, 20), dtype=mx.int32))  # 20 rows: the reference, no launch
+        assert launches == []
+        # a member called on its own input (not after its siblings) computes itself
+        x = mx.random.normal((1, 2, 256)).astype(mx.float16)
+        launches.clear()
+        k = model.layers[1].self_attn.k_proj(x)
+        assert k.shape == (1, 2, 128) and launches == [("mma", 3, 2)]
+        assert mx.allclose(k, qmv.reference_matmul(x, *(model.layers[1].self_attn.k_proj[n] for n in (
+            "weight", "scales", "biases")), 32, 4), rtol=1e-3, atol=1e-3)
+    finally:
+        unpatch_model(model)
+        qmv.clear_mma_config()
+
+
+def test_sibling_launcher_declines_what_it_cannot_fuse(monkeypatch):
+    monkeypatch.setattr(qmv, "_kernel", lambda kind, be, nout=1: (kind, nout))
+    qmv.clear_mma_config()
+    sig = (4, 512, 256, 32, (512, 8), (512, 8), mx.float16, mx.uint32, mx.float16, mx.float16, 4, 32)
+    kernel, template, *_ = qmv.sibling_launcher(*sig, "cuda", (256, 384))
+    assert kernel == ("mma", 3) and template[-2:] == [("S1", 256), ("S2", 384)]
+    assert qmv.sibling_launcher(*sig, "cuda", (256, 392)) is None  # cut inside a 16-row block
+    assert qmv.sibling_launcher(*sig, "cuda", (384, 256)) is None  # not increasing
+    assert qmv.sibling_launcher(*sig, "cuda", (128, 256, 384)) is None  # at most 3 projections
+    assert qmv.sibling_launcher(*sig, "cpu", (256, 384)) is None
+    fp32 = sig[:6] + (mx.float32,) + sig[7:]
+    assert qmv.sibling_launcher(*fp32, "cuda", (256, 384)) is None  # simd kernel: no variant
+    assert qmv.sibling_launcher(*((17,) + sig[1:]), "cuda", (256, 384)) is None
+    with pytest.raises(ValueError, match="mma"):
+        qmv.kernel_sources("simd", "cuda", nout=2)
+    qmv.clear_mma_config()
 
 
 def test_layer_launch_decision_is_cached_and_invalidated(monkeypatch):
@@ -251,18 +340,24 @@ namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
 """
 
 
-def _render_cuda(p, xdt, sdt, fname):
-    """One kernel as mx.fast.cuda_kernel generates it (mlx/backend/cuda/custom_kernel.cpp)."""
-    header, body = qmv.kernel_sources(p.kind, "cuda")
+def _render_cuda(p, xdt, sdt, fname, cuts=()):
+    """One kernel as mx.fast.cuda_kernel generates it (mlx/backend/cuda/custom_kernel.cpp);
+    ``cuts``: the sibling variant with len(cuts) + 1 outputs."""
+    header, body = qmv.kernel_sources(p.kind, "cuda", len(cuts) + 1)
     sig = []
     for name, ctype in (("x", _CUDA_TYPES[xdt]), ("w", "uint32_t"), ("scales", _CUDA_TYPES[sdt]),
                         ("biases", _CUDA_TYPES[sdt])):
         sig.append(f"const {ctype}* {name},")
         if f"{name}_shape" in body:
             sig.append(f"const __grid_constant__ Shape {name}_shape,")
-    consts = "".join(f"constexpr int {k} = {v};\n" for k, v in p.consts)
+        if f"{name}_ndim" in body:
+            sig.append(f"const __grid_constant__ int {name}_ndim,")
+    outs = ["y"] if not cuts else [f"y{i}" for i in range(len(cuts) + 1)]
+    sig.append(", ".join(f"{_CUDA_TYPES[xdt]}* {o}" for o in outs))
+    consts = "".join(f"constexpr int {k} = {v};\n" for k, v in
+                     (*p.consts, *((f"S{i + 1}", c) for i, c in enumerate(cuts))))
     return (f"{header}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
-            f"__global__ void {fname}(\n{''.join(sig)} {_CUDA_TYPES[xdt]}* y) {{\n"
+            f"__global__ void {fname}(\n{''.join(sig)}) {{\n"
             f"using T = {_CUDA_TYPES[xdt]};\nusing S = {_CUDA_TYPES[sdt]};\n{consts}\n{body}\n}}\n}}\n")
 
 
@@ -275,6 +370,12 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
             for m, n, k in ((1, 4096, 4096), (16, 14336, 4096), (9, 576, 576), (4, 208, 640)):
                 cases.append((plan(m, n, k, bits, 32, xdt, "cuda"), xdt, sdt))
     src = _MLX_PRELUDE + "".join(_render_cuda(p, x, s, f"k{i}") for i, (p, x, s) in enumerate(cases))
+    # sibling variants: 8B q/k/v (4096 + 1024 + 1024) and gate/up (2 x 14336), 1 and 16 rows
+    for i, (m, n, cuts) in enumerate(((1, 6144, (4096, 5120)), (16, 6144, (4096, 5120)),
+                                      (1, 28672, (14336,)), (16, 28672, (14336,)))):
+        p = plan(m, n, 4096, 4, 64, mx.bfloat16, "cuda")
+        src += _render_cuda(p, mx.bfloat16, mx.bfloat16, f"sib{i}", cuts)
+        cases.append((p, mx.bfloat16, mx.bfloat16))
     (tmp_path / "k.cu").write_text(src)
     res = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v",
                           "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
@@ -368,6 +469,32 @@ def test_tiles_and_prefetch_do_not_change_bits():
         assert all(mx.array_equal(a, c).item() for a, c in zip(outs[0], o))
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="the sibling (multi-output) variant is the CUDA mma kernel's")
+def test_sibling_matmul_matches_reference_and_rows_are_exact(dtype):
+    """One launch for q/k/v-like projections: each output close to the float64 reference of
+    its own weight, every row bit-identical whatever the row count (2-D and 3-D inputs)."""
+    dt = DTYPES[dtype]
+    k, gs = 512, 64
+    parts = [_quantized(n, k, gs, 4, dt, seed=n) for n in (256, 128, 128)]
+    w, s_, b = (mx.concatenate([p[i] for p in parts]) for i in range(3))
+    x = mx.random.normal((16, k)).astype(dt)
+    full = sibling_matmul(x, w, s_, b, (256, 384), gs, 4)
+    assert full is not None and [y.shape for y in full] == [(16, 256), (16, 128), (16, 128)]
+    for y, (wq, sq, bq) in zip(full, parts):
+        ref = _reference(x, wq, sq, bq, gs, 4)
+        yf = np.array(y.astype(mx.float32), dtype=np.float64)
+        assert np.abs(yf - ref).max() / np.abs(ref).max() < TOL[dt]
+    for m in range(1, 16):
+        part = sibling_matmul(x[None, :m], w, s_, b, (256, 384), gs, 4)
+        for y, yf in zip(part, full):
+            assert y.shape == (1, m, yf.shape[1]) and mx.array_equal(y[0], yf[:m]).item(), m
+    two = sibling_matmul(x, w[:384], s_[:384], b[:384], (256,), gs, 4)
+    assert len(two) == 2 and mx.array_equal(two[1][3:9], sibling_matmul(
+        x[3:9], w[:384], s_[:384], b[:384], (256,), gs, 4)[1]).item()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.gpu
 @needs_gpu
@@ -387,6 +514,16 @@ def test_patched_model_logits_close(dtype):
     lin = model.layers[0].mlp.gate_proj
     rows = mx.concatenate([lin(h[:, i:i + 1]) for i in range(9)], axis=1)
     assert mx.array_equal(lin(h), rows).item()
+    # the same through a sibling group's one launch (CUDA, half precision: q/k/v fused)
+    attn = model.layers[1].self_attn
+    if backend() == "cuda" and dt != mx.float32:
+        assert report.sibling_groups == 4
+    qkv = [(attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))]
+    qkv += [(attn.q_proj(h[:, i:i + 1]), attn.k_proj(h[:, i:i + 1]), attn.v_proj(h[:, i:i + 1]))
+            for i in range(9)]
+    for j in range(3):
+        rows = mx.concatenate([t[j] for t in qkv[1:]], axis=1)
+        assert mx.array_equal(qkv[0][j], rows).item(), j
     head = model.model.embed_tokens.as_linear
     assert mx.array_equal(head(h)[:, 4], head(h[:, 4:5])[:, 0]).item()
     assert unpatch_model(model) == 15

@@ -25,6 +25,14 @@
 // [c SC + t VALS, c SC + (t+1) VALS) and the same k range of activation row
 // m = g (+ 8 for the second column block); Deq/XPair put matching k values in
 // matching slots.
+// SSK_STORE(m, n, v) writes output element (m, n): y[m * N + n] by default. Sibling
+// projections fused into one launch (metal_kernels/patch.py) concatenate their weights
+// along N and get one output per projection: qmv.py then defines SSK_STORE to pick it by
+// n against the cut constants S1 (and S2), whole blocks at a time (cuts are multiples of
+// 16 NT, so a block's rows never straddle a cut).
+#ifndef SSK_STORE
+#define SSK_STORE(m, n, v) y[(size_t)(m) * N + (n)] = static_cast<T>(v)
+#endif
 constexpr int VALS = VW * 32 / BITS;
 constexpr int SC = 4 * VALS;
 constexpr int MBLK = MB / 8;
@@ -37,8 +45,12 @@ const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
 const int g = lane >> 2;
 const int t = lane & 3;
-const int M = x_shape[0];
-const int K = x_shape[1];
+// x may be (..., K): its leading dimensions are the rows.
+const int K = x_shape[x_ndim - 1];
+int M = 1;
+for (int i = 0; i + 1 < x_ndim; ++i) {
+  M *= x_shape[i];
+}
 const int N = w_shape[0];
 const int nchunks = K / SC;
 const int kw = K * BITS / 32;
@@ -127,7 +139,7 @@ auto store = [&](int idx, float total) {
   const int n = row0 + 16 * j + g + 8 * (r >> 1);
   const int m = 8 * mb + 2 * t + (r & 1);
   if (m < M) {
-    y[(size_t)m * N + n] = static_cast<T>(total);
+    SSK_STORE(m, n, total);
   }
 };
 if constexpr (WK == 1) {
@@ -162,3 +174,4 @@ if constexpr (WK == 1) {
     store(idx, total);
   }
 }
+#undef SSK_STORE
