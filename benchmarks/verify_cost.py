@@ -14,8 +14,8 @@ Three parts, kernel vs ``mx.quantized_matmul`` in one run:
   576, 30 layers, 9/3 heads, FFN 1536, vocab 49152, tied; 4-bit group 32, 8-bit embedding).
 
 Timing: warm-up, then the median of --reps runs, each ``mx.eval`` + ``perf_counter`` after
-``mx.synchronize``. ``--tune`` first sweeps the mma kernel's split per weight shape of the
-8B model and installs the best (metal_kernels.qmv.set_mma_config); models are then timed
+``mx.synchronize`` (models: --rounds interleaved rounds over the widths, median over rounds).
+``--tune`` first sweeps the mma kernel's split per weight shape of the 8B model and installs the best (metal_kernels.qmv.set_mma_config); models are then timed
 with both the default and the tuned split. JSON goes to --out; tables are printed.
 
     python benchmarks/verify_cost.py --out verify_cost.json [--parts matrices,llama8b,smollm]
@@ -190,9 +190,14 @@ def matmul_weight_bytes(model) -> int:
     return total
 
 
-def time_forward(model, context, reps, row_attention=False):
+def time_forward(model, context, reps, row_attention=False, rounds=1):
     """T(k) for k in KS: one forward of k tokens over ``context`` cached tokens (seconds).
 
+    ``rounds`` > 1 interleaves the widths: each round times every k (``reps`` forwards each,
+    k ascending in even rounds and descending in odd ones), and T(k) is the median over all
+    rounds' forwards. The H200 host runs in slower and faster phases of seconds, which a
+    width-after-width sweep turns into steps in the curve (docs/benchmarks.md, eighteenth
+    session); interleaving spreads each phase over every width.
     ``row_attention``: every pass (one-token ones included) attends through
     metal_kernels.attention.row_attention, as the engine does with ``SPECSERVE_EXACT_VERIFY=kernel``
     (the prompt is prefilled with MLX's attention)."""
@@ -204,18 +209,19 @@ def time_forward(model, context, reps, row_attention=False):
     prompt = mx.random.randint(0, model.args.vocab_size, (1, context))
     mx.eval(model(prompt, cache=cache))
     exact_attention.set_row_exact(cache, row_attention, kernel if row_attention else None)
-    times = {}
-    for k in KS:
-        toks = mx.random.randint(0, model.args.vocab_size, (1, k))
+    toks = {k: mx.random.randint(0, model.args.vocab_size, (1, k)) for k in KS}
 
-        def step(toks=toks, k=k):
-            out = model(toks, cache=cache)
-            mx.eval(out)
-            for c in cache:
-                c.trim(k)
-            return out
-        times[k] = _median_time(step, reps, warmup=2)
-    return times
+    def step(k):
+        out = model(toks[k], cache=cache)
+        mx.eval(out)
+        for c in cache:
+            c.trim(k)
+        return out
+    samples = {k: [] for k in KS}
+    for r in range(rounds):
+        for k in (KS if r % 2 == 0 else KS[::-1]):
+            samples[k].append(_median_time(lambda k=k: step(k), reps, warmup=2 if r == 0 else 1))
+    return {k: statistics.median(v) for k, v in samples.items()}
 
 
 def bench_model(name, model, args, tuned):
@@ -237,7 +243,8 @@ def bench_model(name, model, args, tuned):
             qmv.clear_mma_config()
         if path == "kernel":
             report = patch_model(model, "auto")
-        t = time_forward(model, args.context, args.reps, row_attention=attention == "row")
+        t = time_forward(model, args.context, args.reps, row_attention=attention == "row",
+                         rounds=args.rounds)
         label = path if cfg is None else f"{path}-{cfg}"
         row = {"model": name, "path": label if attention == "mlx" else f"{label}+row-attention",
                "attention": attention,
@@ -280,6 +287,9 @@ def main(argv=None):
     ap.add_argument("--smollm-dtypes", default="bfloat16,float32")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--tune-reps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="model parts: interleaved rounds over the widths (T(k) = median over rounds "
+                         "of each round's median of --reps forwards)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--attention", default="mlx,row",
@@ -289,6 +299,7 @@ def main(argv=None):
     parts = set(args.parts.split(","))
     result = {"backend": backend(), "mlx": mx.__version__, "platform": platform.platform(),
               "dtype": args.dtype, "peak_bw_tbs": H200_BW / 1e12, "ks": KS, "reps": args.reps,
+              "rounds": args.rounds,
               "context": args.context}
 
     def dump():
