@@ -194,8 +194,8 @@ def time_forward(model, context, reps, row_attention=False, rounds=1):
     """T(k) for k in KS: one forward of k tokens over ``context`` cached tokens (seconds).
 
     ``rounds`` > 1 interleaves the widths: each round times every k (``reps`` forwards each,
-    k ascending in even rounds and descending in odd ones), and T(k) is the median over all
-    rounds' forwards. The H200 host runs in slower and faster phases of seconds, which a
+    k ascending in even rounds and descending in odd ones), and T(k) is the median over the
+    rounds of each round's median. The H200 host runs in slower and faster phases of seconds, which a
     width-after-width sweep turns into steps in the curve (docs/benchmarks.md, eighteenth
     session); interleaving spreads each phase over every width.
     ``row_attention``: every pass (one-token ones included) attends through
@@ -254,6 +254,7 @@ def bench_model(name, model, args, tuned):
         if report is not None:
             logits = model(probe).astype(mx.float32)
             row["patched_layers"] = len(report.patched)
+            row["sibling_groups"] = report.sibling_groups
             row["logits_max_rel_diff"] = (mx.abs(logits - ref_logits).max()
                                           / mx.abs(ref_logits).max()).item()
             unpatch_model(model)
@@ -321,7 +322,9 @@ def main(argv=None):
               flush=True)
     tuned = False
     if args.tune and "llama8b" in parts:
-        shapes = [(4096, 4096), (14336, 4096), (4096, 14336)]
+        # the projections' own shapes and, with sibling launches (patch_model's default), the
+        # fused q/k/v (4096 + 2 x 1024) and gate/up (2 x 14336) shapes
+        shapes = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (28672, 4096)]
         result["tuning"] = guarded("tuning", lambda: tune(args, shapes)) or {}
         tuned = bool(result["tuning"])
         dump()

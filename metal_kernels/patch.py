@@ -21,6 +21,7 @@ from metal_kernels.qmv import (
     SUPPORTED_BITS,
     SUPPORTED_GROUP_SIZES,
     backend,
+    config_generation,
     layer_matmul,
     run_sibling_launch,
     sibling_launcher,
@@ -54,9 +55,14 @@ class SiblingGroup:
     other path (``mx.quantized_matmul`` for prefill, unpatching, saving) still sees each
     member's own weights. The first member called on an input ``x`` launches the fused
     kernel (:func:`metal_kernels.qmv.sibling_matmul`) and keeps the outputs; the others, called
-    on the same ``x`` object (MLX arrays are immutable, so the same object means the same
-    values), take theirs. Calls on another input, or where the fused launch does not apply
-    (more than 16 rows, fp32 activations, the CPU), compute that member alone.
+    on the same ``x`` object, take theirs. Where the fused launch does not apply (more than 16
+    rows, fp32 activations, Metal, the CPU) each member computes alone.
+
+    Contract (mlx-lm's blocks keep it): the members are called one after another on one
+    thread (the engine builds graphs on a single worker thread), and ``x`` is not modified in
+    place (``x += ...``, ``x[...] = ...``) between the members' calls. If a member's arrays are
+    replaced after grouping (``model.update``, ``load_weights``), the group dissolves: every
+    member computes alone from then on, for every row count.
 
     Why: a decode or verify pass of an 8B-shaped Llama is bound by the host's cost per
     graph node (benchmarks/gpu/host_split.py); this removes 3 of 7 launches per layer.
@@ -76,13 +82,25 @@ class SiblingGroup:
             object.__setattr__(m, "_ssk_sibling", (self, i))
             lo += n
         mx.eval([m.parameters() for m in layers])
+        self._members = [(m, tuple(m[key] for key in cat)) for m in layers]
+        self.dissolved = False
         self._launches: dict = {}
         self._x = None
         self._ys: list | None = None
         self._taken: set[int] = set()
 
+    def _intact(self) -> bool:
+        """Whether every member still holds the views made at grouping (identity)."""
+        if not self.dissolved and any(
+                m[k] is not a for m, arrays in self._members for k, a in zip(
+                    ("weight", "scales", "biases"), arrays)):
+            self.dissolved = True
+            self._launches.clear()
+        return not self.dissolved
+
     def _launch(self, x):
-        key = (x.size // x.shape[-1] if x.shape[-1] else 0, x.shape[-1], x.dtype, backend())
+        key = (x.size // x.shape[-1] if x.shape[-1] else 0, x.shape[-1], x.dtype, backend(),
+               config_generation())
         launch = self._launches.get(key, False)
         if launch is False:
             w, s, b = self.weight, self.scales, self.biases
@@ -94,11 +112,12 @@ class SiblingGroup:
     def output(self, index: int, layer: nn.Module, x: mx.array) -> mx.array:
         """Member ``index``'s product with ``x`` (no bias), shape (..., N_index)."""
         if self._x is not x or index in self._taken:
-            launch = self._launch(x)
+            self._x = self._ys = None
+            launch = self._launch(x) if self._intact() else None
             if launch is None:
                 return layer_matmul(layer, x)
-            self._x, self._taken = x, set()
-            self._ys = run_sibling_launch(launch, x, self.weight, self.scales, self.biases, self.cuts)
+            ys = run_sibling_launch(launch, x, self.weight, self.scales, self.biases, self.cuts)
+            self._x, self._ys, self._taken = x, ys, set()
         y = self._ys[index]
         self._taken.add(index)
         if len(self._taken) == self.size:  # every member served: let the arrays go

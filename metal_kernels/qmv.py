@@ -91,6 +91,14 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 # Benchmark-tuned overrides: (n, k, bits) -> wk and (n, k, bits, mb) -> (nt, u).
 _WK_OVERRIDE: dict[tuple[int, int, int], int] = {}
+_CONFIG_GENERATION = [0]  # bumped by every override change: cached launch decisions keyed on it
+
+
+def config_generation() -> int:
+    """A counter that changes whenever :func:`set_mma_config`/:func:`clear_mma_config` change
+    the mma split; launch decisions cached outside this module are keyed on it, so every row
+    count of a layer switches to the new split together."""
+    return _CONFIG_GENERATION[0]
 _NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 
 
@@ -109,6 +117,7 @@ def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
     _plan_cached.cache_clear()
     _launcher.cache_clear()
     sibling_launcher.cache_clear()
+    _CONFIG_GENERATION[0] += 1
 
 
 def clear_mma_config() -> None:
@@ -118,6 +127,7 @@ def clear_mma_config() -> None:
     _plan_cached.cache_clear()
     _launcher.cache_clear()
     sibling_launcher.cache_clear()
+    _CONFIG_GENERATION[0] += 1
 
 
 def mma_config_fits(nt: int, u: int, mb: int, wk: int) -> bool:
@@ -296,12 +306,14 @@ def _launcher(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, b
 @functools.lru_cache(maxsize=1024)
 def sibling_launcher(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be, cuts):
     """:func:`_launcher` for projections fused along N at ``cuts`` (one output each), or
-    None where the fused launch does not apply (not the mma kernel, or a cut inside a block);
-    the projections then run one launch each."""
+    None where the fused launch does not apply (not the mma kernel, more than 3 projections,
+    cuts not strictly increasing inside (0, N)); the projections then run one launch each.
+    The answer depends on the row count only through 1..16 (the kernel is mma for every
+    row count of a given dtype and N), so decode and verify rows take the same path."""
     p = _signature_plan(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be)
     if p is None or p.kind != "mma" or not 1 <= len(cuts) <= 2:
         return None
-    if any(c <= 0 or c >= n or c % (16 * p.const("NT")) for c in cuts) or list(cuts) != sorted(set(cuts)):
+    if any(c <= 0 or c >= n for c in cuts) or list(cuts) != sorted(set(cuts)):
         return None
     template = [("T", xdt), ("S", sdt), *p.consts, *((f"S{i + 1}", c) for i, c in enumerate(cuts))]
     return (_kernel("mma", p.backend, len(cuts) + 1), template, p.grid, p.threadgroup, True)
@@ -327,7 +339,7 @@ def layer_matmul(layer, x: mx.array) -> mx.array:
         state = (w, s, b, {})
         object.__setattr__(layer, "_ssk_launch", state)  # nn.Module would store a tuple as a parameter
     be = backend()
-    key = (rows, k, x.dtype, be)
+    key = (rows, k, x.dtype, be, _CONFIG_GENERATION[0])
     launch = state[3].get(key, _MISSING)
     if launch is _MISSING:
         launch = None
@@ -353,7 +365,8 @@ def _run(launch, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, r
 
 
 def sibling_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                   cuts: tuple[int, ...], group_size: int, bits: int) -> list[mx.array] | None:
+                   cuts: tuple[int, ...], group_size: int, bits: int,
+                   init_value: float | None = None) -> list[mx.array] | None:
     """Projections that read the same ``x`` (q/k/v, gate/up), in one kernel launch.
 
     ``w``/``scales``/``biases`` are the projections' weights concatenated along N (rows
@@ -372,17 +385,19 @@ def sibling_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
                                tuple(cuts))
     if launch is None:
         return None
-    return run_sibling_launch(launch, x, w, scales, biases, cuts)
+    return run_sibling_launch(launch, x, w, scales, biases, cuts, init_value)
 
 
-def run_sibling_launch(launch, x, w, scales, biases, cuts) -> list[mx.array]:
-    """Run a :func:`sibling_launcher` decision (a cached one: see patch.SiblingGroup)."""
+def run_sibling_launch(launch, x, w, scales, biases, cuts,
+                       init_value: float | None = None) -> list[mx.array]:
+    """Run a :func:`sibling_launcher` decision (a cached one: see patch.SiblingGroup).
+    ``init_value`` pre-fills the outputs (tests poison them with NaN)."""
     kernel, template, grid, tg, _ = launch
     bounds = (0, *cuts, w.shape[0])
     lead = x.shape[:-1]
     return kernel(inputs=[x, w, scales, biases], template=template, grid=grid, threadgroup=tg,
                   output_shapes=[(*lead, bounds[i + 1] - bounds[i]) for i in range(len(cuts) + 1)],
-                  output_dtypes=[x.dtype] * (len(cuts) + 1))
+                  output_dtypes=[x.dtype] * (len(cuts) + 1), init_value=init_value)
 
 
 def quantized_matmul(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array | None = None,

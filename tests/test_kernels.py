@@ -267,13 +267,54 @@ def test_sibling_groups_launch_once_per_input(monkeypatch):
         qmv.clear_mma_config()
 
 
+def test_sibling_group_recovers_from_a_failed_launch_and_dissolves_on_new_weights(monkeypatch):
+    """A launch that raises leaves no stale outputs behind; replacing a member's weights makes
+    every member compute alone (with its new weights) for every row count."""
+    model = _tiny_llama(dtype=mx.float16)
+    launches = _fake_cuda(monkeypatch)
+    try:
+        swap_layers(model)
+        attn = model.layers[0].self_attn
+        ref = lambda lin, x: qmv.reference_matmul(  # noqa: E731
+            x, lin["weight"], lin["scales"], lin["biases"], 32, 4)
+        x_old, x_new = (mx.random.normal((1, 1, 256)).astype(mx.float16) for _ in range(2))
+        attn.q_proj(x_old)  # the group now holds x_old's outputs, k and v not yet taken
+        real = qmv.run_sibling_launch
+
+        def broken(*a, **k):
+            raise RuntimeError("launch failed")
+        monkeypatch.setattr("metal_kernels.patch.run_sibling_launch", broken)
+        with pytest.raises(RuntimeError):
+            attn.q_proj(x_new)
+        monkeypatch.setattr("metal_kernels.patch.run_sibling_launch", real)
+        assert mx.array_equal(attn.k_proj(x_new), ref(attn.k_proj, x_new))
+        group = attn.q_proj.__dict__["_ssk_sibling"][0]
+        assert not group.dissolved
+        attn.v_proj.update({"scales": attn.v_proj["scales"] * 2})
+        launches.clear()
+        for rows in (1, 5):
+            x = mx.random.normal((1, rows, 256)).astype(mx.float16)
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj):
+                assert mx.array_equal(lin(x), ref(lin, x))
+        assert group.dissolved and {n for _, n, _ in launches} == {1} and len(launches) == 6
+    finally:
+        unpatch_model(model)
+        qmv.clear_mma_config()
+
+
 def test_sibling_launcher_declines_what_it_cannot_fuse(monkeypatch):
     monkeypatch.setattr(qmv, "_kernel", lambda kind, be, nout=1: (kind, nout))
     qmv.clear_mma_config()
     sig = (4, 512, 256, 32, (512, 8), (512, 8), mx.float16, mx.uint32, mx.float16, mx.float16, 4, 32)
     kernel, template, *_ = qmv.sibling_launcher(*sig, "cuda", (256, 384))
     assert kernel == ("mma", 3) and template[-2:] == [("S1", 256), ("S2", 384)]
-    assert qmv.sibling_launcher(*sig, "cuda", (256, 392)) is None  # cut inside a 16-row block
+    # a cut inside a 16-row block is fine (the store picks the output per element), and the
+    # decision is the same for every row count 1..16 (decode and verify take one path)
+    assert qmv.sibling_launcher(*sig, "cuda", (256, 392)) is not None
+    qmv.set_mma_config(512, 256, 4, nt_u={16: (2, 1)})
+    for cuts in ((256, 384), (248, 392), (16,)):
+        assert len({qmv.sibling_launcher(m, *sig[1:], "cuda", cuts) is None for m in range(1, 17)}) == 1
+    assert qmv.sibling_launcher(*sig, "cuda", (0, 384)) is None
     assert qmv.sibling_launcher(*sig, "cuda", (384, 256)) is None  # not increasing
     assert qmv.sibling_launcher(*sig, "cuda", (128, 256, 384)) is None  # at most 3 projections
     assert qmv.sibling_launcher(*sig, "cpu", (256, 384)) is None
@@ -476,23 +517,24 @@ def test_sibling_matmul_matches_reference_and_rows_are_exact(dtype):
     """One launch for q/k/v-like projections: each output close to the float64 reference of
     its own weight, every row bit-identical whatever the row count (2-D and 3-D inputs)."""
     dt = DTYPES[dtype]
-    k, gs = 512, 64
-    parts = [_quantized(n, k, gs, 4, dt, seed=n) for n in (256, 128, 128)]
-    w, s_, b = (mx.concatenate([p[i] for p in parts]) for i in range(3))
-    x = mx.random.normal((16, k)).astype(dt)
-    full = sibling_matmul(x, w, s_, b, (256, 384), gs, 4)
-    assert full is not None and [y.shape for y in full] == [(16, 256), (16, 128), (16, 128)]
-    for y, (wq, sq, bq) in zip(full, parts):
-        ref = _reference(x, wq, sq, bq, gs, 4)
-        yf = np.array(y.astype(mx.float32), dtype=np.float64)
-        assert np.abs(yf - ref).max() / np.abs(ref).max() < TOL[dt]
-    for m in range(1, 16):
-        part = sibling_matmul(x[None, :m], w, s_, b, (256, 384), gs, 4)
-        for y, yf in zip(part, full):
-            assert y.shape == (1, m, yf.shape[1]) and mx.array_equal(y[0], yf[:m]).item(), m
-    two = sibling_matmul(x, w[:384], s_[:384], b[:384], (256,), gs, 4)
-    assert len(two) == 2 and mx.array_equal(two[1][3:9], sibling_matmul(
-        x[3:9], w[:384], s_[:384], b[:384], (256,), gs, 4)[1]).item()
+    nan = float("nan")
+    # q/k/v-like (NT = 1; a cut inside a 16-row block) and gate/up at 8B width (NT = 2)
+    for k, gs, ns in ((512, 64, (256, 120, 136)), (4096, 64, (14336, 14336))):
+        parts = [_quantized(n, k, gs, 4, dt, seed=101 * i + n) for i, n in enumerate(ns)]
+        w, s_, b = (mx.concatenate([p[i] for p in parts]) for i in range(3))
+        cuts = tuple(sum(ns[:i + 1]) for i in range(len(ns) - 1))
+        x = mx.random.normal((16, k)).astype(dt)
+        full = sibling_matmul(x, w, s_, b, cuts, gs, 4, init_value=nan)
+        assert full is not None and [y.shape for y in full] == [(16, n) for n in ns]
+        for y, (wq, sq, bq) in zip(full, parts):
+            ref = _reference(x, wq, sq, bq, gs, 4)
+            yf = np.array(y.astype(mx.float32), dtype=np.float64)
+            assert not np.isnan(yf).any()
+            assert np.abs(yf - ref).max() / np.abs(ref).max() < TOL[dt]
+        for m in range(1, 16):
+            part = sibling_matmul(x[None, :m], w, s_, b, cuts, gs, 4, init_value=nan)
+            for y, yf in zip(part, full):
+                assert y.shape == (1, m, yf.shape[1]) and mx.array_equal(y[0], yf[:m]).item(), m
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
@@ -516,8 +558,11 @@ def test_patched_model_logits_close(dtype):
     assert mx.array_equal(lin(h), rows).item()
     # the same through a sibling group's one launch (CUDA, half precision: q/k/v fused)
     attn = model.layers[1].self_attn
-    if backend() == "cuda" and dt != mx.float32:
-        assert report.sibling_groups == 4
+    assert report.sibling_groups == 4
+    group = attn.q_proj.__dict__["_ssk_sibling"][0]
+    # CUDA in half precision takes the fused launch; fp32 (simd kernel) and Metal run each member
+    fused = backend() == "cuda" and dt != mx.float32
+    assert (group._launch(h) is not None) == fused and (group._launch(h[:, :1]) is not None) == fused
     qkv = [(attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))]
     qkv += [(attn.q_proj(h[:, i:i + 1]), attn.k_proj(h[:, i:i + 1]), attn.v_proj(h[:, i:i + 1]))
             for i in range(9)]

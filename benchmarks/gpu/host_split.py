@@ -11,7 +11,8 @@ forward of k tokens (k = 1, 8, 16; KV cache of --context tokens) per path into
   ``mx.async_eval``, so the host builds forward i+1 while the device runs forward i. The
   steady state is max(host cost, device cost): when it is close to build + eval the forward
   is bound by the host, when it is close to eval alone by the device;
-- ``call_build_us``: the build cost of one q_proj call on its own (200 calls).
+- ``call_build_us``: the build cost of one q_proj call on its own (200 calls; with sibling
+  launches each call launches the fused q/k/v kernel, since q's output was already taken).
 
 Paths: ``mlx`` (mlx-lm's modules), ``kernel-unfused`` (``metal_kernels.patch_model(...,
 siblings=False)``: one launch per projection) and ``kernel`` (``patch_model``: q/k/v and

@@ -28,8 +28,7 @@
 // SSK_STORE(m, n, v) writes output element (m, n): y[m * N + n] by default. Sibling
 // projections fused into one launch (metal_kernels/patch.py) concatenate their weights
 // along N and get one output per projection: qmv.py then defines SSK_STORE to pick it by
-// n against the cut constants S1 (and S2), whole blocks at a time (cuts are multiples of
-// 16 NT, so a block's rows never straddle a cut).
+// n against the cut constants S1 (and S2), element by element (a block may straddle a cut).
 #ifndef SSK_STORE
 #define SSK_STORE(m, n, v) y[(size_t)(m) * N + (n)] = static_cast<T>(v)
 #endif
