@@ -15,8 +15,9 @@ Three parts, kernel vs ``mx.quantized_matmul`` in one run:
 
 Timing: warm-up, then the median of --reps runs, each ``mx.eval`` + ``perf_counter`` after
 ``mx.synchronize`` (models: --rounds interleaved rounds over the widths, median over rounds).
-``--tune`` first sweeps the mma kernel's split per weight shape of the 8B model and installs the best (metal_kernels.qmv.set_mma_config); models are then timed
-with both the default and the tuned split. JSON goes to --out; tables are printed.
+``--tune`` first sweeps the mma kernel's split per weight shape of the 8B model and installs
+the best (metal_kernels.qmv.set_mma_config); models are then timed with both the default and
+the tuned split. JSON goes to --out; tables are printed.
 
     python benchmarks/verify_cost.py --out verify_cost.json [--parts matrices,llama8b,smollm]
 """
@@ -195,9 +196,9 @@ def time_forward(model, context, reps, row_attention=False, rounds=1):
 
     ``rounds`` > 1 interleaves the widths: each round times every k (``reps`` forwards each,
     k ascending in even rounds and descending in odd ones), and T(k) is the median over the
-    rounds of each round's median. The H200 host runs in slower and faster phases of seconds, which a
-    width-after-width sweep turns into steps in the curve (docs/benchmarks.md, eighteenth
-    session); interleaving spreads each phase over every width.
+    rounds of each round's median. The H200 host runs in slower and faster phases of seconds,
+    which a width-after-width sweep turns into steps in the curve (docs/benchmarks.md,
+    eighteenth session); interleaving spreads each phase over every width.
     ``row_attention``: every pass (one-token ones included) attends through
     metal_kernels.attention.row_attention, as the engine does with ``SPECSERVE_EXACT_VERIFY=kernel``
     (the prompt is prefilled with MLX's attention)."""

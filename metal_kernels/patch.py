@@ -72,7 +72,6 @@ class SiblingGroup:
         self.bits, self.group_size = layers[0].bits, layers[0].group_size
         ns = [m["weight"].shape[0] for m in layers]
         self.cuts = tuple(sum(ns[:i + 1]) for i in range(len(ns) - 1))
-        self.size = len(layers)
         cat = {key: mx.concatenate([m[key] for m in layers]) for key in ("weight", "scales", "biases")}
         mx.eval(cat)
         self.weight, self.scales, self.biases = cat["weight"], cat["scales"], cat["biases"]
@@ -120,7 +119,7 @@ class SiblingGroup:
             self._x, self._ys, self._taken = x, ys, set()
         y = self._ys[index]
         self._taken.add(index)
-        if len(self._taken) == self.size:  # every member served: let the arrays go
+        if len(self._taken) == len(self._members):  # every member served: let the arrays go
             self._x = self._ys = None
         return y
 

@@ -91,6 +91,7 @@ def _pow2_at_most(n: int, cap: int) -> int:
 
 # Benchmark-tuned overrides: (n, k, bits) -> wk and (n, k, bits, mb) -> (nt, u).
 _WK_OVERRIDE: dict[tuple[int, int, int], int] = {}
+_NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 _CONFIG_GENERATION = [0]  # bumped by every override change: cached launch decisions keyed on it
 
 
@@ -99,7 +100,6 @@ def config_generation() -> int:
     the mma split; launch decisions cached outside this module are keyed on it, so every row
     count of a layer switches to the new split together."""
     return _CONFIG_GENERATION[0]
-_NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 
 
 def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,

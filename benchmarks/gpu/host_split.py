@@ -32,14 +32,10 @@ import time
 
 import mlx.core as mx
 
-from benchmarks.verify_cost import build_model, llama8b_args
+from benchmarks.verify_cost import _sync, build_model, llama8b_args
 from metal_kernels import backend, patch_model, unpatch_model
 
 KS = (1, 8, 16)
-
-
-def _sync():
-    getattr(mx, "synchronize", lambda: None)()
 
 
 def measure(model, cache, k, reps, pipeline):
