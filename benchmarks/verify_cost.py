@@ -10,6 +10,8 @@ Three parts, kernel vs ``mx.quantized_matmul`` in one run:
   (4-bit, group 64). T(k) = one forward of k tokens on a KV cache holding --context tokens
   (the cache is trimmed back after each pass). Attention is MLX's (batched), and on CUDA
   also the row-attention kernel in every pass (``--attention``), the engine's exact path.
+  ``--compiled`` also times both matmul paths through the engine's compiled passes
+  (``mx.compile`` over a static KV cache: no Python graph build per pass).
 - ``smollm``: random weights with the default model's exact config (SmolLM2-135M: hidden
   576, 30 layers, 9/3 heads, FFN 1536, vocab 49152, tied; 4-bit group 32, 8-bit embedding).
 
@@ -191,6 +193,39 @@ def matmul_weight_bytes(model) -> int:
     return total
 
 
+def _interleaved(step, reps, rounds):
+    samples = {k: [] for k in KS}
+    for r in range(rounds):
+        for k in (KS if r % 2 == 0 else KS[::-1]):
+            samples[k].append(_median_time(lambda k=k: step(k), reps, warmup=2 if r == 0 else 1))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def time_compiled_forward(model, context, reps, rounds=1):
+    """T(k) as :func:`time_forward`, but each pass is the engine's compiled decode/verify pass
+    (``SPECSERVE_COMPILE=on``: ``engine.static_cache.CompiledPasses`` over a ``StaticCache``,
+    one ``mx.compile`` trace per width, replayed). The Python forward is traced once per width,
+    so a pass costs no graph build in Python, and MLX fuses the elementwise ops. Attention runs
+    over the cache's whole capacity (``bucket(context + 16)`` positions) under a position mask,
+    as in the engine, batched (MLX's)."""
+    from engine.static_cache import CompiledPasses, StaticCache, bucket, kv_layout
+    cache = StaticCache(*kv_layout(model), capacity=bucket(context + max(KS)))
+    mx.random.seed(1)
+    prompt = mx.random.randint(0, model.args.vocab_size, (1, context))
+    layers = cache.layers(0)
+    mx.eval(model(prompt, cache=layers))
+    cache.store(layers, context)
+    mx.eval(cache.keys, cache.values)
+    passes = CompiledPasses(lambda ids, layers: (model(ids, cache=layers)[0].astype(mx.float32), None))
+    toks = {k: [int(t) for t in mx.random.randint(0, model.args.vocab_size, (k,)).tolist()] for k in KS}
+
+    def step(k):
+        logits, _ = passes.run(toks[k], cache, row_exact=False)
+        cache.trim(k)
+        return [logits, *cache.keys, *cache.values]
+    return _interleaved(step, reps, rounds)
+
+
 def time_forward(model, context, reps, row_attention=False, rounds=1):
     """T(k) for k in KS: one forward of k tokens over ``context`` cached tokens (seconds).
 
@@ -218,11 +253,7 @@ def time_forward(model, context, reps, row_attention=False, rounds=1):
         for c in cache:
             c.trim(k)
         return out
-    samples = {k: [] for k in KS}
-    for r in range(rounds):
-        for k in (KS if r % 2 == 0 else KS[::-1]):
-            samples[k].append(_median_time(lambda k=k: step(k), reps, warmup=2 if r == 0 else 1))
-    return {k: statistics.median(v) for k, v in samples.items()}
+    return _interleaved(step, reps, rounds)
 
 
 def bench_model(name, model, args, tuned):
@@ -231,24 +262,31 @@ def bench_model(name, model, args, tuned):
     mx.random.seed(2)
     probe = mx.random.randint(0, model.args.vocab_size, (1, 6))
     ref_logits = model(probe).astype(mx.float32)
-    # (matmul path, mma split, attention): "row" = the row-attention kernel in every pass
-    paths = [("mlx", None, "mlx"), ("kernel", "default", "mlx")]
+    # (matmul path, mma split, attention, compiled): "row" = the row-attention kernel in every
+    # pass; compiled = the engine's compiled passes over a static cache
+    paths = [("mlx", None, "mlx", False), ("kernel", "default", "mlx", False)]
     if tuned:
-        paths.append(("kernel", "tuned", "mlx"))
+        paths.append(("kernel", "tuned", "mlx", False))
     if backend() == "cuda" and "row" in args.attention.split(","):
-        paths += [("mlx", None, "row"), ("kernel", "tuned" if tuned else "default", "row")]
-    for path, cfg, attention in paths:
+        paths += [("mlx", None, "row", False), ("kernel", "tuned" if tuned else "default", "row", False)]
+    if args.compiled:
+        paths += [("mlx", None, "mlx", True), ("kernel", "tuned" if tuned else "default", "mlx", True)]
+    for path, cfg, attention, compiled in paths:
         report = None
         saved = (dict(qmv._WK_OVERRIDE), dict(qmv._NTU_OVERRIDE))
         if cfg == "default":
             qmv.clear_mma_config()
         if path == "kernel":
             report = patch_model(model, "auto")
-        t = time_forward(model, args.context, args.reps, row_attention=attention == "row",
-                         rounds=args.rounds)
+        if compiled:
+            t = time_compiled_forward(model, args.context, args.reps, rounds=args.rounds)
+        else:
+            t = time_forward(model, args.context, args.reps, row_attention=attention == "row",
+                             rounds=args.rounds)
         label = path if cfg is None else f"{path}-{cfg}"
-        row = {"model": name, "path": label if attention == "mlx" else f"{label}+row-attention",
-               "attention": attention,
+        label = label if attention == "mlx" else f"{label}+row-attention"
+        row = {"model": name, "path": label + ("+compiled" if compiled else ""),
+               "attention": attention, "compiled": compiled,
                "weight_bytes": wbytes, "t_ms": {k: v * 1e3 for k, v in t.items()},
                "ratio": {k: t[k] / t[1] for k in KS},
                "bw_tbs": {k: wbytes / t[k] / 1e12 for k in KS}}
@@ -296,12 +334,15 @@ def main(argv=None):
     ap.add_argument("--tune", action="store_true")
     ap.add_argument("--attention", default="mlx,row",
                     help="comma-separated: 'mlx' (always timed) and 'row' (also the row-attention kernel, CUDA only)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="model parts: also time both matmul paths through the engine's compiled passes "
+                         "(mx.compile over a static KV cache, SPECSERVE_COMPILE=on)")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the harness)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     result = {"backend": backend(), "mlx": mx.__version__, "platform": platform.platform(),
               "dtype": args.dtype, "peak_bw_tbs": H200_BW / 1e12, "ks": KS, "reps": args.reps,
-              "rounds": args.rounds,
+              "rounds": args.rounds, "compiled": args.compiled,
               "context": args.context}
 
     def dump():
