@@ -11,7 +11,8 @@ Three parts, kernel vs ``mx.quantized_matmul`` in one run:
   (the cache is trimmed back after each pass). Attention is MLX's (batched), and on CUDA
   also the row-attention kernel in every pass (``--attention``), the engine's exact path.
   ``--compiled`` also times both matmul paths through the engine's compiled passes
-  (``mx.compile`` over a static KV cache: no Python graph build per pass).
+  (``mx.compile`` over a static KV cache: no Python graph build per pass; batched attention,
+  the engine's ``SPECSERVE_EXACT_VERIFY=batched``).
 - ``smollm``: random weights with the default model's exact config (SmolLM2-135M: hidden
   576, 30 layers, 9/3 heads, FFN 1536, vocab 49152, tied; 4-bit group 32, 8-bit embedding).
 
@@ -207,7 +208,9 @@ def time_compiled_forward(model, context, reps, rounds=1):
     one ``mx.compile`` trace per width, replayed). The Python forward is traced once per width,
     so a pass costs no graph build in Python, and MLX fuses the elementwise ops. Attention runs
     over the cache's whole capacity (``bucket(context + 16)`` positions) under a position mask,
-    as in the engine, batched (MLX's)."""
+    batched (MLX's attention, ``row_exact=False``): that is the engine's pass only with
+    ``SPECSERVE_EXACT_VERIFY=batched``; its default attends row by row in passes wider than the
+    calibrated batched width."""
     from engine.static_cache import CompiledPasses, StaticCache, bucket, kv_layout
     cache = StaticCache(*kv_layout(model), capacity=bucket(context + max(KS)))
     mx.random.seed(1)
@@ -336,7 +339,8 @@ def main(argv=None):
                     help="comma-separated: 'mlx' (always timed) and 'row' (also the row-attention kernel, CUDA only)")
     ap.add_argument("--compiled", action="store_true",
                     help="model parts: also time both matmul paths through the engine's compiled passes "
-                         "(mx.compile over a static KV cache, SPECSERVE_COMPILE=on)")
+                         "(mx.compile over a static KV cache, SPECSERVE_COMPILE=on) with batched attention, "
+                         "as the engine runs them with SPECSERVE_EXACT_VERIFY=batched")
     ap.add_argument("--smoke", action="store_true", help="tiny sizes (CPU check of the harness)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
