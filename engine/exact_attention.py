@@ -100,8 +100,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
     ``queries``: ``[B, H, L, D]``; ``keys``/``values``: ``[B, KV, S + L, D]`` (the cache's
     contents including the ``L`` new positions). With ``cache.row_exact`` and ``L > 1``, query
     ``i`` attends to ``keys[:, :, :S + i + 1]`` on its own (causal by construction). With a
-    static cache (``cache.static``; ``mask`` a bool array ``[L, capacity]``, keys the whole buffer) query ``i``
-    attends over the whole buffer with mask row ``i``.
+    static cache (``cache.static``; ``mask`` an additive array ``[L, capacity]``, keys the whole buffer)
+    query ``i`` attends over the whole buffer with mask row ``i`` (one-row calls: :func:`_static_row`).
     """
     if getattr(cache, "batched", False):
         return _batched_sdpa(queries, cache, scale, sinks)
@@ -112,17 +112,16 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         if out is not None:
             return out
     n = queries.shape[2]
+    static = getattr(cache, "static", False) and sinks is None
+    if static and n == 1:
+        return _static_row(queries, keys, values, scale, mask)
     if n == 1 or not getattr(cache, "row_exact", False) or sinks is not None:
         return _original_sdpa(queries, keys, values, cache, scale, mask, sinks)
-    if getattr(cache, "static", False):
+    if static:
         # Static cache (engine.static_cache): every row attends over the whole buffer under its
         # own mask row [1, capacity], the very call a one-row decode step makes.
-        rows = [
-            mx.fast.scaled_dot_product_attention(
-                queries[:, :, i : i + 1], keys, values, scale=scale, mask=mask[..., i : i + 1, :]
-            )
-            for i in range(n)
-        ]
+        rows = [_static_row(queries[:, :, i : i + 1], keys, values, scale, mask[..., i : i + 1, :])
+                for i in range(n)]
         return mx.concatenate(rows, axis=2)
     start = keys.shape[2] - n
     rows = [
@@ -135,6 +134,25 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         for i in range(n)
     ]
     return mx.concatenate(rows, axis=2)
+
+
+# One query row under an array mask (a static cache's decode row, or one row of a row-exact
+# verify): MLX-CUDA 0.32's one-row attention kernel takes no array mask, so such a call falls back
+# to unfused ops (H200, 32/8 heads of 128, 1024 keys: 80-87 us a call), while two rows take the
+# fused path (29 us). On CUDA the row is therefore attended as row 0 of a two-row call whose second
+# row is a copy; decode rows and row-exact verify rows make that same call, so they stay identical.
+PAD_ONE_ROW = hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
+def _static_row(query, keys, values, scale, mask):
+    """Attention of one query row ``[B, H, 1, D]`` over the whole static buffer under ``mask``
+    (``[1, capacity]``); see :data:`PAD_ONE_ROW`."""
+    if not PAD_ONE_ROW:
+        return mx.fast.scaled_dot_product_attention(query, keys, values, scale=scale, mask=mask)
+    two = mx.concatenate([query, query], axis=2)
+    out = mx.fast.scaled_dot_product_attention(two, keys, values, scale=scale,
+                                               mask=mx.concatenate([mask, mask], axis=-2))
+    return out[:, :, :1]
 
 
 def install(model) -> list[str]:

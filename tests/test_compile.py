@@ -93,6 +93,29 @@ def test_verify_rows_equal_one_row_decode_in_the_compiled_path(calibrated):
             assert _equal(runner.verify([t], cache)[0][0], rows[i]), (width, i)
 
 
+def test_padded_one_row_attention_keeps_decode_and_verify_rows_identical(tiny, monkeypatch):
+    """With ``PAD_ONE_ROW`` (CUDA's setting: a lone query row is attended as row 0 of a two-row
+    call, see engine/exact_attention.py), a one-row decode still agrees with the unpadded pass to
+    rounding, and after calibration every verify row equals a one-row decode bit for bit."""
+    from engine import exact_attention
+    cache_ids = _ids(60, 31)
+    plain = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)
+    ref = plain.verify(cache_ids[-1:], _prefilled(plain, cache_ids[:-1]))[0]
+    monkeypatch.setattr(exact_attention, "PAD_ONE_ROW", True)
+    runner = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)
+    padded = runner.verify(cache_ids[-1:], _prefilled(runner, cache_ids[:-1]))[0]
+    assert mx.allclose(padded, ref, rtol=1e-4, atol=1e-4).item()
+    cal = runner.calibrate(tiny.config["vocab_size"], max_rows=8, mode="batched", contexts=(40, 300))
+    assert cal.max_rows >= 4, cal.summary()
+    for seed, width in enumerate(sorted({2, cal.batched_rows + 1, cal.max_rows} - {1})):
+        cache = _prefilled(runner, _ids(40 + 31 * seed, 50 + seed))
+        block = _ids(width, 60 + seed)
+        rows = runner.verify(block, cache)[0]
+        runner.trim(cache, width)
+        for i, t in enumerate(block):
+            assert _equal(runner.verify([t], cache)[0][0], rows[i]), (width, i)
+
+
 def test_rollback_leaves_no_trace(runners):
     """Decode after a rejected 6-row verify equals decode on a cache that never saw it."""
     runner = runners[0]
