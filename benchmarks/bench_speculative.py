@@ -139,6 +139,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--exact-verify", default="auto", choices=["auto", "row", "batched", "kernel"],
                     help="SPECSERVE_EXACT_VERIFY")
     ap.add_argument("--fused", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_FUSED")
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_COMPILE")
     ap.add_argument("--methods", default="off,prompt_lookup",
                     help="comma-separated: off, prompt_lookup, dspark, auto (off first: the baseline)")
     ap.add_argument("--dspark-drafter", default=None,
@@ -158,7 +159,8 @@ def main(argv=None) -> dict:
     use_dspark = bool(args.dspark or args.dspark_drafter or {"dspark", "auto"} & set(methods))
     eng = Engine(EngineConfig(model=args.model, weights=args.weights, speculation="auto", dspark=use_dspark,
                               dspark_drafter=args.dspark_drafter, kernels=args.kernels,
-                              exact_verify=args.exact_verify, fused=args.fused)).start(wait=True)
+                              exact_verify=args.exact_verify, fused=args.fused,
+                              compile=args.compile)).start(wait=True)
     tok = eng.loaded.tokenizer
     if args.freeze_cost:
         eng.cost.alpha = 0.0  # T(k) frozen at its start-up values (no refresh, no rescale)

@@ -112,8 +112,8 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         if out is not None:
             return out
     n = queries.shape[2]
-    static = getattr(cache, "static", False) and sinks is None
-    if static and n == 1:
+    static = getattr(cache, "static", False) and sinks is None and isinstance(mask, mx.array)
+    if static and n == 1:  # (a prefill chunk through the static cache has no array mask)
         return _static_row(queries, keys, values, scale, mask)
     if n == 1 or not getattr(cache, "row_exact", False) or sinks is not None:
         return _original_sdpa(queries, keys, values, cache, scale, mask, sinks)

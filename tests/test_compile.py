@@ -105,6 +105,10 @@ def test_padded_one_row_attention_keeps_decode_and_verify_rows_identical(tiny, m
     runner = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)
     padded = runner.verify(cache_ids[-1:], _prefilled(runner, cache_ids[:-1]))[0]
     assert mx.allclose(padded, ref, rtol=1e-4, atol=1e-4).item()
+    # a one-token prefill chunk through the static cache (no array mask) is not padded
+    short = runner.verify(cache_ids[1:2], _prefilled(runner, cache_ids[:1]))[0]
+    short_ref = plain.verify(cache_ids[1:2], _prefilled(plain, cache_ids[:1]))[0]
+    assert mx.allclose(short, short_ref, rtol=1e-4, atol=1e-4).item()
     cal = runner.calibrate(tiny.config["vocab_size"], max_rows=8, mode="batched", contexts=(40, 300))
     assert cal.max_rows >= 4, cal.summary()
     for seed, width in enumerate(sorted({2, cal.batched_rows + 1, cal.max_rows} - {1})):
