@@ -85,12 +85,18 @@ def test_verify_rows_equal_one_row_decode_in_the_compiled_path(calibrated):
     # same widths as the eager path on this machine (OpenBLAS bounds both); both modes in use
     assert cal.max_rows > cal.batched_rows >= 1 and cal.max_rows >= 4, cal.summary()
     for seed, width in enumerate((2, cal.batched_rows, cal.batched_rows + 1, cal.max_rows)):
-        cache = _prefilled(runner, _ids(40 + 31 * seed, 10 + seed))
-        block = _ids(width, 20 + seed)
-        rows = runner.verify(block, cache)[0]
-        runner.trim(cache, width)
-        for i, t in enumerate(block):
-            assert _equal(runner.verify([t], cache)[0][0], rows[i]), (width, i)
+        _assert_verify_rows_equal_decodes(runner, width, seed, 10 + seed, 20 + seed)
+
+
+def _assert_verify_rows_equal_decodes(runner, width, seed, prompt_seed, block_seed):
+    """A ``width``-row verify after a prompt of ``40 + 31 * seed`` tokens, then each of its
+    tokens as a one-row decode at the same position: bit-identical logits row by row."""
+    cache = _prefilled(runner, _ids(40 + 31 * seed, prompt_seed))
+    block = _ids(width, block_seed)
+    rows = runner.verify(block, cache)[0]
+    runner.trim(cache, width)
+    for i, t in enumerate(block):
+        assert _equal(runner.verify([t], cache)[0][0], rows[i]), (width, i)
 
 
 def test_padded_one_row_attention_keeps_decode_and_verify_rows_identical(tiny, monkeypatch):
@@ -112,12 +118,7 @@ def test_padded_one_row_attention_keeps_decode_and_verify_rows_identical(tiny, m
     cal = runner.calibrate(tiny.config["vocab_size"], max_rows=8, mode="batched", contexts=(40, 300))
     assert cal.max_rows >= 4, cal.summary()
     for seed, width in enumerate(sorted({2, cal.batched_rows + 1, cal.max_rows} - {1})):
-        cache = _prefilled(runner, _ids(40 + 31 * seed, 50 + seed))
-        block = _ids(width, 60 + seed)
-        rows = runner.verify(block, cache)[0]
-        runner.trim(cache, width)
-        for i, t in enumerate(block):
-            assert _equal(runner.verify([t], cache)[0][0], rows[i]), (width, i)
+        _assert_verify_rows_equal_decodes(runner, width, seed, 50 + seed, 60 + seed)
 
 
 def test_rollback_leaves_no_trace(runners):

@@ -19,22 +19,10 @@ Each figure is the median over --reps of a graph of --calls independent calls, p
 
 import argparse
 import json
-import statistics
-import time
 
 import mlx.core as mx
 
-
-def timed(fn, calls: int, reps: int) -> float:
-    mx.eval([fn() for _ in range(calls)])
-    ts = []
-    for _ in range(reps):
-        mx.synchronize()
-        t0 = time.perf_counter()
-        mx.eval([fn() for _ in range(calls)])
-        mx.synchronize()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) / calls * 1e6
+from benchmarks.gpu.attention_cost import timed
 
 
 def measure(rows: int, context: int, capacity: int, heads=32, kv_heads=8, dim=128, dtype=mx.bfloat16,
