@@ -112,8 +112,12 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
         if out is not None:
             return out
     n = queries.shape[2]
-    static = getattr(cache, "static", False) and sinks is None and isinstance(mask, mx.array)
-    if static and n == 1:  # (a prefill chunk through the static cache has no array mask)
+    # a compiled pass over the static cache (its write position is an array; prefill chunks
+    # through the same cache have an int position and mlx-lm's own mask, and stay below)
+    static = getattr(cache, "static", False) and not isinstance(cache.offset, int) and sinks is None
+    if static and not isinstance(mask, mx.array):
+        raise ValueError(f"a compiled pass over the static KV cache needs its array mask, got {mask!r}")
+    if static and n == 1:
         return _static_row(queries, keys, values, scale, mask)
     if n == 1 or not getattr(cache, "row_exact", False) or sinks is not None:
         return _original_sdpa(queries, keys, values, cache, scale, mask, sinks)
@@ -138,16 +142,21 @@ def scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sink
 
 # One query row under an array mask (a static cache's decode row, or one row of a row-exact
 # verify): MLX-CUDA 0.32's one-row attention kernel takes no array mask, so such a call falls back
-# to unfused ops (H200, 32/8 heads of 128, 1024 keys: 80-87 us a call), while two rows take the
-# fused path (29 us). On CUDA the row is therefore attended as row 0 of a two-row call whose second
-# row is a copy; decode rows and row-exact verify rows make that same call, so they stay identical.
+# to unfused ops (H200, bf16, 32/8 heads of 128, 1024 keys: 80-87 us a call), while two rows take
+# the fused path (29 us). On CUDA the row is therefore attended as row 0 of a two-row call whose
+# second row is a copy; decode rows and row-exact verify rows make that same call, so they stay
+# identical. Only where the fused path takes masked rows (cuDNN: half-precision activations, head
+# dim a multiple of 8 up to 128); elsewhere both forms fall back, and padding would only move the
+# fp32 scores from a one-row product to a matrix product. Fixed per model, like the call itself.
 PAD_ONE_ROW = hasattr(mx, "cuda") and mx.cuda.is_available()
+PAD_DTYPES = (mx.float16, mx.bfloat16)
 
 
 def _static_row(query, keys, values, scale, mask):
     """Attention of one query row ``[B, H, 1, D]`` over the whole static buffer under ``mask``
     (``[1, capacity]``); see :data:`PAD_ONE_ROW`."""
-    if not PAD_ONE_ROW:
+    head_dim = query.shape[-1]
+    if not (PAD_ONE_ROW and query.dtype in PAD_DTYPES and head_dim % 8 == 0 and head_dim <= 128):
         return mx.fast.scaled_dot_product_attention(query, keys, values, scale=scale, mask=mask)
     two = mx.concatenate([query, query], axis=2)
     out = mx.fast.scaled_dot_product_attention(two, keys, values, scale=scale,

@@ -102,21 +102,32 @@ def _assert_verify_rows_equal_decodes(runner, width, seed, prompt_seed, block_se
 def test_padded_one_row_attention_keeps_decode_and_verify_rows_identical(tiny, monkeypatch):
     """With ``PAD_ONE_ROW`` (CUDA's setting: a lone query row is attended as row 0 of a two-row
     call, see engine/exact_attention.py), a one-row decode still agrees with the unpadded pass to
-    rounding, and after calibration every verify row equals a one-row decode bit for bit."""
+    rounding, and after calibration every verify row equals a one-row decode bit for bit.
+
+    On this CPU a one-row and a two-row attention call give the same bits, so MLX's attention is
+    wrapped to add ``1e-3 x (query rows)``: a decode row and a verify row then agree only where
+    they make the same call (a padded decode against an unpadded row-exact loop, or the reverse,
+    leaves calibration 2 exact rows at most)."""
     from engine import exact_attention
     cache_ids = _ids(60, 31)
     plain = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)
     ref = plain.verify(cache_ids[-1:], _prefilled(plain, cache_ids[:-1]))[0]
+    short_ref = plain.verify(cache_ids[1:2], _prefilled(plain, cache_ids[:1]))[0]
     monkeypatch.setattr(exact_attention, "PAD_ONE_ROW", True)
+    monkeypatch.setattr(exact_attention, "PAD_DTYPES", (mx.float32,))
     runner = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)
     padded = runner.verify(cache_ids[-1:], _prefilled(runner, cache_ids[:-1]))[0]
     assert mx.allclose(padded, ref, rtol=1e-4, atol=1e-4).item()
-    # a one-token prefill chunk through the static cache (no array mask) is not padded
+    # a one-token prefill chunk through the static cache (mlx-lm's mask, no array) is not padded
     short = runner.verify(cache_ids[1:2], _prefilled(runner, cache_ids[:1]))[0]
-    short_ref = plain.verify(cache_ids[1:2], _prefilled(plain, cache_ids[:1]))[0]
     assert mx.allclose(short, short_ref, rtol=1e-4, atol=1e-4).item()
+
+    sdpa = mx.fast.scaled_dot_product_attention
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: sdpa(q, k, v, **kw) + 1e-3 * q.shape[2])
+    runner = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)
     cal = runner.calibrate(tiny.config["vocab_size"], max_rows=8, mode="batched", contexts=(40, 300))
-    assert cal.max_rows >= 4, cal.summary()
+    assert cal.max_rows >= 4 and cal.batched_rows <= 2, cal.summary()
     for seed, width in enumerate(sorted({2, cal.batched_rows + 1, cal.max_rows} - {1})):
         _assert_verify_rows_equal_decodes(runner, width, seed, 50 + seed, 60 + seed)
 
