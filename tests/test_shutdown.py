@@ -65,8 +65,22 @@ def _wait(pred, timeout=30.0):
         time.sleep(0.02)
 
 
-def test_sigterm_refuses_new_work_finishes_or_aborts_in_flight_and_exits_zero(model_dir, tmp_path):
-    srv = Proc(model_dir, tmp_path / "server.log", "--max-active", "1", "--shutdown-timeout", "2.5")
+@pytest.fixture(scope="module")
+def long_model_dir(tmp_path_factory):
+    """The tiny model with a 32k context, so a request can outlast any shutdown deadline."""
+    return write_tiny_mlx_dir(tmp_path_factory.mktemp("models") / "tiny-llama-32k", context=32768)
+
+
+# The running request (400 tokens: ~1.8 s on an idle 2-vCPU runner, several times that beside
+# another test worker) must finish inside the deadline, and the queued ones (30,000 tokens each,
+# minutes) must not: the margins do not depend on the machine's speed. A 2.5 s deadline once cut
+# the running request on a loaded CI runner.
+DEADLINE = 8.0
+
+
+def test_sigterm_refuses_new_work_finishes_or_aborts_in_flight_and_exits_zero(long_model_dir, tmp_path):
+    srv = Proc(long_model_dir, tmp_path / "server.log", "--max-active", "1",
+               "--shutdown-timeout", str(DEADLINE))
     try:
         url = srv.url + "/v1/completions"
         results = {}
@@ -77,7 +91,7 @@ def test_sigterm_refuses_new_work_finishes_or_aborts_in_flight_and_exits_zero(mo
 
         def long(i):  # queued behind it; must be cut at the deadline with a clear error
             results[i] = httpx.post(url, timeout=60, json={
-                "prompt": "cd", "max_tokens": 1900, "ignore_eos": True, "stream": True,
+                "prompt": "cd", "max_tokens": 30000, "ignore_eos": True, "stream": True,
                 "speculative": {"method": "off"}})
 
         threads = [threading.Thread(target=short)]
@@ -98,7 +112,7 @@ def test_sigterm_refuses_new_work_finishes_or_aborts_in_flight_and_exits_zero(mo
         code = srv.proc.wait(60)
         elapsed = time.time() - sent
         assert code == 0, srv.output()
-        assert 2.5 <= elapsed < 20, elapsed
+        assert DEADLINE <= elapsed < DEADLINE + 20, elapsed
         ok = results["short"].json()
         assert results["short"].status_code == 200 and ok["usage"]["completion_tokens"] == 400
         for i in range(2):
