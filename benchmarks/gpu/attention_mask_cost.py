@@ -3,7 +3,7 @@
 A compiled pass over ``engine.static_cache.StaticCache`` attends over the whole buffer
 (``capacity`` keys) under a mask built from the write position, where an eager pass attends over
 exactly the filled keys with no mask. This times ``mx.fast.scaled_dot_product_attention`` for
-``L`` query rows (8B Llama shapes: 32 query heads, 8 KV heads of 128, bfloat16) four ways:
+``L`` query rows (8B Llama shapes: 32 query heads, 8 KV heads of 128, bfloat16) five ways:
 
 - ``bool_cap``: bool mask ``[L, capacity]`` over the whole buffer (the static cache before the
   twentieth session);
