@@ -10,12 +10,17 @@ order (fixed per shape, for every M); NT and U do not.
     PYTHONPATH=$PWD python benchmarks/gpu/mma_sweep.py --out mma_sweep.json
 
 Wall time on MLX-CUDA is bound by the host's cost per custom-kernel call (~18 us), so device
-time comes from Nsight Compute: ``--ncu`` launches every configuration twice at M = 1 (and the
-default at M = 16) in a printed order, and ``--parse CSV`` pairs ncu's CSV with that order:
+time comes from Nsight Compute: ``--ncu`` launches MLX's path, the default plan and every
+configuration (``--wk/--nt/--u`` narrow the sweep) twice at each of ``--rows`` in a printed
+order, and ``--parse CSV`` pairs ncu's CSV with that order:
 
     ncu --clock-control none --kernel-name regex:"qmv|qmm|specserve" --metrics gpu__time_duration.sum \
         --csv --log-file ncu.csv python benchmarks/gpu/mma_sweep.py --ncu > order.txt
     PYTHONPATH=$PWD python benchmarks/gpu/mma_sweep.py --parse ncu.csv --order order.txt --out mma_ncu.json
+
+``--floor`` sums a float32 array of each shape's weight bytes twice (``mx.sum``, MLX's tuned
+reduction): under ``ncu --kernel-name regex:all_reduce`` that is what reading the same bytes costs
+a kernel that does nothing else, and its second stage (a ~10 KB read) the fixed cost of a launch.
 """
 
 from __future__ import annotations
@@ -39,27 +44,28 @@ def time_us(sets, m, k, gs, dtype, kernels, reps):
     return _median_time(fn, reps) / len(sets) * 1e6
 
 
-def _configs(n, k, gs, dtype, mb=None):
+def _configs(n, k, gs, dtype, mb=None, wks=(1, 2, 4, 8, 16), nts=(1, 2, 4), us=(1, 2, 4)):
     """(WK, NT, U) the kernel can take for this shape (and that fit at row bucket ``mb``)."""
     p1 = plan(1, n, k, 4, gs, dtype)
     nchunks = k // (4 * p1.const("VW") * 32 // 4)
-    for wk, nt, u in itertools.product((1, 2, 4, 8, 16), (1, 2, 4), (1, 2, 4)):
+    for wk, nt, u in itertools.product(wks, nts, us):
         if wk <= nchunks and not n % (16 * nt) and (mb is None or qmv.mma_config_fits(nt, u, mb, wk)):
             yield wk, nt, u
 
 
-def ncu_run(dtype):
+def ncu_run(dtype, wks, nts, us, rows):
     """Two launches per case (ncu flushes L2 between kernels); prints the case order."""
     order = []
     for n, k, gs in SHAPES:
         w = _weight_sets(n, k, 4, gs, dtype, 1)[0]
-        cases = [("mlx", 1, None), ("default", 1, None), ("mlx", 16, None), ("default", 16, None)]
-        cases += [("config", 1, c) for c in _configs(n, k, gs, dtype, mb=8)]
+        cases = [(path, m, None) for m in rows for path in ("mlx", "default")]
+        cases += [("config", m, c) for m in rows
+                  for c in _configs(n, k, gs, dtype, 8 if m <= 8 else 16, wks, nts, us)]
         for path, m, cfg in cases:
             x = mx.random.normal((m, k)).astype(dtype)
             mx.eval(x)
             if cfg:
-                qmv.set_mma_config(n, k, 4, wk=cfg[0], nt_u={8: cfg[1:]})
+                qmv.set_mma_config(n, k, 4, wk=cfg[0], nt_u={8 if m <= 8 else 16: cfg[1:]})
             for _ in range(2):
                 mx.eval(quantized_matmul(x, *w, gs, 4, kernels="off" if path == "mlx" else "auto"))
             mx.synchronize()
@@ -67,6 +73,18 @@ def ncu_run(dtype):
             order.append({"shape": f"{n}x{k}", "group_size": gs, "weight_bytes": _nbytes(*w), "path": path,
                           "m": m, "config": cfg})
     print("NCU_ORDER " + json.dumps(order), flush=True)
+
+
+def floor_run():
+    """``mx.sum`` over float32 arrays of each shape's packed weight + scale + bias bytes, twice."""
+    for n, k, gs in SHAPES:
+        nbytes = n * k // 2 + 2 * (n * (k // gs)) * 2
+        a = mx.random.uniform(shape=(nbytes // 4,))
+        mx.eval(a)
+        for _ in range(2):
+            mx.eval(mx.sum(a))
+        mx.synchronize()
+        print(f"FLOOR {n}x{k} {nbytes} bytes", flush=True)
 
 
 def parse(csv_path, order_path, out):
@@ -85,26 +103,36 @@ def parse(csv_path, order_path, out):
     json.dump(order, open(out, "w"), indent=1)
     for shape in dict.fromkeys(c["shape"] for c in order):
         cs = [c for c in order if c["shape"] == shape]
-        mlx1 = next(c for c in cs if c["path"] == "mlx" and c["m"] == 1)
-        best = min((c for c in cs if c["m"] == 1 and c["path"] != "mlx"), key=lambda c: c["us"])
-        line = "  ".join(f"{c['path']}{'' if c['config'] is None else c['config']} M={c['m']} {c['us']:.1f}"
-                         for c in cs if c["config"] is None)
-        print(f"{shape}: {line}; best M=1 {best['path']} {best['config']} {best['us']:.1f} us "
-              f"({best['tbs']:.2f} TB/s, {mlx1['us'] / best['us']:.2f}x MLX)")
+        for m in sorted({c["m"] for c in cs}):
+            at = [c for c in cs if c["m"] == m]
+            mlx = next((c for c in at if c["path"] == "mlx"), None)
+            default = next((c for c in at if c["path"] == "default"), None)
+            best = min((c for c in at if c["path"] != "mlx"), key=lambda c: c["us"])
+            print(f"{shape} M={m}: mlx {mlx and round(mlx['us'], 2)} default {default and round(default['us'], 2)}"
+                  f"; best {best['path']} {best['config']} {best['us']:.2f} us ({best['tbs']:.2f} TB/s"
+                  + (f", {mlx['us'] / best['us']:.2f}x MLX)" if mlx else ")"))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ncu", action="store_true")
+    ap.add_argument("--floor", action="store_true", help="sum arrays of each shape's bytes (run under ncu)")
     ap.add_argument("--parse", default=None)
     ap.add_argument("--order", default=None)
     ap.add_argument("--out", default="mma_sweep.json")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dtype", default="bfloat16")
+    ints = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
+    ap.add_argument("--wk", type=ints, default=(1, 2, 4, 8, 16), help="--ncu: warps splitting K to sweep")
+    ap.add_argument("--nt", type=ints, default=(1, 2, 4), help="--ncu: 16-row tiles per warp to sweep")
+    ap.add_argument("--u", type=ints, default=(1, 2, 4), help="--ncu: chunks in flight to sweep")
+    ap.add_argument("--rows", type=ints, default=(1,), help="--ncu: row counts timed for every case")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
+    if args.floor:
+        return floor_run()
     if args.ncu:
-        return ncu_run(dtype)
+        return ncu_run(dtype, args.wk, args.nt, args.u, args.rows)
     if args.parse:
         return parse(args.parse, args.order, args.out)
     rows = []
