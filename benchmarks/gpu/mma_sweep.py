@@ -75,10 +75,11 @@ def ncu_run(dtype, wks, nts, us, rows):
     print("NCU_ORDER " + json.dumps(order), flush=True)
 
 
-def floor_run():
-    """``mx.sum`` over float32 arrays of each shape's packed weight + scale + bias bytes, twice."""
+def floor_run(dtype):
+    """``mx.sum`` over float32 arrays of each shape's packed weight + scale + bias bytes (scales
+    and biases in ``dtype``, as the sweep builds them), twice."""
     for n, k, gs in SHAPES:
-        nbytes = n * k // 2 + 2 * (n * (k // gs)) * 2
+        nbytes = _nbytes(*_weight_sets(n, k, 4, gs, dtype, 1)[0])
         a = mx.random.uniform(shape=(nbytes // 4,))
         mx.eval(a)
         for _ in range(2):
@@ -113,6 +114,20 @@ def parse(csv_path, order_path, out):
                   + (f", {mlx['us'] / best['us']:.2f}x MLX)" if mlx else ")"))
 
 
+def _choices(*allowed):
+    """argparse type: comma-separated integers, each one of ``allowed``."""
+    def parse_list(text):
+        try:
+            values = tuple(int(v) for v in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
+        bad = [v for v in values if v not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
+        return values
+    return parse_list
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ncu", action="store_true")
@@ -122,15 +137,19 @@ def main():
     ap.add_argument("--out", default="mma_sweep.json")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--dtype", default="bfloat16")
-    ints = lambda s: tuple(int(v) for v in s.split(","))  # noqa: E731
-    ap.add_argument("--wk", type=ints, default=(1, 2, 4, 8, 16), help="--ncu: warps splitting K to sweep")
-    ap.add_argument("--nt", type=ints, default=(1, 2, 4), help="--ncu: 16-row tiles per warp to sweep")
-    ap.add_argument("--u", type=ints, default=(1, 2, 4), help="--ncu: chunks in flight to sweep")
-    ap.add_argument("--rows", type=ints, default=(1,), help="--ncu: row counts timed for every case")
+    ap.add_argument("--wk", type=_choices(1, 2, 4, 8, 16), default=(1, 2, 4, 8, 16),
+                    help="--ncu: warps splitting K to sweep (comma-separated, from 1,2,4,8,16)")
+    ap.add_argument("--nt", type=_choices(1, 2, 4), default=(1, 2, 4),
+                    help="--ncu: 16-row tiles per warp to sweep (from 1,2,4)")
+    ap.add_argument("--u", type=_choices(1, 2, 4), default=(1, 2, 4), help="--ncu: chunks in flight to sweep (from 1,2,4)")
+    ap.add_argument("--rows", type=_choices(*range(1, 17)), default=(1,),
+                    help="--ncu: row counts timed for every case (1..16)")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
+    if sum((args.floor, args.ncu, args.parse is not None)) > 1:
+        ap.error("--floor, --ncu and --parse are separate runs: give one")
     if args.floor:
-        return floor_run()
+        return floor_run(dtype)
     if args.ncu:
         return ncu_run(dtype, args.wk, args.nt, args.u, args.rows)
     if args.parse:
