@@ -38,8 +38,11 @@ $(VENV)/.installed-serve: pyproject.toml
 
 setup: $(VENV)/.installed-$(EXTRAS)
 
+# make serve PORT=8123 (or SPECSERVE_PORT / SPECSERVE_HOST in the environment)
+HOST ?= $(or $(SPECSERVE_HOST),127.0.0.1)
+PORT ?= $(or $(SPECSERVE_PORT),8000)
 serve: $(VENV)/.installed-serve
-	$(VENV)/bin/specserve --host 127.0.0.1 --port 8000
+	$(VENV)/bin/specserve --host $(HOST) --port $(PORT)
 
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check server engine drafters metal_kernels benchmarks tests
