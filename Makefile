@@ -38,9 +38,10 @@ $(VENV)/.installed-serve: pyproject.toml
 
 setup: $(VENV)/.installed-$(EXTRAS)
 
-# make serve PORT=8123 (or SPECSERVE_PORT / SPECSERVE_HOST in the environment)
-HOST ?= $(or $(SPECSERVE_HOST),127.0.0.1)
-PORT ?= $(or $(SPECSERVE_PORT),8000)
+# make serve PORT=8123 (or SPECSERVE_PORT / SPECSERVE_HOST in the environment). Plain `=`, not
+# `?=`: a HOST or PORT the shell or a container exports for its own ends does not reach here.
+HOST = $(or $(SPECSERVE_HOST),127.0.0.1)
+PORT = $(or $(SPECSERVE_PORT),8000)
 serve: $(VENV)/.installed-serve
 	$(VENV)/bin/specserve --host $(HOST) --port $(PORT)
 

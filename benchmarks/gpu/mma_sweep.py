@@ -18,9 +18,10 @@ order, and ``--parse CSV`` pairs ncu's CSV with that order:
         --csv --log-file ncu.csv python benchmarks/gpu/mma_sweep.py --ncu > order.txt
     PYTHONPATH=$PWD python benchmarks/gpu/mma_sweep.py --parse ncu.csv --order order.txt --out mma_ncu.json
 
-``--floor`` sums a float32 array of each shape's weight bytes twice (``mx.sum``, MLX's tuned
-reduction): under ``ncu --kernel-name regex:all_reduce`` that is what reading the same bytes costs
-a kernel that does nothing else, and its second stage (a ~10 KB read) the fixed cost of a launch.
+``--floor`` sums a float32 array of each shape's weight bytes twice (``mx.sum``): under
+``ncu --kernel-name regex:all_reduce`` that is how long MLX's tuned reduction takes to read the
+same bytes (a reference, not a bound on what a kernel can reach), and its second stage (a ~10 KB
+read) what one small launch costs.
 """
 
 from __future__ import annotations
