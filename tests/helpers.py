@@ -18,6 +18,20 @@ def run(engine, prompt_tokens, method="off", max_tokens=32, temperature=0.0, see
     return ids, "".join(e.text for e in events), events[-1]
 
 
+def pin_cost(engine, row_share: float = 0.05) -> None:
+    """Replace ``engine``'s measured cost curve by a fixed one, ``T(k) = 1 ms (1 + row_share (k - 1))``
+    up to the exact verify width calibration found, with no context term and no online refresh.
+
+    How much the scheduler drafts then depends on the outputs alone, not on how fast the machine
+    timed the widths at start-up: CI's 2-core runner, loaded by another test worker, once timed a
+    curve so steep that a compiled engine drafted nothing in 30 requests."""
+    cost = engine.cost
+    assert cost.max_rows > 1, engine.calibration
+    cost.reset([1e-3 * (1 + row_share * k) for k in range(cost.max_rows)])
+    cost.context_slope = cost.context_row_slope = 0.0
+    cost.alpha = 0.0
+
+
 def generate_all(engine, requests, workers: int = 8) -> list[list]:
     """Each request's events, the requests run ``workers`` at a time (the engine batches
     them); the order of the result is the order of ``requests``. For the statistical tests'
