@@ -127,6 +127,18 @@ def test_reduction_order_does_not_depend_on_rows(n, k, bits):
     assert all(p.const("MB") >= m for m, p in enumerate(simd, 1))
 
 
+def test_one_row_plan_over_long_k_takes_one_tile_per_warp():
+    """One row over K >= 4096 and N <= 16384 gets twice the blocks (NT = 1, faster on the H200
+    at 14336x4096); more rows keep two tiles per warp; the K split, hence every row's bits, is
+    the same."""
+    plans = [plan(m, 14336, 4096, 4, 64, mx.bfloat16, "cuda") for m in (1, 2, 8, 16)]
+    assert [p.const("NT") for p in plans] == [1, 2, 2, 2]
+    assert len({p.k_split for p in plans}) == 1
+    assert plans[0].grid[0] == 2 * plans[1].grid[0]
+    assert plan(1, 49152, 576, 8, 32, mx.bfloat16, "cuda").const("NT") == 2  # short K: unchanged
+    assert plan(1, 28672, 4096, 4, 64, mx.bfloat16, "cuda").const("NT") == 2  # (not timed at NT = 1)
+
+
 def test_set_mma_config_keeps_split_shared_across_rows():
     try:
         qmv.set_mma_config(256, 1024, 4, wk=2, nt_u={8: (2, 1), 16: (1, 2)})
@@ -515,6 +527,21 @@ def test_tiles_and_prefetch_do_not_change_bits():
         qmv.clear_mma_config()
     for o in outs[1:]:
         assert all(mx.array_equal(a, c).item() for a, c in zip(outs[0], o))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_one_row_split_equals_rows_of_wider_calls_at_8b_width():
+    """14336x4096: one row launches one tile per warp, 2..16 rows two (NT 1 against 2); row 0
+    of every wider call equals the one-row call bit for bit."""
+    n, k, gs = 14336, 4096, 64
+    for dt in (mx.float16, mx.bfloat16):
+        wq, s, b = _quantized(n, k, gs, 4, dt, seed=11)
+        x = mx.random.normal((16, k)).astype(dt)
+        one = quantized_matmul(x[:1], wq, s, b, group_size=gs, bits=4)
+        for m in (2, 8, 16):
+            wide = quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=4)
+            assert mx.array_equal(wide[:1], one).item(), (dt, m)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

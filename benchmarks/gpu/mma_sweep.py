@@ -54,10 +54,10 @@ def _configs(n, k, gs, dtype, mb=None, wks=(1, 2, 4, 8, 16), nts=(1, 2, 4), us=(
             yield wk, nt, u
 
 
-def ncu_run(dtype, wks, nts, us, rows):
+def ncu_run(dtype, wks, nts, us, rows, shapes=SHAPES):
     """Two launches per case (ncu flushes L2 between kernels); prints the case order."""
     order = []
-    for n, k, gs in SHAPES:
+    for n, k, gs in shapes:
         w = _weight_sets(n, k, 4, gs, dtype, 1)[0]
         cases = [(path, m, None) for m in rows for path in ("mlx", "default")]
         cases += [("config", m, c) for m in rows
@@ -76,10 +76,10 @@ def ncu_run(dtype, wks, nts, us, rows):
     print("NCU_ORDER " + json.dumps(order), flush=True)
 
 
-def floor_run(dtype):
+def floor_run(dtype, shapes=SHAPES):
     """``mx.sum`` over float32 arrays of each shape's packed weight + scale + bias bytes (scales
     and biases in ``dtype``, as the sweep builds them), twice."""
-    for n, k, gs in SHAPES:
+    for n, k, gs in shapes:
         nbytes = _nbytes(*_weight_sets(n, k, 4, gs, dtype, 1)[0])
         a = mx.random.uniform(shape=(nbytes // 4,))
         mx.eval(a)
@@ -129,6 +129,21 @@ def _choices(*allowed):
     return parse_list
 
 
+def _shapes(text):
+    """argparse type: ``NxK:GROUP`` items, comma-separated (e.g. ``28672x4096:64``)."""
+    out = []
+    for item in text.split(","):
+        try:
+            nk, gs = item.split(":")
+            n, k = (int(v) for v in nk.lower().split("x"))
+            out.append((n, k, int(gs)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected NxK:GROUP, e.g. 4096x4096:64") from None
+        if n % 16 or k % int(gs) or int(gs) not in (32, 64, 128):
+            raise argparse.ArgumentTypeError(f"{item!r}: N must be a multiple of 16, K of the group (32/64/128)")
+    return tuple(out)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ncu", action="store_true")
@@ -145,18 +160,20 @@ def main():
     ap.add_argument("--u", type=_choices(1, 2, 4), default=(1, 2, 4), help="--ncu: chunks in flight to sweep (from 1,2,4)")
     ap.add_argument("--rows", type=_choices(*range(1, 17)), default=(1,),
                     help="--ncu: row counts timed for every case (1..16)")
+    ap.add_argument("--shapes", type=_shapes, default=SHAPES,
+                    help="weight shapes NxK:GROUP, comma-separated (default: the four of SHAPES)")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
     if sum((args.floor, args.ncu, args.parse is not None)) > 1:
         ap.error("--floor, --ncu and --parse are separate runs: give one")
     if args.floor:
-        return floor_run(dtype)
+        return floor_run(dtype, args.shapes)
     if args.ncu:
-        return ncu_run(dtype, args.wk, args.nt, args.u, args.rows)
+        return ncu_run(dtype, args.wk, args.nt, args.u, args.rows, args.shapes)
     if args.parse:
         return parse(args.parse, args.order, args.out)
     rows = []
-    for n, k, gs in SHAPES:
+    for n, k, gs in args.shapes:
         count = max(2, min(64, -(-256_000_000 // (n * k // 2))))
         sets = _weight_sets(n, k, 4, gs, dtype, count)
         nbytes = _nbytes(*sets[0])
