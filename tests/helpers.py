@@ -32,6 +32,32 @@ def pin_cost(engine, row_share: float = 0.05) -> None:
     cost.alpha = 0.0
 
 
+def pass_logits(engine, prompt: list[int], tails: list[list[int]]) -> list:
+    """For each tail, the float32 logits ``[1 + len(tail), V]`` of a verify pass over
+    ``[prompt[-1], *tail]`` after ``prompt[:-1]``, computed by the engine's own target passes (its
+    fused pass, where it has one, and its calibrated attention mode), so they are the rows the
+    engine samples from, bit for bit: a row depends on its own tokens only, however the prompt was
+    chunked or batched. Call it while the engine is idle (before or between requests)."""
+    import mlx.core as mx
+
+    from engine.runner import TargetRunner
+
+    ref = engine.runner
+    runner = TargetRunner(engine.loaded.model, fused=ref.fused)
+    runner.row_exact_attention, runner.batched_rows = ref.row_exact_attention, ref.batched_rows
+    cache = runner.make_cache()
+    runner.prefill(prompt[:-1], cache, logits=False)
+    mx.eval(runner.cache_arrays(cache))
+    out = []
+    for tail in tails:
+        rows = [prompt[-1], *tail]
+        logits = runner.verify(rows, cache)[0]
+        mx.eval(logits)
+        out.append(logits)
+        runner.trim(cache, len(rows))
+    return out
+
+
 def generate_all(engine, requests, workers: int = 8) -> list[list]:
     """Each request's events, the requests run ``workers`` at a time (the engine batches
     them); the order of the result is the order of ``requests``. For the statistical tests'
