@@ -320,12 +320,33 @@ def test_a_forked_child_starts_its_own_threads():
     pytest.fail("the forked child's pass did not finish (its workers were never started)")
 
 
+@pytest.fixture(scope="module")
+def alt_build(tmp_path_factory):
+    """``build(flag)``: the fused pass's library compiled with one more flag, once per flag and
+    test worker (each build takes 20-45 s of a CI core; the parameters below share them)."""
+    import os
+    import subprocess
+
+    built = {}
+
+    def build(flag):
+        if flag not in built:
+            path = tmp_path_factory.mktemp("alt") / "alt.so"
+            cc = os.environ.get("CC") or "cc"
+            subprocess.run([cc, *fused_cpu._CFLAGS, flag, "-o", str(path), str(fused_cpu._SOURCE), "-lm"],
+                           check=True, capture_output=True)
+            built[flag] = path
+        return built[flag]
+
+    return build
+
+
 @pytest.mark.parametrize("flag,activations,group_size,bits,head_dim", [
     ("-mno-avx512f", "q16", 32, 4, 64), ("-mno-avx512f", "q8", 32, 4, 64), ("-mno-avx512f", "float32", 32, 4, 64),
     ("-mno-avx512f", "q16", 32, 8, 64),
     ("-mno-avx2", "q16", 32, 4, 64), ("-mno-avx2", "q8", 64, 4, 64), ("-mno-avx2", "float32", 32, 4, 64),
     ("-mno-avx2", "q16", 32, 8, 64), ("-mno-avx2", "q16", 32, 4, 80)])
-def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations, group_size, bits, head_dim):
+def test_builds_for_other_cpus_compute_the_same_bits(alt_build, flag, activations, group_size, bits, head_dim):
     """A build without AVX-512 (4 rows per weight read, 8 with integer activations, instead of 16;
     8-lane halves of every vector, integer dot products by vpmaddubsw instead of VNNI) and one
     without AVX2 (the generic vector code) give every row the same bits as the machine's own build:
@@ -337,13 +358,8 @@ def test_builds_for_other_cpus_compute_the_same_bits(tmp_path, flag, activations
     nibble-split path) 8-bit projections. Head size 80 (10 lanes of 8) also takes the AVX2
     attention's value loop through a partial register block."""
     import ctypes
-    import os
-    import subprocess
 
-    cc = os.environ.get("CC") or "cc"
-    alt = tmp_path / "alt.so"
-    subprocess.run([cc, *fused_cpu._CFLAGS, flag, "-o", str(alt), str(fused_cpu._SOURCE), "-lm"],
-                   check=True, capture_output=True)
+    alt = alt_build(flag)
     model, stored = _models(bits, head_dim, seed=7, group_size=group_size)
     fp = CpuFusedPass(model, stored, activations=activations)
     tokens = mx.random.randint(3, 259, (300,), key=mx.random.key(9)).tolist()
