@@ -34,20 +34,28 @@ def pin_cost(engine, row_share: float = 0.05) -> None:
 
 def pass_logits(engine, prompt: list[int], tails: list[list[int]]) -> list:
     """For each tail, the float32 logits ``[1 + len(tail), V]`` of a verify pass over
-    ``[prompt[-1], *tail]`` after ``prompt[:-1]``, computed by the engine's own target passes (its
-    fused pass, where it has one, and its calibrated attention mode), so they are the rows the
-    engine samples from, bit for bit: a row depends on its own tokens only, however the prompt was
-    chunked or batched. Call it while the engine is idle (before or between requests)."""
+    ``[prompt[-1], *tail]`` after ``prompt[:-1]``, computed as the engine computes them: its
+    fused pass where it has one, its calibrated attention mode and row kernel, and the prompt
+    prefilled in the engine's chunks (``[j S, (j + 1) S)`` for its ``prefill_step`` S, as
+    ``engine.generation.prefill_step`` cuts them). On eager and fused passes these are the rows the
+    engine samples from, bit for bit (a row depends on its own tokens only, whichever other rows
+    or sequences share its pass); with compiled passes (static caches) they may differ from the
+    engine's in the last bits, the cache's capacity being sized differently. Call it while the
+    engine is idle (before or between requests): it uses the engine's fused pass object."""
     import mlx.core as mx
 
     from engine.runner import TargetRunner
 
     ref = engine.runner
-    runner = TargetRunner(engine.loaded.model, fused=ref.fused)
+    runner = TargetRunner(engine.loaded.model, prefill_step=ref.prefill_step, compile=ref.compiled,
+                          max_context=ref.max_context, fused=ref.fused)
     runner.row_exact_attention, runner.batched_rows = ref.row_exact_attention, ref.batched_rows
+    runner.row_kernel = ref.row_kernel
     cache = runner.make_cache()
-    runner.prefill(prompt[:-1], cache, logits=False)
-    mx.eval(runner.cache_arrays(cache))
+    end, step = len(prompt) - 1, ref.prefill_step
+    for start in range(0, end, step):
+        runner.prefill(prompt[start:min(start + step, end)], cache, logits=False)
+        mx.eval(runner.cache_arrays(cache))
     out = []
     for tail in tails:
         rows = [prompt[-1], *tail]
@@ -56,6 +64,18 @@ def pass_logits(engine, prompt: list[int], tails: list[list[int]]) -> list:
         out.append(logits)
         runner.trim(cache, len(rows))
     return out
+
+
+def pin_cost_or_stop(engines) -> None:
+    """:func:`pin_cost` on each engine; if that fails (no exact verify width), stop them all
+    before re-raising, so a failing fixture leaves no worker thread behind."""
+    try:
+        for eng in engines:
+            pin_cost(eng)
+    except BaseException:
+        for eng in engines:
+            eng.stop()
+        raise
 
 
 def generate_all(engine, requests, workers: int = 8) -> list[list]:

@@ -128,15 +128,22 @@ def test_reduction_order_does_not_depend_on_rows(n, k, bits):
 
 
 def test_one_row_plan_over_long_k_takes_one_tile_per_warp():
-    """One row over K >= 4096 and N <= 16384 gets twice the blocks (NT = 1, faster on the H200
-    at 14336x4096); more rows keep two tiles per warp; the K split, hence every row's bits, is
-    the same."""
+    """One row of 4-bit weights over K >= 4096 and N <= 16384 gets twice the blocks (NT = 1,
+    faster on the H200 at 14336x4096); more rows keep two tiles per warp; the K split, hence
+    every row's bits, is the same."""
     plans = [plan(m, 14336, 4096, 4, 64, mx.bfloat16, "cuda") for m in (1, 2, 8, 16)]
     assert [p.const("NT") for p in plans] == [1, 2, 2, 2]
     assert len({p.k_split for p in plans}) == 1
     assert plans[0].grid[0] == 2 * plans[1].grid[0]
-    assert plan(1, 49152, 576, 8, 32, mx.bfloat16, "cuda").const("NT") == 2  # short K: unchanged
-    assert plan(1, 28672, 4096, 4, 64, mx.bfloat16, "cuda").const("NT") == 2  # (not timed at NT = 1)
+    one = lambda n, k, bits=4: plan(1, n, k, bits, 64, mx.bfloat16, "cuda").const("NT")  # noqa: E731
+    assert one(14336, 2048) == 2  # short K
+    assert one(16384, 4096) == 1 and one(16416, 4096) == 2  # N up to 16384 (wider: not timed)
+    assert one(14336, 4096, bits=8) == 2  # 8-bit weights: not timed
+    try:  # an override for the 8-row bucket still decides one row too
+        qmv.set_mma_config(14336, 4096, 4, nt_u={8: (2, 1)})
+        assert one(14336, 4096) == 2
+    finally:
+        qmv.clear_mma_config()
 
 
 def test_set_mma_config_keeps_split_shared_across_rows():

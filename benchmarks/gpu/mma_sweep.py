@@ -139,8 +139,8 @@ def _shapes(text):
             out.append((n, k, int(gs)))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{item!r}: expected NxK:GROUP, e.g. 4096x4096:64") from None
-        if n % 16 or k % int(gs) or int(gs) not in (32, 64, 128):
-            raise argparse.ArgumentTypeError(f"{item!r}: N must be a multiple of 16, K of the group (32/64/128)")
+        if n <= 0 or k <= 0 or n % 16 or k % int(gs) or int(gs) not in (32, 64, 128):
+            raise argparse.ArgumentTypeError(f"{item!r}: N must be a positive multiple of 16, K of the group (32/64/128)")
     return tuple(out)
 
 
