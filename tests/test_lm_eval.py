@@ -39,12 +39,15 @@ def loaded():
 def server():
     from benchmarks.peers.servers import Peer, Running
 
-    # (float32 activations on the CPU: the scores are compared with mlx-lm's float32 forward to
-    # 1e-3; the default q16 pass moves logits by ~1e-4 of their scale, which summed over a
-    # continuation's tokens reaches ~1e-3, and test_fused_cpu checks q16 layer by layer)
+    # (mlx-lm's modules, not the fused pass: the scores are compared with mlx-lm's float32
+    # forward to 1e-3; the default q16 pass moves logits by ~1e-4 of their scale, which summed
+    # over a continuation's tokens reaches ~1e-3, and test_fused_cpu checks the fused pass layer
+    # by layer. The fused pass with float32 activations would also match, but on an AVX2-only
+    # CPU it made this test 129 s instead of 74: its start-up probe, and a float32 path ~4x
+    # slower than q16's there)
     peer = Peer("specserve", "specserve", [sys.executable, "-m", "server", "--host", "127.0.0.1",
                                            "--port", "{port}", "--speculation", "off",
-                                           "--cpu-activations", "float32",
+                                           "--fused", "off",
                                            "--log-level", "warning"], MODEL, "/ready")
     import tempfile
 
