@@ -153,8 +153,8 @@ def _mma_plan(m: int, n: int, k: int, bits: int) -> KernelPlan:
         # Nsight Compute on the H200 (twenty-first session), 14336x4096: 16.6-16.9 us at
         # (WK, NT, U) = (8, 1, 1) against 19.6-20.4 at (8, 2, 1); at 8 rows two tiles win
         # (21.0-21.6 against 23.65 us). Wider N (the 8B stack's 28672-row gate/up sibling
-        # launch) and 8-bit weights were not timed at NT = 1 and keep two tiles. NT changes no row's arithmetic,
-        # so rows stay bit-identical across M.
+        # launch) and 8-bit weights were not timed at NT = 1 and keep two tiles. NT changes no
+        # row's arithmetic, so rows stay bit-identical across M.
         nt = 1
     nt, u = _NTU_OVERRIDE.get((n, k, bits, mb), (nt, u))
     if n % (16 * nt):

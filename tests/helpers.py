@@ -18,18 +18,27 @@ def run(engine, prompt_tokens, method="off", max_tokens=32, temperature=0.0, see
     return ids, "".join(e.text for e in events), events[-1]
 
 
-def pin_cost(engine, row_share: float = 0.05) -> None:
-    """Replace ``engine``'s measured cost curve by a fixed one, ``T(k) = 1 ms (1 + row_share (k - 1))``
-    up to the exact verify width calibration found, with no context term and no online refresh.
+def pin_cost(engines, row_share: float = 0.05) -> None:
+    """Replace each engine's measured cost curve by a fixed one, ``T(k) = 1 ms (1 + row_share
+    (k - 1))`` up to the exact verify width calibration found, with no context term and no online
+    refresh. If an engine has no exact verify width to pin, every engine given is stopped before
+    the error is raised, so a failing fixture leaves no worker thread behind.
 
     How much the scheduler drafts then depends on the outputs alone, not on how fast the machine
     timed the widths at start-up: CI's 2-core runner, loaded by another test worker, once timed a
     curve so steep that a compiled engine drafted nothing in 30 requests."""
-    cost = engine.cost
-    assert cost.max_rows > 1, engine.calibration
-    cost.reset([1e-3 * (1 + row_share * k) for k in range(cost.max_rows)])
-    cost.context_slope = cost.context_row_slope = 0.0
-    cost.alpha = 0.0
+    engines = list(engines)
+    try:
+        for engine in engines:
+            cost = engine.cost
+            assert cost.max_rows > 1, engine.calibration
+            cost.reset([1e-3 * (1 + row_share * k) for k in range(cost.max_rows)])
+            cost.context_slope = cost.context_row_slope = 0.0
+            cost.alpha = 0.0
+    except BaseException:
+        for engine in engines:
+            engine.stop()
+        raise
 
 
 def pass_logits(engine, prompt: list[int], tails: list[list[int]]) -> list:
@@ -64,18 +73,6 @@ def pass_logits(engine, prompt: list[int], tails: list[list[int]]) -> list:
         out.append(logits)
         runner.trim(cache, len(rows))
     return out
-
-
-def pin_cost_or_stop(engines) -> None:
-    """:func:`pin_cost` on each engine; if that fails (no exact verify width), stop them all
-    before re-raising, so a failing fixture leaves no worker thread behind."""
-    try:
-        for eng in engines:
-            pin_cost(eng)
-    except BaseException:
-        for eng in engines:
-            eng.stop()
-        raise
 
 
 def generate_all(engine, requests, workers: int = 8) -> list[list]:

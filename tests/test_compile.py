@@ -7,7 +7,7 @@ import random
 
 import mlx.core as mx
 import pytest
-from helpers import pin_cost_or_stop, run
+from helpers import pin_cost, run
 from test_engine import prompts
 from tiny import tiny_loaded
 
@@ -229,7 +229,7 @@ def engines(exact_tiny):
     made = {mode: Engine(EngineConfig(speculation="prompt_lookup", compile=mode, kernels="off", fused="off",
                                       calibration_contexts=(40, 300)),
                          loaded=exact_tiny).start(wait=True, timeout=600) for mode in ("on", "off")}
-    pin_cost_or_stop(made.values())  # (the drafting must not depend on how fast this machine timed the widths)
+    pin_cost(made.values())  # (the drafting must not depend on how fast this machine timed the widths)
     yield made
     for eng in made.values():
         eng.stop()

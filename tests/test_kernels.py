@@ -135,7 +135,10 @@ def test_one_row_plan_over_long_k_takes_one_tile_per_warp():
     assert [p.const("NT") for p in plans] == [1, 2, 2, 2]
     assert len({p.k_split for p in plans}) == 1
     assert plans[0].grid[0] == 2 * plans[1].grid[0]
-    one = lambda n, k, bits=4: plan(1, n, k, bits, 64, mx.bfloat16, "cuda").const("NT")  # noqa: E731
+
+    def one(n, k, bits=4):
+        return plan(1, n, k, bits, 64, mx.bfloat16, "cuda").const("NT")
+
     assert one(14336, 2048) == 2  # short K
     assert one(16384, 4096) == 1 and one(16416, 4096) == 2  # N up to 16384 (wider: not timed)
     assert one(14336, 4096, bits=8) == 2  # 8-bit weights: not timed
