@@ -89,16 +89,9 @@ def _pow2_at_most(n: int, cap: int) -> int:
     return p
 
 
-# Weights staged in shared memory by bulk copies (the mma body's TMA switch): at most this many
-# bytes of a block's rows, and at most NIT_MAX = 8 loop iterations (one mbarrier each). 40 KB of
-# the 48 KB a block may declare statically; the reduction scratch reuses the staged words.
-_STAGE_BYTES = 40 * 1024
-_STAGE_ITERATIONS = 8
-
-# Benchmark-tuned overrides: (n, k, bits) -> wk, (n, k, bits, mb) -> (nt, u), (n, k, bits) -> tma.
+# Benchmark-tuned overrides: (n, k, bits) -> wk and (n, k, bits, mb) -> (nt, u).
 _WK_OVERRIDE: dict[tuple[int, int, int], int] = {}
 _NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
-_TMA_OVERRIDE: dict[tuple[int, int, int], int] = {}
 _CONFIG_GENERATION = [0]  # bumped by every override change: cached launch decisions keyed on it
 
 
@@ -110,19 +103,15 @@ def config_generation() -> int:
 
 
 def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
-                   nt_u: dict[int, tuple[int, int]] | None = None,
-                   tma: int | None = None) -> None:
+                   nt_u: dict[int, tuple[int, int]] | None = None) -> None:
     """Override the mma split for one weight shape (used by benchmarks/verify_cost.py --tune).
 
     ``wk`` (warps splitting K, a power of two <= 16) applies to every row bucket, so rows
     stay bit-identical across M; ``nt_u`` maps a row bucket (8 or 16) to (tiles per warp,
-    chunks in flight), which do not change any row's arithmetic; ``tma`` turns the staging of
-    weights in shared memory by bulk copies off (or on where it fits), which does not either.
+    chunks in flight), which do not change any row's arithmetic.
     """
     if wk is not None:
         _WK_OVERRIDE[(n, k, bits)] = wk
-    if tma is not None:
-        _TMA_OVERRIDE[(n, k, bits)] = tma
     for mb, ntu in (nt_u or {}).items():
         _NTU_OVERRIDE[(n, k, bits, mb)] = ntu
     _plan_cached.cache_clear()
@@ -135,7 +124,6 @@ def clear_mma_config() -> None:
     """Forget every :func:`set_mma_config` override."""
     _WK_OVERRIDE.clear()
     _NTU_OVERRIDE.clear()
-    _TMA_OVERRIDE.clear()
     _plan_cached.cache_clear()
     _launcher.cache_clear()
     sibling_launcher.cache_clear()
@@ -149,19 +137,6 @@ def mma_config_fits(nt: int, u: int, mb: int, wk: int) -> bool:
     fit the multiprocessor's 64K registers (at most 128 each for WK = 16)."""
     units = nt * u * mb // 8
     return units <= (2 if wk >= 16 else 4)
-
-
-def _staging(n: int, k: int, bits: int, nt: int, wk: int, u: int, nchunks: int) -> tuple[int, int]:
-    """(TMA, RS) of the mma body: whether the block's weight rows are staged in shared memory
-    by bulk copies, and their row stride there in words (= 16 mod 32: conflict-free 16-byte
-    reads). Staged where a block's rows fit ``_STAGE_BYTES`` in at most ``_STAGE_ITERATIONS``
-    loop iterations and each row is a multiple of 16 bytes (the copies' granularity)."""
-    kw = k * bits // 32
-    mode = _TMA_OVERRIDE.get((n, k, bits), 0)
-    rs = kw + (16 - kw) % 32 if mode == 1 else kw
-    iterations = -(-nchunks // (wk * u))
-    fits = kw % 4 == 0 and 16 * nt * rs * 4 <= _STAGE_BYTES and iterations <= _STAGE_ITERATIONS
-    return (mode, rs) if mode and fits else (0, 0)
 
 
 def _mma_plan(m: int, n: int, k: int, bits: int) -> KernelPlan:
@@ -188,10 +163,8 @@ def _mma_plan(m: int, n: int, k: int, bits: int) -> KernelPlan:
         u //= 2
     if not mma_config_fits(nt, u, mb, wk):
         nt = 1
-    tma, rs = _staging(n, k, bits, nt, wk, u, nchunks)
     threads = 32 * wk
-    consts = (("BITS", bits), ("NT", nt), ("WK", wk), ("MB", mb), ("VW", vw), ("U", u),
-              ("TMA", tma), ("RS", rs))
+    consts = (("BITS", bits), ("NT", nt), ("WK", wk), ("MB", mb), ("VW", vw), ("U", u))
     return KernelPlan("mma", "cuda", consts, (n // (16 * nt) * threads, 1, 1), (threads, 1, 1),
                       (("VW", vw), ("WK", wk)))
 

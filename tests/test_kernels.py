@@ -149,42 +149,6 @@ def test_one_row_plan_over_long_k_takes_one_tile_per_warp():
         qmv.clear_mma_config()
 
 
-def test_weights_staged_by_bulk_copies_where_a_block_fits():
-    """The mma body can stage a block's weight rows in shared memory by bulk copies (TMA 1:
-    a copy per row and loop iteration, row stride 16 mod 32 words for conflict-free 16-byte
-    reads; TMA 2: one copy of the block's contiguous rows) where they fit 40 KB in at most 8
-    loop iterations; off by default; the K split (the bits) never depends on it."""
-    def staged(m, n, k, bits=4, gs=64, mode=1):
-        try:
-            qmv.set_mma_config(n, k, bits, tma=mode)
-            p = plan(m, n, k, bits, gs, mx.bfloat16, "cuda")
-        finally:
-            qmv.clear_mma_config()
-        return p, p.const("TMA"), p.const("RS")
-
-    for m, n, k, bits in ((1, 4096, 4096, 4), (16, 4096, 4096, 4), (1, 14336, 4096, 4),
-                          (1, 576, 576, 4), (9, 1536, 576, 8), (1, 256, 1024, 4)):
-        gs = 32 if k == 576 else 64
-        kw = k * bits // 32
-        p, tma, rs = staged(m, n, k, bits, gs)
-        assert tma == 1 and rs >= kw and rs % 32 == 16 and rs % 4 == 0, (m, n, k, bits)
-        assert 16 * p.const("NT") * rs * 4 <= 40 * 1024
-        p2, tma, rs = staged(m, n, k, bits, gs, mode=2)
-        assert (tma, rs) == (2, kw)
-        p0 = plan(m, n, k, bits, gs, mx.bfloat16, "cuda")
-        assert p0.const("TMA") == 0
-        assert p0.k_split == p.k_split == p2.k_split and p0.grid == p.grid == p2.grid
-    assert staged(1, 4096, 14336)[1:] == (0, 0)  # 16 rows of 7 KB do not fit
-    assert staged(16, 14336, 4096)[1] == 0  # two tiles per warp: 32 rows of 2 KB do not
-    try:
-        qmv.set_mma_config(4096, 4096, 4, wk=2, tma=1)  # 32 chunks over 2 warps: 16 iterations
-        assert plan(1, 4096, 4096, 4, 64, mx.bfloat16, "cuda").const("TMA") == 0
-        qmv.set_mma_config(4096, 4096, 4, wk=4)  # 8 iterations
-        assert plan(1, 4096, 4096, 4, 64, mx.bfloat16, "cuda").const("TMA") == 1
-    finally:
-        qmv.clear_mma_config()
-
-
 def test_set_mma_config_keeps_split_shared_across_rows():
     try:
         qmv.set_mma_config(256, 1024, 4, wk=2, nt_u={8: (2, 1), 16: (1, 2)})
@@ -573,40 +537,6 @@ def test_tiles_and_prefetch_do_not_change_bits():
         qmv.clear_mma_config()
     for o in outs[1:]:
         assert all(mx.array_equal(a, c).item() for a, c in zip(outs[0], o))
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(backend() != "cuda", reason="bulk-copy staging is the CUDA mma kernel's (sm_90)")
-def test_staged_weights_give_the_bits_of_plain_loads():
-    """Weights staged in shared memory by bulk copies (TMA 1: a copy per row and iteration,
-    TMA 2: one per block) are the words the plain loads read: the same bits at every row
-    count tried, for both activation dtypes and both widths, NaN-poisoned outputs all
-    written; weights 8 bytes past a 16-byte boundary (a view; the plain loads of 8-byte words
-    take it) fall back to the plain loads inside a staged launch, with the same bits again."""
-    for n, k, gs, bits in ((4096, 4096, 64, 4), (14336, 4096, 64, 4), (576, 576, 32, 4),
-                           (1536, 576, 32, 8), (256, 1024, 128, 8)):
-        for dt in (mx.float16, mx.bfloat16):
-            wq, s, b = _quantized(n, k, gs, bits, dt, seed=n + 3 * k + bits)
-            padded = mx.concatenate([mx.zeros((2,), dtype=mx.uint32), wq.reshape(-1)])
-            shifted = padded[2:].reshape(wq.shape)
-            x = mx.random.normal((16, k)).astype(dt)
-            for m in (1, 3, 8, 16):
-                try:
-                    qmv.set_mma_config(n, k, bits, tma=0)
-                    off = quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=bits)
-                    for mode in (1, 2):
-                        qmv.set_mma_config(n, k, bits, tma=mode)
-                        p = plan(m, n, k, bits, gs, dt)
-                        if m == 1:
-                            assert p.const("TMA") == mode, (n, k, bits, p.consts)
-                        on = qmv.run_plan(p, x[:m], wq, s, b, init_value=float("nan"))
-                        assert not mx.any(mx.isnan(on)).item(), (n, k, bits, dt, m)
-                        assert mx.array_equal(on, off).item(), (n, k, bits, dt, m, p.consts)
-                        if p.const("VW") < 4:
-                            view = qmv.run_plan(p, x[:m], shifted, s, b, init_value=float("nan"))
-                            assert mx.array_equal(view, off).item(), (n, k, bits, dt, m, "view")
-                finally:
-                    qmv.clear_mma_config()
 
 
 @pytest.mark.gpu

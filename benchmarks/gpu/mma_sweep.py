@@ -1,7 +1,7 @@
 """Sweep the tensor-core (mma) kernel's split per weight shape: time per matmul at M = 1, 8, 16.
 
 For each 4-bit shape, every launchable (WK warps splitting K, NT 16-row tiles per warp, U chunks
-in flight; under ``--ncu`` also TMA, the weights staged in shared memory by bulk copies) is timed against ``mx.quantized_matmul`` in one run; each timed graph runs the matmul
+in flight) is timed against ``mx.quantized_matmul`` in one run; each timed graph runs the matmul
 over enough distinct weight sets (>= 256 MB) that L2 never holds them; the median of --reps
 gives microseconds per matmul (wall time of the graph / matmuls, launch gaps included).
 Effective bandwidth = packed weight + scale + bias bytes / time. WK changes a row's reduction
@@ -54,25 +54,19 @@ def _configs(n, k, gs, dtype, mb=None, wks=(1, 2, 4, 8, 16), nts=(1, 2, 4), us=(
             yield wk, nt, u
 
 
-def ncu_run(dtype, wks, nts, us, rows, shapes=SHAPES, tmas=(0,)):
-    """Two launches per case (ncu flushes L2 between kernels); prints the case order. A config
-    is (WK, NT, U, TMA); one whose plan differs from it (staging that does not fit) is skipped."""
+def ncu_run(dtype, wks, nts, us, rows, shapes=SHAPES):
+    """Two launches per case (ncu flushes L2 between kernels); prints the case order."""
     order = []
     for n, k, gs in shapes:
         w = _weight_sets(n, k, 4, gs, dtype, 1)[0]
         cases = [(path, m, None) for m in rows for path in ("mlx", "default")]
-        cases += [("config", m, (*c, tma)) for m in rows
-                  for c in _configs(n, k, gs, dtype, 8 if m <= 8 else 16, wks, nts, us) for tma in tmas]
+        cases += [("config", m, c) for m in rows
+                  for c in _configs(n, k, gs, dtype, 8 if m <= 8 else 16, wks, nts, us)]
         for path, m, cfg in cases:
             x = mx.random.normal((m, k)).astype(dtype)
             mx.eval(x)
             if cfg:
-                qmv.set_mma_config(n, k, 4, wk=cfg[0], nt_u={8 if m <= 8 else 16: cfg[1:3]},
-                                   tma=cfg[3])
-                got = dict(plan(m, n, k, 4, gs, dtype).consts)
-                if (got["WK"], got["NT"], got["U"], got["TMA"]) != cfg:
-                    qmv.clear_mma_config()
-                    continue
+                qmv.set_mma_config(n, k, 4, wk=cfg[0], nt_u={8 if m <= 8 else 16: cfg[1:]})
             for _ in range(2):
                 mx.eval(quantized_matmul(x, *w, gs, 4, kernels="off" if path == "mlx" else "auto"))
             mx.synchronize()
@@ -164,9 +158,6 @@ def main():
     ap.add_argument("--nt", type=_choices(1, 2, 4), default=(1, 2, 4),
                     help="--ncu: 16-row tiles per warp to sweep (from 1,2,4)")
     ap.add_argument("--u", type=_choices(1, 2, 4), default=(1, 2, 4), help="--ncu: chunks in flight to sweep (from 1,2,4)")
-    ap.add_argument("--tma", type=_choices(0, 1, 2), default=(0,),
-                    help="--ncu: weights staged in shared memory by bulk copies: off (0), a copy per row "
-                         "and iteration (1), one copy per block (2)")
     ap.add_argument("--rows", type=_choices(*range(1, 17)), default=(1,),
                     help="--ncu: row counts timed for every case (1..16)")
     ap.add_argument("--shapes", type=_shapes, default=SHAPES,
@@ -178,7 +169,7 @@ def main():
     if args.floor:
         return floor_run(dtype, args.shapes)
     if args.ncu:
-        return ncu_run(dtype, args.wk, args.nt, args.u, args.rows, args.shapes, args.tma)
+        return ncu_run(dtype, args.wk, args.nt, args.u, args.rows, args.shapes)
     if args.parse:
         return parse(args.parse, args.order, args.out)
     rows = []

@@ -25,15 +25,6 @@
 // [c SC + t VALS, c SC + (t+1) VALS) and the same k range of activation row
 // m = g (+ 8 for the second column block); Deq/XPair put matching k values in
 // matching slots.
-// TMA (0, 1, 2): on sm_90 and newer, thread 0 first issues bulk asynchronous copies of the block's
-// weight rows into shared memory, one per row and loop iteration, each iteration completing
-// its own mbarrier; warps then load their scales and activations and wait only for their own
-// iteration's bytes. Every weight byte of the block is in flight from the block's start
-// (the plain loads keep at most U chunks per warp in flight). RS is the staged row stride in
-// words (RS = 16 mod 32, so the 16-byte reads of a quarter warp hit 32 distinct banks); the
-// reduction scratch below reuses the staged words once every warp is done with them. The
-// words, and so every bit of the result, are the ones the plain loads would read; a block
-// whose rows are not 16-byte aligned, or an older GPU, takes the plain loads.
 // SSK_STORE(m, n, v) writes output element (m, n): y[m * N + n] by default. Sibling
 // projections fused into one launch (metal_kernels/patch.py) concatenate their weights
 // along N and get one output per projection: qmv.py then defines SSK_STORE to pick it by
@@ -69,50 +60,6 @@ while ((ng << gshift) < K) {
 }
 const int row0 = blockIdx.x * (16 * NT);
 
-constexpr int CW = 4 * VW;  // words of one row in one chunk
-constexpr int RED_WORDS = WK > 1 ? WK * NREG * 32 : 1;
-constexpr int STAGE_WORDS = TMA ? 16 * NT * RS : 1;
-constexpr int SMEM_WORDS = RED_WORDS > STAGE_WORDS ? RED_WORDS : STAGE_WORDS;
-constexpr int NIT_MAX = 8;  // loop iterations (one barrier each) a staged launch may take
-__shared__ __align__(16) uint32_t smem[SMEM_WORDS];
-bool staged = false;
-#if SSK_HAS_BULK
-__shared__ __align__(8) unsigned long long bars[NIT_MAX];
-if constexpr (TMA != 0) {
-  const uint32_t* wblk = w + (size_t)row0 * kw;
-  staged = (reinterpret_cast<uintptr_t>(wblk) & 15u) == 0;  // the same for the whole block
-  if (staged) {
-    // TMA 1: one copy per row and loop iteration, a barrier per iteration; TMA 2: the
-    // block's rows are one contiguous run of 16 NT kw words: one copy, one barrier (RS = kw).
-    const int nit = TMA == 2 ? 1 : (nchunks + WK * U - 1) / (WK * U);
-    if (threadIdx.x == 0) {
-      for (int i = 0; i < nit; ++i) {
-        ssk::bar_init(&bars[i], 1);
-      }
-      ssk::fence_bar_init();
-    }
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      if constexpr (TMA == 2) {
-        const uint32_t bytes = (uint32_t)(16 * NT * kw * 4);
-        ssk::bar_expect_tx(&bars[0], bytes);
-        ssk::bulk_copy(smem, wblk, bytes, &bars[0]);
-      } else {
-        for (int i = 0; i < nit; ++i) {
-          const int c0 = i * WK * U;
-          const int nc = min(WK * U, nchunks - c0);
-          const uint32_t bytes = (uint32_t)(nc * CW * 4);
-          ssk::bar_expect_tx(&bars[i], bytes * (16 * NT));
-          for (int r = 0; r < 16 * NT; ++r) {
-            ssk::bulk_copy(smem + r * RS + c0 * CW, wblk + (size_t)r * kw + c0 * CW, bytes, &bars[i]);
-          }
-        }
-      }
-    }
-  }
-}
-#endif
-
 float acc[NT][MBLK][4];
 #pragma unroll
 for (int j = 0; j < NT; ++j) {
@@ -140,10 +87,8 @@ for (int cbase = warp; cbase < nchunks; cbase += WK * U) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = row0 + 16 * j + 8 * h + g;
-          if (!staged) {
-            ssk::load_words<VW>(
-                w + (size_t)row * kw + (k * BITS) / 32, wr[u][j][h]);
-          }
+          ssk::load_words<VW>(
+              w + (size_t)row * kw + (k * BITS) / 32, wr[u][j][h]);
           sc[u][j][h] = static_cast<float>(scales[(size_t)row * ng + (k >> gshift)]);
           bi[u][j][h] = static_cast<float>(biases[(size_t)row * ng + (k >> gshift)]);
         }
@@ -155,25 +100,6 @@ for (int cbase = warp; cbase < nchunks; cbase += WK * U) {
       }
     }
   }
-#if SSK_HAS_BULK
-  if (staged) {
-    ssk::bar_wait(&bars[TMA == 2 ? 0 : (cbase - warp) / (WK * U)], 0);
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = cbase + u * WK;
-      if (c < nchunks) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            ssk::load_words_shared<VW>(
-                smem + (16 * j + 8 * h + g) * RS + c * CW + t * VW, wr[u][j][h]);
-          }
-        }
-      }
-    }
-  }
-#endif
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     const int c = cbase + u * WK;
@@ -227,10 +153,7 @@ if constexpr (WK == 1) {
     }
   }
 } else {
-  float(*red)[NREG][32] = reinterpret_cast<float(*)[NREG][32]>(smem);
-  if constexpr (TMA != 0) {
-    __syncthreads();  // every warp is done with the staged words red overwrites
-  }
+  __shared__ float red[WK][NREG][32];
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
 #pragma unroll

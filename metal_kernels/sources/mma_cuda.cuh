@@ -234,69 +234,6 @@ __device__ __forceinline__ void load_x(
   }
 }
 
-// Bulk asynchronous copies into shared memory (sm_90: cp.async.bulk, the TMA unit's 1-D form),
-// each completing a transaction count on an mbarrier that the consuming warps wait on
-// (PTX ISA 8.0, "Data Movement: cp.async.bulk"; the same sequence as CUTLASS's
-// SM90_BULK_COPY_G2S and ClusterTransactionBarrier). Source, destination and size must be
-// multiples of 16 bytes. Only compiled for sm_90 and newer: the body falls back to plain loads.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define SSK_HAS_BULK 1
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-__device__ __forceinline__ void bar_init(unsigned long long* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count)
-               : "memory");
-}
-// makes the initialised barriers visible to the async proxy before any copy names them
-__device__ __forceinline__ void fence_bar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void bar_expect_tx(unsigned long long* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void bulk_copy(
-    void* dst, const void* src, uint32_t bytes, unsigned long long* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar))
-      : "memory");
-}
-// spins until phase `parity` of the barrier has completed (all its bytes have landed)
-__device__ __forceinline__ void bar_wait(unsigned long long* bar, uint32_t parity) {
-  asm volatile(
-      "{\n.reg .pred p;\nSSK_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra SSK_WAIT;\n}" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-#else
-#define SSK_HAS_BULK 0
-#endif
-
-// VW consecutive 32-bit weight words from shared memory (16-byte aligned for VW = 4).
-template <int VW>
-__device__ __forceinline__ void load_words_shared(
-    const uint32_t* p, uint32_t (&out)[VW]) {
-  if constexpr (VW == 4) {
-    uint4 v = *reinterpret_cast<const uint4*>(p);
-    out[0] = v.x;
-    out[1] = v.y;
-    out[2] = v.z;
-    out[3] = v.w;
-  } else if constexpr (VW == 2) {
-    uint2 v = *reinterpret_cast<const uint2*>(p);
-    out[0] = v.x;
-    out[1] = v.y;
-  } else {
-    out[0] = *p;
-  }
-}
-
 } // namespace ssk
 
 #endif // SSK_MMA_CUDA_CUH
