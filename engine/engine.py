@@ -87,6 +87,10 @@ class EngineConfig:
     warmup: bool = True
 
 
+class _StoppedWhileLoading(Exception):
+    """stop() was called while the worker was still starting up (Engine._stop_point)."""
+
+
 @dataclass
 class _Handle:
     request: GenerationRequest
@@ -156,12 +160,16 @@ class Engine:
         if self._error:
             raise RuntimeError(self._error)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop accepting, cancel what is running, and join the worker."""
+    def stop(self, timeout: float = 10.0) -> bool:
+        """Stop accepting, cancel what is running, and join the worker (up to ``timeout``
+        seconds). A worker still loading stops at the next phase boundary of its start-up (load,
+        calibration, batch calibration, drafter, warm-up); one phase can take tens of seconds
+        and cannot be interrupted. Returns whether the worker has ended."""
         self._stopping = True
         self._inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        return not self._worker_alive()
 
     def close(self) -> None:
         """Refuse new requests from now on (EngineUnavailable, HTTP 503); admitted ones go on."""
@@ -346,12 +354,18 @@ class Engine:
 
     # ---- worker --------------------------------------------------------------------------------
 
+    def _stop_point(self) -> None:
+        """A phase boundary of start-up: raise _StoppedWhileLoading once stop() was called."""
+        if self._stopping:
+            raise _StoppedWhileLoading
+
     def _load(self) -> None:
         cfg = self.config
         if cfg.batching not in ("auto", "off"):
             raise ValueError(f"batching must be auto or off, got {cfg.batching!r}")
         if self.loaded is None:
             self.loaded = load_target(cfg.model, cfg.weights, cfg.served_model_name)
+        self._stop_point()
         from metal_kernels import patch_model
 
         self.kernels = patch_model(self.loaded.model, mode=cfg.kernels)
@@ -364,12 +378,15 @@ class Engine:
         self._calibrate(resolve_compile(cfg.compile))
         self.cost = cost_model(self.calibration)
         log.info("calibration: %s", self.calibration.summary())
+        self._stop_point()
         if cfg.batching == "auto" and cfg.max_active > 1:
             vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
             size = max(self.calibration.max_rows, min(cfg.max_active, 16))
             self.batch_rows = self.runner.calibrate_batch(vocab, size, self.calibration.max_rows)
+            self._stop_point()
         if cfg.dspark or cfg.speculation == "dspark":
             self._load_dspark()
+            self._stop_point()
         if cfg.warmup:
             warm = GenerationRequest(prompt_tokens=self.loaded.tokenizer.encode("Hello, world"),
                                      max_tokens=4)
@@ -411,6 +428,7 @@ class Engine:
                  else "eager" if fused is None
                  else f"fused (one call per pass: {type(fused).__name__}"
                       f"{f', {activations} activations' if activations else ''})")
+        self._stop_point()  # (building the fused pass may have compiled it for a minute)
         rows = cfg.max_verify_rows if cfg.speculation != "off" else 1
         vocab = self.loaded.config.get("vocab_size") or len(self.loaded.tokenizer._tokenizer)
         self.calibration = self.runner.calibrate(
@@ -581,6 +599,10 @@ class Engine:
         try:
             self._load()
             self._state = "ready"
+        except _StoppedWhileLoading:
+            log.info("engine stopped while loading")
+            self._error = "stopped while loading"
+            self._state = "stopped"
         except Exception as exc:  # reported through health(); the server stays up, not ready
             log.exception("engine failed to start")
             self._error = f"{type(exc).__name__}: {exc}"

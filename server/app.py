@@ -56,7 +56,9 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
     async def lifespan(app: FastAPI):
         engine.start()
         yield
-        engine.stop()
+        # a worker still loading ends at its next start-up phase boundary, which may be tens of
+        # seconds away: the CLI does not wait for it (server/cli.py)
+        engine.stop(timeout=10.0 if engine.ready else 1.0)
 
     app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine

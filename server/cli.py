@@ -6,6 +6,8 @@ exported to the environment first; the engine package is imported only after tha
 Shutdown: the first SIGTERM or SIGINT drains (new requests get 503, in-flight ones get
 ``shutdown_timeout`` seconds, the rest end with a 503 error), then uvicorn closes connections and
 the engine stops; a SIGTERM shutdown exits 0. A second signal skips what is left of the drain.
+A signal while the engine is still loading or calibrating exits at once (0 for SIGTERM) without
+waiting for that start-up phase to end.
 """
 
 from __future__ import annotations
@@ -104,7 +106,23 @@ def main(argv: list[str] | None = None) -> None:
     # after the drain only finished responses remain to be flushed
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=5)
-    Server(config).run()
+    status = 0
+    try:
+        Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its shutdown
+        status = 128 + signal.SIGINT
+        raise
+    finally:
+        if not engine.stop(timeout=0):
+            # A signal during start-up: the engine thread is inside a load or calibration phase
+            # that cannot be interrupted. Ending the interpreter under it would abort the process
+            # in MLX's C++ runtime ("terminate called without an active exception"), and it holds
+            # nothing to save: leave without the interpreter's teardown.
+            log.info("engine still starting up: exiting without waiting for it")
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
 
 
 if __name__ == "__main__":

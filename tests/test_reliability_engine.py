@@ -145,3 +145,39 @@ def test_drain_finishes_short_requests_and_aborts_long_ones(tiny):
         assert eng.drain(timeout=1.0) is True  # nothing left: returns at once
     finally:
         eng.stop()
+
+
+def test_stop_during_start_up_ends_the_worker_at_the_next_phase_boundary(tiny, monkeypatch):
+    """stop() while the worker calibrates cannot interrupt that phase: it returns False at its
+    timeout, and the worker ends as soon as the phase does, before batch calibration and the
+    warm-up, reporting 'stopped' (not an error); a request then gets EngineUnavailable."""
+    entered, release = threading.Event(), threading.Event()
+    calibrate = Engine._calibrate
+
+    def blocked_calibrate(self, compiled):
+        entered.set()
+        assert release.wait(60)
+        calibrate(self, compiled)
+
+    def no_batch_calibration(*args, **kwargs):  # (nor a warm-up sequence)
+        raise AssertionError("start-up went on past a stop point")
+
+    from engine.runner import TargetRunner
+
+    monkeypatch.setattr(Engine, "_calibrate", blocked_calibrate)
+    monkeypatch.setattr(TargetRunner, "calibrate_batch", no_batch_calibration)
+    monkeypatch.setattr(Engine, "_make_sequence", no_batch_calibration)  # (the warm-up's)
+    engine = Engine(EngineConfig(max_active=4), loaded=tiny).start()
+    assert entered.wait(60)
+    t0 = time.monotonic()
+    assert engine.stop(timeout=0.2) is False
+    assert time.monotonic() - t0 < 2
+    assert engine.health()["state"] == "loading"
+    release.set()
+    engine._thread.join(60)
+    assert not engine._thread.is_alive()
+    health = engine.health()
+    assert health["state"] == "stopped" and not engine.ready, health
+    assert engine.prefix_cache is None and engine.batch_rows == 0
+    with pytest.raises(EngineUnavailable):
+        run(engine, [5, 6, 7])

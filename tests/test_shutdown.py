@@ -142,3 +142,47 @@ def test_sigterm_exits_as_soon_as_in_flight_work_is_done(model_dir, tmp_path):
         assert "aborting" not in srv.output()
     finally:
         srv.kill()
+
+
+# A start-up phase that MLX cannot be interrupted in: the engine thread computes for a minute
+# inside calibration. Before the fix a SIGTERM here waited 10 s for the worker, then the
+# interpreter's teardown under it aborted the process ("terminate called without an active
+# exception", exit 134).
+_SLOW_START = """
+import sys, time
+from engine import engine as E  # (before mlx.core: it loads the BLAS first)
+import mlx.core as mx
+
+def calibrate_slowly(self, compiled):
+    print("SLOW-PHASE", flush=True)
+    a = mx.random.normal((256, 256))
+    end = time.time() + 60
+    while time.time() < end:
+        mx.eval(a @ a)
+E.Engine._calibrate = calibrate_slowly
+from server.cli import main
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_start_up_exits_at_once_and_cleanly(model_dir, tmp_path, sig):
+    log = tmp_path / "server.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _SLOW_START, "--model", str(model_dir), "--port", "0"],
+                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+                                stderr=subprocess.STDOUT)
+    try:
+        _wait(lambda: "SLOW-PHASE" in log.read_text(errors="replace") or proc.poll() is not None, 120)
+        assert proc.poll() is None, log.read_text(errors="replace")
+        sent = time.time()
+        proc.send_signal(sig)
+        code = proc.wait(30)
+        text = log.read_text(errors="replace")
+        assert code == (0 if sig == signal.SIGTERM else 128 + sig), text  # SIGINT: as an interrupt
+        assert time.time() - sent < 5, text  # the worker's phase is not waited for
+        assert "terminate called" not in text and "exiting without waiting" in text, text
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
