@@ -78,8 +78,11 @@ def main(argv: list[str] | None = None) -> None:
 
     class Server(uvicorn.Server):
         draining = False
+        signalled: int | None = None  # the first SIGTERM/SIGINT received
 
         def handle_exit(self, sig, frame):
+            if self.signalled is None:
+                self.signalled = sig
             if not self.draining and not self.should_exit:
                 self.draining = True  # drain off the signal handler; uvicorn's exit follows
                 log.info("signal %d: draining for up to %.1f s", sig, settings.shutdown_timeout)
@@ -106,24 +109,47 @@ def main(argv: list[str] | None = None) -> None:
     # after the drain only finished responses remain to be flushed
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
                             timeout_graceful_shutdown=5)
-    status = 0
+    server = Server(config)
     try:
-        Server(config).run()
-    except KeyboardInterrupt:  # uvicorn re-raises SIGINT after its shutdown
-        status = 128 + signal.SIGINT
+        server.run()
+    except BaseException as exc:  # SystemExit (uvicorn's start-up failures), KeyboardInterrupt, bugs
+        _leave_if_engine_runs(engine, exit_status(server.signalled, exc), exc)
         raise
-    finally:
-        if not engine.stop(timeout=0):
-            # A signal during start-up: the engine thread is inside a load or calibration phase
-            # that cannot be interrupted. Ending the interpreter under it would abort the process
-            # in MLX's C++ runtime ("terminate called without an active exception"), and it holds
-            # nothing to save: leave without the interpreter's teardown.
-            log.info("engine still starting up: exiting without waiting for it")
-            logging.shutdown()
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(status)
+    _leave_if_engine_runs(engine, exit_status(server.signalled, None), None)
 
+
+def exit_status(signalled: int | None, exc: BaseException | None) -> int:
+    """The process's exit status after the server stopped: what ``exc`` says if it is a
+    ``SystemExit`` (uvicorn exits 3 when it cannot start, e.g. on a port in use), 1 for any other
+    error, else 0 after SIGTERM (or no signal) and 128 + the signal after another (SIGINT: 130)."""
+    if isinstance(exc, SystemExit):
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 1
+    if exc is not None and not isinstance(exc, KeyboardInterrupt):
+        return 1
+    if isinstance(exc, KeyboardInterrupt) and signalled is None:
+        signalled = signal.SIGINT
+    return 0 if signalled in (None, signal.SIGTERM) else 128 + signalled
+
+
+def _leave_if_engine_runs(engine, status: int, exc: BaseException | None) -> None:
+    """Exit at once with ``status`` if the engine thread is still running once the server has
+    stopped: a signal (or a failure) during start-up, while the thread is inside a load or
+    calibration phase that cannot be interrupted. Ending the interpreter under it would abort
+    the process in MLX's C++ runtime ("terminate called without an active exception"), and it
+    holds nothing to save, so leave without the interpreter's teardown (printing ``exc``'s
+    traceback first, which Python would otherwise print)."""
+    if engine.stop(timeout=0):
+        return
+    import traceback
+
+    log = logging.getLogger("specserve")
+    if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
+        traceback.print_exception(exc)
+    log.warning("engine still %s: exiting (status %d) without waiting for it", engine.health()["state"], status)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 if __name__ == "__main__":
     main()

@@ -145,33 +145,39 @@ def test_sigterm_exits_as_soon_as_in_flight_work_is_done(model_dir, tmp_path):
 
 
 # A start-up phase that MLX cannot be interrupted in: the engine thread computes for a minute
-# inside calibration. Before the fix a SIGTERM here waited 10 s for the worker, then the
-# interpreter's teardown under it aborted the process ("terminate called without an active
-# exception", exit 134).
+# while it loads the model (its first phase). Before the fix a SIGTERM here waited 10 s for the
+# worker, then the interpreter's teardown under it aborted the process ("terminate called
+# without an active exception", exit 134).
 _SLOW_START = """
 import sys, time
 from engine import engine as E  # (before mlx.core: it loads the BLAS first)
 import mlx.core as mx
 
-def calibrate_slowly(self, compiled):
+load_target = E.load_target
+def load_slowly(*args, **kwargs):
     print("SLOW-PHASE", flush=True)
     a = mx.random.normal((256, 256))
     end = time.time() + 60
     while time.time() < end:
         mx.eval(a @ a)
-E.Engine._calibrate = calibrate_slowly
+    return load_target(*args, **kwargs)
+E.load_target = load_slowly
 from server.cli import main
 main(sys.argv[1:])
 """
 
 
+def _slow_start(model_dir, log, port="0"):
+    with open(log, "wb") as out:
+        return subprocess.Popen([sys.executable, "-c", _SLOW_START, "--model", str(model_dir), "--port", port],
+                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
+                                stderr=subprocess.STDOUT)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_during_start_up_exits_at_once_and_cleanly(model_dir, tmp_path, sig):
     log = tmp_path / "server.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-c", _SLOW_START, "--model", str(model_dir), "--port", "0"],
-                                cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=out,
-                                stderr=subprocess.STDOUT)
+    proc = _slow_start(model_dir, log)
     try:
         _wait(lambda: "SLOW-PHASE" in log.read_text(errors="replace") or proc.poll() is not None, 120)
         assert proc.poll() is None, log.read_text(errors="replace")
@@ -181,8 +187,36 @@ def test_a_signal_during_start_up_exits_at_once_and_cleanly(model_dir, tmp_path,
         text = log.read_text(errors="replace")
         assert code == (0 if sig == signal.SIGTERM else 128 + sig), text  # SIGINT: as an interrupt
         assert time.time() - sent < 5, text  # the worker's phase is not waited for
-        assert "terminate called" not in text and "exiting without waiting" in text, text
+        assert "terminate called" not in text and "without waiting for it" in text, text
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+
+
+def test_a_port_in_use_during_start_up_still_fails_with_uvicorns_status(model_dir, tmp_path):
+    """uvicorn cannot bind while the engine loads: the process keeps uvicorn's start-up failure
+    status (3), not a clean 0, and does not abort under the loading thread."""
+    log = tmp_path / "server.log"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        proc = _slow_start(model_dir, log, str(taken.getsockname()[1]))
+        try:
+            code = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    text = log.read_text(errors="replace")
+    assert code == 3, text
+    assert "terminate called" not in text and "without waiting for it" in text, text
+
+
+def test_exit_status():
+    from server.cli import exit_status
+
+    assert exit_status(None, None) == 0 and exit_status(signal.SIGTERM, None) == 0
+    assert exit_status(signal.SIGINT, None) == 130 and exit_status(None, KeyboardInterrupt()) == 130
+    assert exit_status(None, SystemExit(3)) == 3 and exit_status(signal.SIGTERM, SystemExit(None)) == 0
+    assert exit_status(None, SystemExit("message")) == 1 and exit_status(None, RuntimeError()) == 1
