@@ -11,8 +11,9 @@ which holds for any change that keeps the arithmetic.
     python -m benchmarks.cpu_pass_ab --a old.c --b new.c --rounds 40 --out ab.json
 
 The twenty-third-session finding that motivated it: a perf profile put ~18% of the AVX2 projections
-at one helper (lanes8's partial-group path); rewriting it moved nothing here (ratios 0.997-1.014,
-30 rounds): the samples were skid behind a stalled load, not time.
+at one helper (lanes8's partial-group path); rewritten, it was no faster (B/A 0.985-1.056 over 1-16
+rows, 30 rounds, against 0.984-1.002 for two builds of the same code): the samples were skid
+behind other stalls, not time.
 """
 
 from __future__ import annotations
@@ -41,15 +42,19 @@ def build(source: Path, loaded, activations: str) -> fused_cpu.CpuFusedPass:
     """A pass over ``loaded`` built from ``source`` (the library is cached by its hash)."""
     saved = fused_cpu._SOURCE
     fused_cpu._SOURCE = source
+    fused_cpu.library.cache_clear()  # (library() is cached once per process)
     try:
         return fused_cpu.CpuFusedPass(loaded.model, loaded.quantized, activations=activations)
     finally:
         fused_cpu._SOURCE = saved
+        fused_cpu.library.cache_clear()
 
 
 def run(a: Path, b: Path, activations: str, rounds: int, widths: tuple[int, ...], context: int) -> dict:
     loaded = load_target("default")
     passes = [build(a, loaded, activations), build(b, loaded, activations)]
+    if a.read_bytes() != b.read_bytes() and passes[0].lib._name == passes[1].lib._name:
+        raise RuntimeError("A and B differ but run one library")
     runner = TargetRunner(loaded.model)
     cache = runner.make_cache()
     vocab = loaded.model.args.vocab_size
