@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "SPECSERVE_"
@@ -42,7 +42,9 @@ class Settings(BaseSettings):
         description="Weight format: `auto` is float32 on the CPU backend (fast BLAS path) and the "
         "file's quantization on a GPU. `quantized` keeps the file's quantized weights with "
         "float32 activations; `quantized-bfloat16`/`quantized-float16` keep them with "
-        "bfloat16/float16 activations (what the GPU kernels run on tensor cores).",
+        "bfloat16/float16 activations (what the GPU kernels run on tensor cores). `float32`, "
+        "`float16` and `bfloat16` dequantize every weight to that type (more memory, no quantized "
+        "matmul).",
     )
     cache_dir: str | None = Field(
         None, description="Where downloaded models live (default `~/.cache/specserve`)."
@@ -302,10 +304,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_settings(argv: list[str] | None = None) -> Settings:
-    """Settings from CLI flags (``argv``), then ``SPECSERVE_*`` variables, then defaults."""
-    args = build_parser().parse_args(argv)
+    """Settings from CLI flags (``argv``), then ``SPECSERVE_*`` variables, then defaults.
+
+    A value that does not validate exits as a bad flag does (argparse: status 2, usage line),
+    naming the flag or the ``SPECSERVE_*`` variable it came from."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None}
-    return Settings(**given)
+    try:
+        return Settings(**given)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            name = str(err["loc"][0]) if err["loc"] else ""
+            where = (flag_name(name) if name in given else env_name(name)) if name in Settings.model_fields else "settings"
+            problems.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
+        parser.error("; ".join(problems))
 
 
 def markdown_table() -> str:
