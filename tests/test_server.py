@@ -281,6 +281,18 @@ def test_spec_metrics_move_and_equal_response_stats(tiny_server):
     assert "specserve:time_to_first_token_seconds_count" in text
 
 
+def test_every_exported_metric_is_documented(tiny_server):
+    """docs/metrics.md names every specserve metric /metrics exports (the engine's gauges too)."""
+    import pathlib
+
+    docs = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    text = httpx.get(tiny_server.url + "/metrics").text
+    names = set(re.findall(r"^# TYPE (specserve:\S+) ", text, re.M))
+    assert len(names) > 20, names
+    missing = sorted(n for n in names if f"`{n}`" not in docs)
+    assert not missing, f"not in docs/metrics.md: {missing}"
+
+
 def test_speculation_off_per_request(tiny_server):
     r = post(tiny_server, "/v1/completions", {"prompt": "xyzxyzxyzxyz", "max_tokens": 20, "temperature": 0,
                                               "speculative": {"method": "off"}}).json()
