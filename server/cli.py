@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 
 
 def train_dspark(argv: list[str]) -> int:
@@ -140,8 +141,6 @@ def _leave_if_engine_runs(engine, status: int, exc: BaseException | None) -> Non
     traceback first, which Python would otherwise print)."""
     if engine.stop(timeout=0):
         return
-    import traceback
-
     log = logging.getLogger("specserve")
     if exc is not None and not isinstance(exc, (SystemExit, KeyboardInterrupt)):
         traceback.print_exception(exc)
@@ -150,6 +149,7 @@ def _leave_if_engine_runs(engine, status: int, exc: BaseException | None) -> Non
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
 
 if __name__ == "__main__":
     main()
