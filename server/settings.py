@@ -317,7 +317,10 @@ def load_settings(argv: list[str] | None = None) -> Settings:
         problems = []
         for err in exc.errors():
             name = str(err["loc"][0]) if err["loc"] else ""
-            where = (flag_name(name) if name in given else env_name(name)) if name in Settings.model_fields else "settings"
+            if name not in Settings.model_fields:
+                where = "settings"
+            else:
+                where = flag_name(name) if name in given else env_name(name)
             problems.append(f"{where}: {err['msg']} (got {err.get('input')!r})")
         parser.error("; ".join(problems))
 

@@ -159,14 +159,14 @@ def test_stop_during_start_up_ends_the_worker_at_the_next_phase_boundary(tiny, m
         assert release.wait(60)
         calibrate(self, compiled)
 
-    def no_batch_calibration(*args, **kwargs):  # (nor a warm-up sequence)
+    def past_a_stop_point(*args, **kwargs):  # batch calibration, the warm-up's sequence
         raise AssertionError("start-up went on past a stop point")
 
     from engine.runner import TargetRunner
 
     monkeypatch.setattr(Engine, "_calibrate", blocked_calibrate)
-    monkeypatch.setattr(TargetRunner, "calibrate_batch", no_batch_calibration)
-    monkeypatch.setattr(Engine, "_make_sequence", no_batch_calibration)  # (the warm-up's)
+    monkeypatch.setattr(TargetRunner, "calibrate_batch", past_a_stop_point)
+    monkeypatch.setattr(Engine, "_make_sequence", past_a_stop_point)
     engine = Engine(EngineConfig(max_active=4), loaded=tiny).start()
     assert entered.wait(60)
     t0 = time.monotonic()
