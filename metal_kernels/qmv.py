@@ -54,7 +54,9 @@ class KernelPlan:
     (names as in the kernel sources); ``grid``/``threadgroup`` are in threads, as
     ``mx.fast.cuda_kernel``/``metal_kernel`` take them (grid = total threads).
     ``k_split`` names the parts of the configuration that fix the per-row reduction order;
-    it is independent of the row count M by construction.
+    it is independent of the row count M by construction. ``min_blocks`` > 0 compiles the
+    kernel with ``__launch_bounds__(threadgroup, min_blocks)`` (ptxas then keeps registers
+    within what ``min_blocks`` resident blocks per multiprocessor allow).
     """
 
     kind: str
@@ -63,6 +65,7 @@ class KernelPlan:
     grid: tuple[int, int, int]
     threadgroup: tuple[int, int, int]
     k_split: tuple[tuple[str, int], ...]
+    min_blocks: int = 0  # > 0: compiled with __launch_bounds__(threads, min_blocks)
 
     def const(self, name: str) -> int:
         return dict(self.consts)[name]
@@ -92,6 +95,9 @@ def _pow2_at_most(n: int, cap: int) -> int:
 # Benchmark-tuned overrides: (n, k, bits) -> wk and (n, k, bits, mb) -> (nt, u).
 _WK_OVERRIDE: dict[tuple[int, int, int], int] = {}
 _NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
+# (n, k, bits, mb) -> {"const_shape": bool, "xl": bool, "min_blocks": int}: how a row bucket's
+# launch is built (none of them changes a row's arithmetic).
+_PATH_OVERRIDE: dict[tuple[int, int, int, int], dict] = {}
 _CONFIG_GENERATION = [0]  # bumped by every override change: cached launch decisions keyed on it
 
 
@@ -103,13 +109,18 @@ def config_generation() -> int:
 
 
 def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
-                   nt_u: dict[int, tuple[int, int]] | None = None) -> None:
+                   nt_u: dict[int, tuple[int, int]] | None = None,
+                   path: dict[int, dict] | None = None) -> None:
     """Override the mma split for one weight shape (used by benchmarks/verify_cost.py --tune).
 
-    ``wk`` (warps splitting K, a power of two <= 16) applies to every row bucket, so rows
-    stay bit-identical across M; ``nt_u`` maps a row bucket (8 or 16) to (tiles per warp,
-    chunks in flight), which do not change any row's arithmetic.
+    ``wk`` (warps splitting K, a power of two <= 16) applies to every row bucket, so rows stay
+    bit-identical across M; ``nt_u`` maps a row bucket (8 or 16) to (tiles per warp, chunks
+    in flight) and ``path`` a row bucket to launch-building options (``const_shape``: K as a
+    compile-time constant; ``xl``: a chunk's activations loaded just before its products;
+    ``min_blocks``: launch bounds), none of which changes any row's arithmetic.
     """
+    for mb, opts in (path or {}).items():
+        _PATH_OVERRIDE[(n, k, bits, mb)] = dict(opts)
     if wk is not None:
         _WK_OVERRIDE[(n, k, bits)] = wk
     for mb, ntu in (nt_u or {}).items():
@@ -124,24 +135,35 @@ def clear_mma_config() -> None:
     """Forget every :func:`set_mma_config` override."""
     _WK_OVERRIDE.clear()
     _NTU_OVERRIDE.clear()
+    _PATH_OVERRIDE.clear()
     _plan_cached.cache_clear()
     _launcher.cache_clear()
     sibling_launcher.cache_clear()
     _CONFIG_GENERATION[0] += 1
 
 
-def mma_config_fits(nt: int, u: int, mb: int, wk: int) -> bool:
+def mma_config_fits(nt: int, u: int, mb: int, wk: int, xl: bool = False) -> bool:
     """Whether an mma configuration launches: registers per thread grow with the data a
     warp keeps in flight (NT * U * MB / 8 units; ptxas: 42-64 registers for 1 unit, 78-114
     for 2, 139-156 for 4, 199-255 with spills for 8), and a block of 32 * WK threads must
-    fit the multiprocessor's 64K registers (at most 128 each for WK = 16)."""
+    fit the multiprocessor's 64K registers (at most 128 each for WK = 16). With XL (a chunk's
+    activations loaded just before its products) a unit of weights costs less: ptxas 13.0
+    gave 44-80 registers for up to 2 units and 106 for 4 (K = 4096)."""
     units = nt * u * mb // 8
+    if xl:
+        return units <= (4 if wk >= 16 else 8)
     return units <= (2 if wk >= 16 else 4)
 
 
-def _mma_plan(m: int, n: int, k: int, bits: int) -> KernelPlan:
+# K as a compile-time constant where a chunk holds whole groups (the addresses become
+# immediates; same bits): see _mma_plan.
+CONST_SHAPE = False
+
+
+def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     vw = next(v for v in (4, 2, 1) if k % (4 * v * 32 // bits) == 0)
-    nchunks = k // (4 * vw * 32 // bits)
+    sc = 4 * vw * 32 // bits  # columns per chunk
+    nchunks = k // sc
     wk = 1
     while wk < 16 and (n / 32) * wk < _TARGET_WARPS:
         wk *= 2
@@ -157,16 +179,26 @@ def _mma_plan(m: int, n: int, k: int, bits: int) -> KernelPlan:
         # row's arithmetic, so rows stay bit-identical across M.
         nt = 1
     nt, u = _NTU_OVERRIDE.get((n, k, bits, mb), (nt, u))
+    path = _PATH_OVERRIDE.get((n, k, bits, mb), {})
+    # K as a compile-time constant (addresses as immediates): where a chunk holds whole groups.
+    const_shape = bool(path.get("const_shape", CONST_SHAPE) and sc % gs == 0)
+    xl = bool(const_shape and path.get("xl", False))
+    min_blocks = int(path.get("min_blocks", 0))
     if n % (16 * nt):
         nt = 1
-    while u > 1 and not mma_config_fits(nt, u, mb, wk):
+    # (launch bounds make ptxas fit the registers, spilling if it must: always launchable;
+    # "exact": a benchmark's configuration whose registers it checked with ptxas)
+    exact = min_blocks or path.get("exact", False)
+    while u > 1 and not (exact or mma_config_fits(nt, u, mb, wk, xl)):
         u //= 2
-    if not mma_config_fits(nt, u, mb, wk):
+    if not (exact or mma_config_fits(nt, u, mb, wk, xl)):
         nt = 1
     threads = 32 * wk
-    consts = (("BITS", bits), ("NT", nt), ("WK", wk), ("MB", mb), ("VW", vw), ("U", u))
+    # (KC = GS = 0 for the runtime-shape loop: one compiled variant for every shape and group)
+    consts = (("BITS", bits), ("NT", nt), ("WK", wk), ("MB", mb), ("VW", vw), ("U", u),
+              ("KC", k if const_shape else 0), ("GS", gs if const_shape else 0), ("XL", int(xl)))
     return KernelPlan("mma", "cuda", consts, (n // (16 * nt) * threads, 1, 1), (threads, 1, 1),
-                      (("VW", vw), ("WK", wk)))
+                      (("VW", vw), ("WK", wk)), min_blocks)
 
 
 def _simd_plan(m: int, n: int, bits: int, be: str) -> KernelPlan:
@@ -188,7 +220,7 @@ def _plan_cached(m, n, k, bits, gs, dtype, be) -> KernelPlan | None:
     if dtype not in SUPPORTED_DTYPES:
         return None
     if be == "cuda" and dtype != mx.float32 and n % 16 == 0:
-        return _mma_plan(m, n, k, bits)
+        return _mma_plan(m, n, k, bits, gs)
     return _simd_plan(m, n, bits, be)
 
 
@@ -234,12 +266,25 @@ def _sibling_store(nout: int) -> str:
     return "#define SSK_STORE(m, n, v) do { " + "".join(cases) + " } while (0)\n"
 
 
-def kernel_sources(kind: str, be: str, nout: int = 1) -> tuple[str, str]:
+def _launch_bounds(threads: int, min_blocks: int) -> str:
+    """A header suffix that compiles the kernel MLX declares after it with
+    ``__launch_bounds__(threads, min_blocks)``. mx.fast.cuda_kernel writes the ``__global__``
+    declaration itself (mlx/backend/cuda/custom_kernel.cpp: default header, this header, then
+    the kernel), so the only hook is the ``__global__`` macro (CUDA's crt/host_defines.h:
+    ``__location__(global)``), redefined here; the kernel is the only declaration after it."""
+    return (f"#undef __global__\n#define __global__ __location__(global) "
+            f"__launch_bounds__({threads}, {min_blocks})\n")
+
+
+def kernel_sources(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = None) -> tuple[str, str]:
     """(header, body) of one kernel family exactly as they are handed to MLX (minified).
 
-    ``nout`` > 1 (mma only): the sibling variant with one output per fused projection."""
+    ``nout`` > 1 (mma only): the sibling variant with one output per fused projection.
+    ``bounds`` = (threads, min_blocks) (CUDA only): compiled with those launch bounds."""
     if nout != 1 and kind != "mma":
         raise ValueError("only the mma kernel has a sibling (multi-output) variant")
+    if bounds and be != "cuda":
+        raise ValueError("launch bounds are a CUDA kernel option")
     if kind == "mma":
         header, body = _read("mma_cuda.cuh"), _read("mma_body.cu")
         if nout > 1:
@@ -250,24 +295,32 @@ def kernel_sources(kind: str, be: str, nout: int = 1) -> tuple[str, str]:
     else:
         header, body = _read("simd_metal.h"), _read("simd_metal_prologue.inc") + _read(
             "simd_body.inc")
+    if bounds:
+        header = header + _launch_bounds(*bounds)
     return _minify(header), _minify(body)
 
 
 @functools.cache
-def _kernel(kind: str, be: str, nout: int = 1):
+def _kernel(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = None):
     """The mx.fast kernel object for one kernel family (compiled per template on first use);
-    ``nout`` > 1: the mma kernel's sibling variant (outputs ``y0..``)."""
-    header, body = kernel_sources(kind, be, nout)
+    ``nout`` > 1: the mma kernel's sibling variant (outputs ``y0..``); ``bounds``: launch
+    bounds (threads, min_blocks)."""
+    header, body = kernel_sources(kind, be, nout, bounds)
     # The source hash is in the name so an edited source never reuses a kernel compiled
     # under the same name (MLX caches compiled kernels by name).
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
-    name = f"specserve_qmv_{kind}{nout if nout > 1 else ''}_{digest}"
+    lb = f"_lb{bounds[0]}x{bounds[1]}" if bounds else ""
+    name = f"specserve_qmv_{kind}{nout if nout > 1 else ''}{lb}_{digest}"
     outs = ["y"] if nout == 1 else [f"y{i}" for i in range(nout)]
     args = dict(name=name, input_names=["x", "w", "scales", "biases"], output_names=outs,
                 source=body, header=header, ensure_row_contiguous=True)
     if be == "cuda":
         return mx.fast.cuda_kernel(**args)
     return mx.fast.metal_kernel(**args)
+
+
+def _bounds(p: KernelPlan) -> tuple[int, int] | None:
+    return (p.threadgroup[0], p.min_blocks) if p.min_blocks else None
 
 
 def run_plan(p: KernelPlan, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
@@ -279,7 +332,7 @@ def run_plan(p: KernelPlan, x: mx.array, w: mx.array, scales: mx.array, biases: 
     poison it with NaN to catch unwritten elements).
     """
     template = [("T", x.dtype), ("S", scales.dtype), *p.consts]
-    out = _kernel(p.kind, p.backend)(
+    out = _kernel(p.kind, p.backend, 1, _bounds(p))(
         inputs=[x, w, scales, biases], template=template, grid=p.grid,
         threadgroup=p.threadgroup, output_shapes=[(x.shape[0], w.shape[0])],
         output_dtypes=[x.dtype], init_value=init_value)
@@ -307,7 +360,7 @@ def _launcher(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, b
     p = _signature_plan(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be)
     if p is None:
         return None
-    return (_kernel(p.kind, p.backend), [("T", xdt), ("S", sdt), *p.consts], p.grid,
+    return (_kernel(p.kind, p.backend, 1, _bounds(p)), [("T", xdt), ("S", sdt), *p.consts], p.grid,
             p.threadgroup, p.kind == "mma")
 
 
@@ -324,7 +377,7 @@ def sibling_launcher(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits
     if any(c <= 0 or c >= n for c in cuts) or list(cuts) != sorted(set(cuts)):
         return None
     template = [("T", xdt), ("S", sdt), *p.consts, *((f"S{i + 1}", c) for i, c in enumerate(cuts))]
-    return (_kernel("mma", p.backend, len(cuts) + 1), template, p.grid, p.threadgroup, True)
+    return (_kernel("mma", p.backend, len(cuts) + 1, _bounds(p)), template, p.grid, p.threadgroup, True)
 
 
 _MISSING = object()

@@ -32,6 +32,7 @@ from metal_kernels import (
     swap_layers,
     unpatch_model,
 )
+from metal_kernels.cuda_source import MLX_PRELUDE, ptxas_usage, render_qmv
 
 ON_GPU = backend() != "cpu"
 needs_gpu = pytest.mark.skipif(
@@ -235,7 +236,7 @@ def _fake_cuda(monkeypatch):
     the sibling cuts for the multi-output variant). Returns the list of launches made."""
     launches = []
 
-    def make(kind, be, nout=1):
+    def make(kind, be, nout=1, bounds=None):
         def fake_kernel(*, inputs, template, output_shapes, output_dtypes, **_):
             x, w, s, b = inputs
             t = dict(template)
@@ -334,7 +335,7 @@ def clean_launch_caches():
 
 
 def test_sibling_launcher_declines_what_it_cannot_fuse(monkeypatch, clean_launch_caches):
-    monkeypatch.setattr(qmv, "_kernel", lambda kind, be, nout=1: (kind, nout))
+    monkeypatch.setattr(qmv, "_kernel", lambda kind, be, nout=1, bounds=None: (kind, nout))
     sig = (4, 512, 256, 32, (512, 8), (512, 8), mx.float16, mx.uint32, mx.float16, mx.float16, 4, 32)
     kernel, template, *_ = qmv.sibling_launcher(*sig, "cuda", (256, 384))
     assert kernel == ("mma", 3) and template[-2:] == [("S1", 256), ("S2", 384)]
@@ -375,7 +376,7 @@ def test_layer_launch_decision_is_cached_and_invalidated(monkeypatch):
         return real_launcher(*args)
 
     monkeypatch.setattr(qmv, "backend", lambda: "cuda")
-    monkeypatch.setattr(qmv, "_kernel", lambda kind, be: fake_kernel)
+    monkeypatch.setattr(qmv, "_kernel", lambda kind, be, nout=1, bounds=None: fake_kernel)
     monkeypatch.setattr(qmv, "_launcher", counting_launcher)
     layer = nn.QuantizedLinear(64, 48, bias=False, group_size=32, bits=4)
     swap_layers(layer)
@@ -400,37 +401,6 @@ def test_swap_layers_skips_unsupported():
 
 # ---------------------------------------------------------------- CPU: CUDA sources compile
 
-_CUDA_TYPES = {mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.float32: "float"}
-# What MLX's default header provides to a custom kernel that these kernels use.
-_MLX_PRELUDE = """#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <cuda/std/array>
-#include <cooperative_groups.h>
-namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
-"""
-
-
-def _render_cuda(p, xdt, sdt, fname, cuts=()):
-    """One kernel as mx.fast.cuda_kernel generates it (mlx/backend/cuda/custom_kernel.cpp);
-    ``cuts``: the sibling variant with len(cuts) + 1 outputs."""
-    header, body = qmv.kernel_sources(p.kind, "cuda", len(cuts) + 1)
-    sig = []
-    for name, ctype in (("x", _CUDA_TYPES[xdt]), ("w", "uint32_t"), ("scales", _CUDA_TYPES[sdt]),
-                        ("biases", _CUDA_TYPES[sdt])):
-        sig.append(f"const {ctype}* {name},")
-        if f"{name}_shape" in body:
-            sig.append(f"const __grid_constant__ Shape {name}_shape,")
-        if f"{name}_ndim" in body:
-            sig.append(f"const __grid_constant__ int {name}_ndim,")
-    outs = ["y"] if not cuts else [f"y{i}" for i in range(len(cuts) + 1)]
-    sig.append(", ".join(f"{_CUDA_TYPES[xdt]}* {o}" for o in outs))
-    consts = "".join(f"constexpr int {k} = {v};\n" for k, v in
-                     (*p.consts, *((f"S{i + 1}", c) for i, c in enumerate(cuts))))
-    return (f"{header}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
-            f"__global__ void {fname}(\n{''.join(sig)}) {{\n"
-            f"using T = {_CUDA_TYPES[xdt]};\nusing S = {_CUDA_TYPES[sdt]};\n{consts}\n{body}\n}}\n}}\n")
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (CUDA toolkit absent)")
 def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
     cases = []
@@ -439,21 +409,32 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
         for bits in (4, 8):
             for m, n, k in ((1, 4096, 4096), (16, 14336, 4096), (9, 576, 576), (4, 208, 640)):
                 cases.append((plan(m, n, k, bits, 32, xdt, "cuda"), xdt, sdt))
-    src = _MLX_PRELUDE + "".join(_render_cuda(p, x, s, f"k{i}") for i, (p, x, s) in enumerate(cases))
+    try:  # the compile-time-shape loop: both row buckets, 4/8 bits, XL, launch bounds
+        for bits in (4, 8):
+            for mb, ntu, opts in ((8, (2, 2), {"const_shape": True}), (16, (2, 2), {"const_shape": True, "xl": True}),
+                                  (8, (1, 2), {"const_shape": True, "xl": True, "min_blocks": 2})):
+                qmv.set_mma_config(4096, 4096, bits, nt_u={mb: ntu}, path={mb: opts})
+                cases.append((plan(mb, 4096, 4096, bits, 64, mx.bfloat16, "cuda"), mx.bfloat16, mx.bfloat16))
+                assert cases[-1][0].const("KC") == 4096
+                qmv.clear_mma_config()
+    finally:
+        qmv.clear_mma_config()
+    src = MLX_PRELUDE + "".join(render_qmv(p, x, s, f"k{i}") for i, (p, x, s) in enumerate(cases))
     # sibling variants: 8B q/k/v (4096 + 1024 + 1024) and gate/up (2 x 14336), 1 and 16 rows
     for i, (m, n, cuts) in enumerate(((1, 6144, (4096, 5120)), (16, 6144, (4096, 5120)),
                                       (1, 28672, (14336,)), (16, 28672, (14336,)))):
         p = plan(m, n, 4096, 4, 64, mx.bfloat16, "cuda")
-        src += _render_cuda(p, mx.bfloat16, mx.bfloat16, f"sib{i}", cuts)
+        src += render_qmv(p, mx.bfloat16, mx.bfloat16, f"sib{i}", cuts)
         cases.append((p, mx.bfloat16, mx.bfloat16))
-    (tmp_path / "k.cu").write_text(src)
-    res = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v",
-                          "-o", str(tmp_path / "k.cubin"), str(tmp_path / "k.cu")],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
+    usage = ptxas_usage(src)
     assert {p.kind for p, _, _ in cases} == {"mma", "simd"}
-    assert res.stderr.count("0 bytes spill stores") == len(cases), res.stderr[-4000:]
-    assert "bytes stack frame" in res.stderr and " 0 bytes stack frame" in res.stderr
+    names = [f"k{i}" for i in range(len(cases) - 4)] + [f"sib{i}" for i in range(4)]
+    assert sorted(usage) == sorted(names)
+    for name, (p, _, _) in zip(names, cases):
+        u = usage[name]
+        assert u["spill_stores"] == 0 and u["spill_loads"] == 0, (name, p, u)
+        # launchable: the block's registers fit a multiprocessor's 64K (min_blocks of them)
+        assert u["registers"] * p.threadgroup[0] * max(1, p.min_blocks) <= 65536, (name, p, u)
 
 
 # ---------------------------------------------------------------- GPU: correctness
@@ -537,6 +518,42 @@ def test_tiles_and_prefetch_do_not_change_bits():
         qmv.clear_mma_config()
     for o in outs[1:]:
         assert all(mx.array_equal(a, c).item() for a, c in zip(outs[0], o))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64)])
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="the compile-time-shape loop is the CUDA mma kernel's")
+def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
+    """K as a compile-time constant (addresses as immediates), activations loaded late (XL) and
+    launch bounds change how a launch is built, not its arithmetic: every row count gives the
+    runtime-shape loop's bits exactly (NaN-filled outputs catch unwritten elements)."""
+    dt = DTYPES[dtype]
+    variants = [{"const_shape": True}, {"const_shape": True, "xl": True},
+                {"const_shape": True, "min_blocks": 2}, {"const_shape": True, "xl": True, "min_blocks": 2}]
+    for n, k in SHAPES + [(4096, 4096)]:
+        if k % gs:
+            continue
+        wq, s, b = _quantized(n, k, gs, bits, dt, seed=3 * n + k)
+        x = mx.random.normal((16, k)).astype(dt)
+        base = {m: quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=bits) for m in range(1, 17)}
+        assert plan(1, n, k, bits, gs, dt).const("KC") == 0
+        for opts in variants:
+            for nt, u in ((1, 1), (2, 2)):
+                try:
+                    qmv.set_mma_config(n, k, bits, nt_u={8: (nt, u), 16: (nt, u)}, path={8: opts, 16: opts})
+                    p = plan(16, n, k, bits, gs, dt)
+                    if 4 * p.const("VW") * 32 // bits % gs:
+                        assert p.const("KC") == 0  # (a chunk splits a group: the runtime loop)
+                    else:
+                        assert p.const("KC") == k and p.const("XL") == int(opts.get("xl", False))
+                    assert p.min_blocks == opts.get("min_blocks", 0)
+                    for m in range(1, 17):
+                        pm = plan(m, n, k, bits, gs, dt)
+                        y = qmv.run_plan(pm, x[:m], wq, s, b, init_value=float("nan"))
+                        assert mx.array_equal(y, base[m]).item(), (opts, nt, u, m, n, k)
+                finally:
+                    qmv.clear_mma_config()
 
 
 @pytest.mark.gpu
@@ -651,7 +668,7 @@ def test_row_attention_declines_off_cuda_and_unsupported_shapes():
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (CUDA toolkit absent)")
 def test_row_attention_kernel_compiles_for_sm90_without_spills(tmp_path):
     body = row_attn.attention_source()
-    src = _MLX_PRELUDE + "namespace mlx::core::cu { using Strides = cuda::std::array<int64_t, 10>; }\n"
+    src = MLX_PRELUDE + "namespace mlx::core::cu { using Strides = cuda::std::array<int64_t, 10>; }\n"
     for i, (ctype, d) in enumerate((("float", 64), ("float", 128), ("__nv_bfloat16", 64), ("__half", 128))):
         sig = []
         for name in ("q", "k", "v"):  # the parameters mx.fast.cuda_kernel generates

@@ -15,6 +15,10 @@
 #                            # and decode steps part (WEIGHTS, KERNELS, EXACT, WIDTHS, TOKENS)
 #   kernels_h200.sh fused    # tests/test_fused.py (GPU tier included), then benchmarks/step_profile.py
 #                            # eager vs fused passes on the default model (MODES, STEP_ARGS)
+#   kernels_h200.sh mma      # the mma kernel's launch configurations under Nsight Compute: its GPU
+#                            # tests (CHECK_K), then mma_sweep --ncu over SHAPES/ROWS and CONFIGS
+#                            # (WK,NT,U,KC,XL,LB;...; or the WK/NT/U product), parsed into
+#                            # $OUT/mma_ncu.json
 #   kernels_h200.sh draft    # the fused DSpark draft: its GPU tests first (a launch that fails
 #                            # cannot be recovered in-process, so before any engine starts), then
 #                            # benchmarks/gpu/dspark_forward.py and benchmarks/dspark_cost.py
@@ -77,5 +81,15 @@ case "$1" in
     fi
     timeout -k 5 120 python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
       --out "$out/dspark_cost_h200.json" 2>&1 | grep -v "^INFO" | tail -12 ;;
-  *) echo "usage: $0 cal|spec|verify|check|attn|overhead|probe|fused|draft" >&2; exit 2 ;;
+  mma)
+    python3 benchmarks/kernel_check.py --out "$out/kernel_check_mma.json" -k "${CHECK_K:-const_shape or tiles_and}" 2>&1 | tail -20
+    sweep=(--shapes "${SHAPES:-4096x4096:64,14336x4096:64}" --rows "${ROWS:-1,8,16}")
+    if [ -n "${CONFIGS:-}" ]; then sweep+=(--configs="$CONFIGS")
+    else sweep+=(--wk "${WK:-8,16}" --nt "${NT:-1,2}" --u "${U:-1,2,4}"); fi
+    timeout -k 5 "${NCU_LIMIT:-420}" ncu --clock-control none --kernel-name regex:"qmv|qmm|specserve" \
+      --metrics gpu__time_duration.sum --csv --log-file "$out/mma_ncu.csv" \
+      python3 benchmarks/gpu/mma_sweep.py --ncu "${sweep[@]}" > "$out/mma_order.txt" 2>&1 || true
+    python3 benchmarks/gpu/mma_sweep.py --parse "$out/mma_ncu.csv" --order "$out/mma_order.txt" \
+      --out "$out/mma_ncu.json" 2>&1 | tail -40 ;;
+  *) echo "usage: $0 cal|spec|verify|check|attn|overhead|probe|fused|draft|mma" >&2; exit 2 ;;
 esac

@@ -15,8 +15,12 @@ configuration (``--wk/--nt/--u`` narrow the sweep) twice at each of ``--rows`` i
 order, and ``--parse CSV`` pairs ncu's CSV with that order:
 
     ncu --clock-control none --kernel-name regex:"qmv|qmm|specserve" --metrics gpu__time_duration.sum \
-        --csv --log-file ncu.csv python benchmarks/gpu/mma_sweep.py --ncu > order.txt
+        --csv --log-file ncu.csv python benchmarks/gpu/mma_sweep.py --ncu > order.txt  # a case per line
     PYTHONPATH=$PWD python benchmarks/gpu/mma_sweep.py --parse ncu.csv --order order.txt --out mma_ncu.json
+
+``--configs "WK,NT,U,KC,XL,LB;..."`` times those launch configurations instead (see
+``CONFIG_FIELDS``); ``--regs`` compiles the same cases with the local CUDA toolkit (no GPU) and
+prints their registers and spills, to keep unlaunchable ones out of a sweep.
 
 ``--floor`` sums a float32 array of each shape's weight bytes twice (``mx.sum``): under
 ``ncu --kernel-name regex:all_reduce`` that is how long MLX's tuned reduction takes to read the
@@ -54,26 +58,74 @@ def _configs(n, k, gs, dtype, mb=None, wks=(1, 2, 4, 8, 16), nts=(1, 2, 4), us=(
             yield wk, nt, u
 
 
-def ncu_run(dtype, wks, nts, us, rows, shapes=SHAPES):
-    """Two launches per case (ncu flushes L2 between kernels); prints the case order."""
-    order = []
+# A case's configuration: (WK, NT, U, KC, XL, LB) = warps splitting K, tiles per warp, chunks
+# in flight, K as a compile-time constant, activations loaded late, launch bounds' minimum
+# blocks per multiprocessor (0: none). Only WK changes a row's arithmetic.
+CONFIG_FIELDS = ("WK", "NT", "U", "KC", "XL", "LB")
+
+
+def apply_config(n, k, m, cfg):
+    """Install one configuration for the (n, k) 4-bit shape at m rows (qmv.set_mma_config)."""
+    wk, nt, u, kc, xl, lb = cfg
+    mb = 8 if m <= 8 else 16
+    qmv.set_mma_config(n, k, 4, wk=wk, nt_u={mb: (nt, u)},
+                       path={mb: {"const_shape": bool(kc), "xl": bool(xl), "min_blocks": lb, "exact": True}})
+
+
+def case_list(n, k, gs, dtype, rows, wks, nts, us, configs):
+    """(path, rows, config) cases: MLX's matmul and the default plan at each row count, then
+    ``configs`` (a negative WK: the default plan's WK), or the --wk/--nt/--u product that fits."""
+    cases = [(path, m, None) for m in rows for path in ("mlx", "default")]
+    if configs:
+        wk0 = plan(1, n, k, 4, gs, dtype, "cuda").const("WK")
+        return cases + [("config", m, (wk0 if c[0] < 0 else c[0], *c[1:])) for m in rows for c in configs]
+    return cases + [("config", m, (*c, 0, 0, 0)) for m in rows
+                    for c in _configs(n, k, gs, dtype, 8 if m <= 8 else 16, wks, nts, us)]
+
+
+def ncu_run(dtype, wks, nts, us, rows, shapes=SHAPES, configs=()):
+    """Two launches per case (ncu flushes L2 between kernels); prints the case order, one
+    case per line as it runs (so a run cut short still parses). A case's config is
+    :data:`CONFIG_FIELDS` (``configs``: these for every row count, else the product of
+    ``wks`` x ``nts`` x ``us`` that fits)."""
     for n, k, gs in shapes:
         w = _weight_sets(n, k, 4, gs, dtype, 1)[0]
-        cases = [(path, m, None) for m in rows for path in ("mlx", "default")]
-        cases += [("config", m, c) for m in rows
-                  for c in _configs(n, k, gs, dtype, 8 if m <= 8 else 16, wks, nts, us)]
-        for path, m, cfg in cases:
+        for path, m, cfg in case_list(n, k, gs, dtype, rows, wks, nts, us, configs):
             x = mx.random.normal((m, k)).astype(dtype)
             mx.eval(x)
             if cfg:
-                qmv.set_mma_config(n, k, 4, wk=cfg[0], nt_u={8 if m <= 8 else 16: cfg[1:]})
+                apply_config(n, k, m, cfg)
             for _ in range(2):
                 mx.eval(quantized_matmul(x, *w, gs, 4, kernels="off" if path == "mlx" else "auto"))
             mx.synchronize()
             qmv.clear_mma_config()
-            order.append({"shape": f"{n}x{k}", "group_size": gs, "weight_bytes": _nbytes(*w), "path": path,
-                          "m": m, "config": cfg})
-    print("NCU_ORDER " + json.dumps(order), flush=True)
+            print("NCU_CASE " + json.dumps({"shape": f"{n}x{k}", "group_size": gs, "weight_bytes": _nbytes(*w),
+                                            "path": path, "m": m, "config": cfg}), flush=True)
+
+
+def regs_run(dtype, wks, nts, us, rows, shapes=SHAPES, configs=()):
+    """Compile every case's kernel for sm_90 with the local CUDA toolkit (no GPU) and print its
+    registers, spills and whether it launches: what to keep out of a sweep before spending
+    device time (a kernel over the multiprocessor's registers fails to launch)."""
+    from metal_kernels.cuda_source import MLX_PRELUDE, ptxas_usage, render_qmv
+
+    src, names = MLX_PRELUDE, []
+    for n, k, gs in shapes:
+        for path, m, cfg in case_list(n, k, gs, dtype, rows, wks, nts, us, configs):
+            if path != "config":
+                continue
+            apply_config(n, k, m, cfg)
+            p = plan(m, n, k, 4, gs, dtype, "cuda")
+            qmv.clear_mma_config()
+            names.append((f"r{len(names)}", n, k, m, cfg, p))
+            src += render_qmv(p, dtype, dtype, names[-1][0])
+    usage = ptxas_usage(src)
+    for name, n, k, m, cfg, p in names:
+        u = usage[name]
+        got = (p.const("WK"), p.const("NT"), p.const("U"), int(p.const("KC") > 0), p.const("XL"), p.min_blocks)
+        fits = u["registers"] * p.threadgroup[0] * max(1, p.min_blocks) <= 65536
+        print(f"{n}x{k} M={m} {cfg}: {u['registers']} registers, spills {u['spill_stores']}/{u['spill_loads']} B"
+              f"{'' if fits else ', DOES NOT LAUNCH'}{'' if got == tuple(cfg) else f', plan gave {got}'}")
 
 
 def floor_run(dtype, shapes=SHAPES):
@@ -92,11 +144,14 @@ def floor_run(dtype, shapes=SHAPES):
 def parse(csv_path, order_path, out):
     """Device time (us, the second launch of each case) per case, from ncu's CSV."""
     import csv
-    order = json.loads(next(line for line in open(order_path) if line.startswith("NCU_ORDER "))[10:])
+    lines = open(order_path).read().splitlines()
+    order = [json.loads(line[9:]) for line in lines if line.startswith("NCU_CASE ")]
+    order += [c for line in lines if line.startswith("NCU_ORDER ") for c in json.loads(line[10:])]  # older runs
     times = [(r["Kernel Name"], float(r["Metric Value"].replace(",", "")), r["Metric Unit"])
              for r in csv.DictReader(line for line in open(csv_path) if not line.startswith("=="))
              if r.get("Metric Name") == "gpu__time_duration.sum"]
-    assert len(times) == 2 * len(order), (len(times), len(order))
+    # (a run cut short: cases are printed after their launches, so ncu may hold a few more)
+    assert len(times) >= 2 * len(order), (len(times), len(order))
     scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
     for i, case in enumerate(order):
         name, value, unit = times[2 * i + 1]
@@ -113,6 +168,8 @@ def parse(csv_path, order_path, out):
             print(f"{shape} M={m}: mlx {mlx and round(mlx['us'], 2)} default {default and round(default['us'], 2)}"
                   f"; best {best['path']} {best['config']} {best['us']:.2f} us ({best['tbs']:.2f} TB/s"
                   + (f", {mlx['us'] / best['us']:.2f}x MLX)" if mlx else ")"))
+            for c in sorted((c for c in at if c["path"] == "config"), key=lambda c: c["us"])[:4]:
+                print(f"    {c['config']} {c['us']:.2f} us" + (f" ({mlx['us'] / c['us']:.2f}x MLX)" if mlx else ""))
 
 
 def _choices(*allowed):
@@ -127,6 +184,24 @@ def _choices(*allowed):
             raise argparse.ArgumentTypeError(f"{bad} not in {list(allowed)}")
         return values
     return parse_list
+
+
+def _configs_arg(text):
+    """argparse type: ``WK,NT,U,KC,XL,LB`` items separated by ';'."""
+    out = []
+    for item in filter(None, text.split(";")):
+        try:
+            cfg = tuple(int(v) for v in item.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: expected integers WK,NT,U,KC,XL,LB") from None
+        if len(cfg) != len(CONFIG_FIELDS):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected {len(CONFIG_FIELDS)} integers WK,NT,U,KC,XL,LB")
+        wk, nt, u, kc, xl, lb = cfg
+        if wk not in (-1, 1, 2, 4, 8, 16) or nt not in (1, 2, 4) or u not in (1, 2, 4) or not {kc, xl} <= {0, 1} \
+                or lb not in (0, 1, 2, 3, 4):
+            raise argparse.ArgumentTypeError(f"{item!r}: out of range")
+        out.append(cfg)
+    return tuple(out)
 
 
 def _shapes(text):
@@ -148,6 +223,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--ncu", action="store_true")
     ap.add_argument("--floor", action="store_true", help="sum arrays of each shape's bytes (run under ncu)")
+    ap.add_argument("--regs", action="store_true",
+                    help="compile the swept cases with the local nvcc (sm_90) and print registers and spills")
+    ap.add_argument("--configs", type=_configs_arg, default=(),
+                    help="explicit cases WK,NT,U,KC,XL,LB separated by ';' (WK -1: the default plan's), "
+                         "instead of the --wk/--nt/--u product")
     ap.add_argument("--parse", default=None)
     ap.add_argument("--order", default=None)
     ap.add_argument("--out", default="mma_sweep.json")
@@ -164,12 +244,14 @@ def main():
                     help="weight shapes NxK:GROUP, comma-separated (default: the four of SHAPES)")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
-    if sum((args.floor, args.ncu, args.parse is not None)) > 1:
-        ap.error("--floor, --ncu and --parse are separate runs: give one")
+    if sum((args.floor, args.ncu, args.regs, args.parse is not None)) > 1:
+        ap.error("--floor, --ncu, --regs and --parse are separate runs: give one")
     if args.floor:
         return floor_run(dtype, args.shapes)
     if args.ncu:
-        return ncu_run(dtype, args.wk, args.nt, args.u, args.rows, args.shapes)
+        return ncu_run(dtype, args.wk, args.nt, args.u, args.rows, args.shapes, args.configs)
+    if args.regs:
+        return regs_run(dtype, args.wk, args.nt, args.u, args.rows, args.shapes, args.configs)
     if args.parse:
         return parse(args.parse, args.order, args.out)
     rows = []

@@ -44,11 +44,13 @@ const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
 const int g = lane >> 2;
 const int t = lane & 3;
-// x may be (..., K): its leading dimensions are the rows.
+// x may be (..., K): its leading dimensions are the rows. (A fixed trip count over MLX's
+// 10 shape slots: straight-line uniform code instead of a loop ptxas unrolls into branches.)
 const int K = x_shape[x_ndim - 1];
 int M = 1;
-for (int i = 0; i + 1 < x_ndim; ++i) {
-  M *= x_shape[i];
+#pragma unroll
+for (int i = 0; i < 9; ++i) {
+  M *= i + 1 < x_ndim ? x_shape[i] : 1;
 }
 const int N = w_shape[0];
 const int nchunks = K / SC;
@@ -72,6 +74,88 @@ for (int j = 0; j < NT; ++j) {
   }
 }
 
+if constexpr (KC > 0) {
+  // Compile-time shape (qmv.py sets KC = K and GS = the group size, where a chunk holds
+  // whole groups): every address is a base pointer plus immediates, advanced by a constant
+  // stride per iteration. The chunks, their order and the arithmetic are the runtime-shape
+  // loop's below, so the bits are too. XL = 1 loads a chunk's activations just before its
+  // products (fewer registers held while U > 1 chunks of weights are in flight).
+  // (GS is 0 where KC is: the runtime loop's launches, which discard this block but compile it)
+  constexpr int GSZ = GS > 0 ? GS : SC;
+  static_assert(KC == 0 || SC % GSZ == 0, "a chunk holds whole groups");
+  constexpr int KW = KC * BITS / 32;  // words per weight row
+  constexpr int NGR = KC / GSZ;       // groups per row
+  constexpr int NCH = KC / SC;        // chunks per row
+  constexpr int CW = SC * BITS / 32;  // words per row per chunk
+  constexpr int CG = SC / GSZ;        // groups per chunk
+  const uint32_t* wp = w + (size_t)(row0 + g) * KW + warp * CW + t * VW;
+  const size_t sofs = (size_t)(row0 + g) * NGR + warp * CG + (t * VALS) / GSZ;
+  const S* sp = scales + sofs;
+  const S* bp = biases + sofs;
+  const T* xp = x + (size_t)g * KC + warp * SC + t * VALS;
+  for (int cbase = warp; cbase < NCH; cbase += WK * U) {
+    uint32_t wr[U][NT][2][VW];
+    S sc[U][NT][2];
+    S bi[U][NT][2];
+    uint32_t xr[U][MBLK][XW];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (cbase + u * WK < NCH) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int ro = 16 * j + 8 * h;  // rows past this thread's first
+            ssk::load_words<VW>(wp + u * WK * CW + ro * KW, wr[u][j][h]);
+            sc[u][j][h] = sp[u * WK * CG + ro * NGR];
+            bi[u][j][h] = bp[u * WK * CG + ro * NGR];
+          }
+        }
+        if constexpr (!XL) {
+#pragma unroll
+          for (int mb = 0; mb < MBLK; ++mb) {
+            ssk::load_x<XW>(xp + u * WK * SC + 8 * mb * KC, 8 * mb + g < M, xr[u][mb]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (cbase + u * WK < NCH) {
+        if constexpr (XL) {
+#pragma unroll
+          for (int mb = 0; mb < MBLK; ++mb) {
+            ssk::load_x<XW>(xp + u * WK * SC + 8 * mb * KC, 8 * mb + g < M, xr[u][mb]);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const typename Dq::Params p0 = Dq::params(sc[u][j][0], bi[u][j][0]);
+          const typename Dq::Params p1 = Dq::params(sc[u][j][1], bi[u][j][1]);
+#pragma unroll
+          for (int v = 0; v < VW; ++v) {
+#pragma unroll
+            for (int s = 0; s < MMAS; ++s) {
+              const uint32_t a[4] = {
+                  Dq::pair(wr[u][j][0][v], 2 * s, p0), Dq::pair(wr[u][j][1][v], 2 * s, p1),
+                  Dq::pair(wr[u][j][0][v], 2 * s + 1, p0), Dq::pair(wr[u][j][1][v], 2 * s + 1, p1)};
+#pragma unroll
+              for (int mb = 0; mb < MBLK; ++mb) {
+                uint32_t b0, b1;
+                ssk::XPair<BITS>::get(xr[u][mb], v, s, b0, b1);
+                ssk::Mma<T>::run(acc[j][mb], a, b0, b1);
+              }
+            }
+          }
+        }
+      }
+    }
+    wp += WK * U * CW;
+    sp += WK * U * CG;
+    bp += WK * U * CG;
+    xp += WK * U * SC;
+  }
+} else
 for (int cbase = warp; cbase < nchunks; cbase += WK * U) {
   uint32_t wr[U][NT][2][VW];
   float sc[U][NT][2];

@@ -26,6 +26,9 @@ struct Half2<__half> {
   static __device__ __forceinline__ V splat(float f) {
     return __float2half2_rn(f);
   }
+  static __device__ __forceinline__ V dup(__half h) {
+    return __half2half2(h);
+  }
   static __device__ __forceinline__ V magic() {
     return __float2half2_rn(1024.0f);
   }
@@ -42,12 +45,24 @@ struct Half2<__nv_bfloat16> {
   static __device__ __forceinline__ V splat(float f) {
     return __float2bfloat162_rn(f);
   }
+  static __device__ __forceinline__ V dup(__nv_bfloat16 h) {
+    return __bfloat162bfloat162(h);
+  }
   static __device__ __forceinline__ V magic() {
     return __float2bfloat162_rn(128.0f);
   }
   static __device__ __forceinline__ V pack(float lo, float hi) {
     return __floats2bfloat162_rn(lo, hi);
   }
+};
+
+template <typename A, typename B>
+struct Same {
+  static constexpr bool value = false;
+};
+template <typename A>
+struct Same<A, A> {
+  static constexpr bool value = true;
 };
 
 template <typename V>
@@ -77,12 +92,24 @@ struct Deq<T, 4> {
   struct Params {
     V s, b;
   };
-  static __device__ __forceinline__ Params params(float s, float b) {
-    return {Half2<T>::splat(s), Half2<T>::splat(b)};
+  // A scale and bias already in T are duplicated into both halves (one PRMT each, the same
+  // bits as the round trip through float); other types are rounded to T once.
+  template <typename S>
+  static __device__ __forceinline__ Params params(S s, S b) {
+    if constexpr (Same<S, T>::value) {
+      return {Half2<T>::dup(s), Half2<T>::dup(b)};
+    } else {
+      return {Half2<T>::splat(static_cast<float>(s)), Half2<T>::splat(static_cast<float>(b))};
+    }
   }
   static __device__ __forceinline__ uint32_t pair(
       uint32_t w, int j, const Params& p) {
-    uint32_t u = ((w >> (4 * j)) & 0x000F000Fu) | Half2<T>::kMagic;
+    // (M0 + q[j], M0 + q[j + 4]): ((w >> 4j) & 0x000F000F) | magic in one LOP3 (ptxas
+    // emits two for the C expression: the second constant needs the register form).
+    uint32_t u;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;"
+        : "=r"(u)
+        : "r"(w >> (4 * j)), "n"(0x000F000Fu), "n"(Half2<T>::kMagic));
     V q = __hsub2(bits_to<V>(u), Half2<T>::magic());
     return to_bits(__hfma2(q, p.s, p.b));
   }
