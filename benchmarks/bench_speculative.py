@@ -147,6 +147,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--dspark", action="store_true", help="load the shipped DSpark drafter")
     ap.add_argument("--workloads", default=None, help="comma-separated names (default: all files)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--prompt-lookup-min-ngram", type=int, default=None,
+                    help="SPECSERVE_PROMPT_LOOKUP_MIN_NGRAM (default: the engine's)")
     ap.add_argument("--freeze-cost", action="store_true",
                     help="keep the start-up T(k) curve (no online refresh; a diagnostic)")
     ap.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
@@ -157,10 +159,11 @@ def main(argv=None) -> dict:
     methods = args.methods.split(",")
     workloads = load_workloads(args.workloads.split(",") if args.workloads else None)
     use_dspark = bool(args.dspark or args.dspark_drafter or {"dspark", "auto"} & set(methods))
+    extra = {} if args.prompt_lookup_min_ngram is None else {"prompt_lookup_min_ngram": args.prompt_lookup_min_ngram}
     eng = Engine(EngineConfig(model=args.model, weights=args.weights, speculation="auto", dspark=use_dspark,
                               dspark_drafter=args.dspark_drafter, kernels=args.kernels,
                               exact_verify=args.exact_verify, fused=args.fused,
-                              compile=args.compile)).start(wait=True)
+                              compile=args.compile, **extra)).start(wait=True)
     tok = eng.loaded.tokenizer
     if args.freeze_cost:
         eng.cost.alpha = 0.0  # T(k) frozen at its start-up values (no refresh, no rescale)
