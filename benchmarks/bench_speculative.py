@@ -159,7 +159,9 @@ def main(argv=None) -> dict:
     methods = args.methods.split(",")
     workloads = load_workloads(args.workloads.split(",") if args.workloads else None)
     use_dspark = bool(args.dspark or args.dspark_drafter or {"dspark", "auto"} & set(methods))
-    extra = {} if args.prompt_lookup_min_ngram is None else {"prompt_lookup_min_ngram": args.prompt_lookup_min_ngram}
+    extra = {} if args.prompt_lookup_min_ngram is None else {
+        "prompt_lookup_min_ngram": args.prompt_lookup_min_ngram,
+        "prompt_lookup_max_ngram": max(args.prompt_lookup_min_ngram, EngineConfig.prompt_lookup_max_ngram)}
     eng = Engine(EngineConfig(model=args.model, weights=args.weights, speculation="auto", dspark=use_dspark,
                               dspark_drafter=args.dspark_drafter, kernels=args.kernels,
                               exact_verify=args.exact_verify, fused=args.fused,

@@ -36,7 +36,8 @@ def render_qmv(p: qmv.KernelPlan, xdt: mx.Dtype, sdt: mx.Dtype, fname: str, cuts
     in its header (as MLX compiles it); the rendering restores the macro after the kernel, so
     several kernels can share one translation unit."""
     bounds = (p.threadgroup[0], p.min_blocks) if p.min_blocks else None
-    header, body = qmv.kernel_sources(p.kind, "cuda", len(cuts) + 1, bounds)
+    header, body = qmv.kernel_sources(p.kind, "cuda", len(cuts) + 1, bounds,
+                                      p.kind == "mma" and p.const("KC") > 0)
     sig = []
     for name, ctype in (("x", CUDA_TYPES[xdt]), ("w", "uint32_t"), ("scales", CUDA_TYPES[sdt]),
                         ("biases", CUDA_TYPES[sdt])):

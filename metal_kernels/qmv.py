@@ -146,18 +146,33 @@ def mma_config_fits(nt: int, u: int, mb: int, wk: int, xl: bool = False) -> bool
     """Whether an mma configuration launches: registers per thread grow with the data a
     warp keeps in flight (NT * U * MB / 8 units; ptxas: 42-64 registers for 1 unit, 78-114
     for 2, 139-156 for 4, 199-255 with spills for 8), and a block of 32 * WK threads must
-    fit the multiprocessor's 64K registers (at most 128 each for WK = 16). With XL (a chunk's
-    activations loaded just before its products) a unit of weights costs less: ptxas 13.0
-    gave 44-80 registers for up to 2 units and 106 for 4 (K = 4096)."""
+    fit the multiprocessor's 64K registers (at most 128 each for WK = 16; the H200 refused to
+    launch a 512-thread block at exactly 128). With XL (a chunk's activations loaded just before
+    its products, compile-time-shape loop) a unit costs less: ptxas 13.0 (nvcc and NVRTC alike)
+    gave 54-82 registers for up to 4 units and 108-124 for 8 (K = 4096-14336)."""
     units = nt * u * mb // 8
     if xl:
         return units <= (4 if wk >= 16 else 8)
     return units <= (2 if wk >= 16 else 4)
 
 
+def registers_fit(registers: int, threads: int, min_blocks: int = 0) -> bool:
+    """Whether a kernel that ptxas gave ``registers`` per thread launches in blocks of
+    ``threads`` (``min_blocks`` > 0: compiled with launch bounds, which ptxas meets). Without
+    bounds it keeps 4 registers of margin below a multiprocessor's 64K per block: MLX compiles
+    with NVRTC, and the H200 refused a 512-thread block that nvcc 13.0 counted at 128 registers
+    while one it counted at 121 ran (twenty-fourth session)."""
+    if min_blocks:
+        return registers * threads * min_blocks <= 65536
+    return (registers + 4) * threads <= 65536
+
+
 # K as a compile-time constant where a chunk holds whole groups (the addresses become
-# immediates; same bits): see _mma_plan.
-CONST_SHAPE = False
+# immediates; same bits): see _mma_plan. Nsight Compute on the H200 (twenty-fourth session,
+# docs/benchmarks.md): as fast as the runtime-shape loop or faster at one row on all six
+# shapes timed (4096x4096 6.85-6.88 against 6.91-7.39 us over two runs; 14336x4096 15.36
+# against 16.42; 49152x576 11.30 against 11.52), within ~3% either way at 8 rows.
+CONST_SHAPE = True
 
 
 def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
@@ -276,17 +291,31 @@ def _launch_bounds(threads: int, min_blocks: int) -> str:
             f"__launch_bounds__({threads}, {min_blocks})\n")
 
 
-def kernel_sources(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = None) -> tuple[str, str]:
+_CONST_SHAPE_MARK = "// SSK_CONST_SHAPE_LOOP"
+
+
+def kernel_sources(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = None,
+                   const_shape: bool = False) -> tuple[str, str]:
     """(header, body) of one kernel family exactly as they are handed to MLX (minified).
 
     ``nout`` > 1 (mma only): the sibling variant with one output per fused projection.
-    ``bounds`` = (threads, min_blocks) (CUDA only): compiled with those launch bounds."""
+    ``bounds`` = (threads, min_blocks) (CUDA only): compiled with those launch bounds.
+    ``const_shape`` (mma only): with the compile-time-shape loop (``mma_const_shape.cu``, for
+    plans with KC > 0), spliced in only where it runs: MLX builds a custom kernel's whole source
+    into every call and hashes it at every evaluation, so the default launches keep the shorter
+    source."""
     if nout != 1 and kind != "mma":
         raise ValueError("only the mma kernel has a sibling (multi-output) variant")
     if bounds and be != "cuda":
         raise ValueError("launch bounds are a CUDA kernel option")
+    if const_shape and kind != "mma":
+        raise ValueError("the compile-time-shape loop is the mma kernel's")
     if kind == "mma":
         header, body = _read("mma_cuda.cuh"), _read("mma_body.cu")
+        lines = body.splitlines(keepends=True)
+        at = next(i for i, line in enumerate(lines) if line.startswith(_CONST_SHAPE_MARK))
+        lines[at] = _read("mma_const_shape.cu") if const_shape else ""
+        body = "".join(lines)
         if nout > 1:
             body = _sibling_store(nout) + body
     elif be == "cuda":
@@ -301,16 +330,17 @@ def kernel_sources(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | 
 
 
 @functools.cache
-def _kernel(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = None):
+def _kernel(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = None,
+            const_shape: bool = False):
     """The mx.fast kernel object for one kernel family (compiled per template on first use);
     ``nout`` > 1: the mma kernel's sibling variant (outputs ``y0..``); ``bounds``: launch
-    bounds (threads, min_blocks)."""
-    header, body = kernel_sources(kind, be, nout, bounds)
+    bounds (threads, min_blocks); ``const_shape``: with the compile-time-shape loop."""
+    header, body = kernel_sources(kind, be, nout, bounds, const_shape)
     # The source hash is in the name so an edited source never reuses a kernel compiled
     # under the same name (MLX caches compiled kernels by name).
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
     lb = f"_lb{bounds[0]}x{bounds[1]}" if bounds else ""
-    name = f"specserve_qmv_{kind}{nout if nout > 1 else ''}{lb}_{digest}"
+    name = f"specserve_qmv_{kind}{nout if nout > 1 else ''}{'_k' if const_shape else ''}{lb}_{digest}"
     outs = ["y"] if nout == 1 else [f"y{i}" for i in range(nout)]
     args = dict(name=name, input_names=["x", "w", "scales", "biases"], output_names=outs,
                 source=body, header=header, ensure_row_contiguous=True)
@@ -319,8 +349,11 @@ def _kernel(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = 
     return mx.fast.metal_kernel(**args)
 
 
-def _bounds(p: KernelPlan) -> tuple[int, int] | None:
-    return (p.threadgroup[0], p.min_blocks) if p.min_blocks else None
+def _kernel_for(p: KernelPlan, nout: int = 1):
+    """The kernel object plan ``p`` launches (launch bounds, compile-time-shape loop)."""
+    bounds = (p.threadgroup[0], p.min_blocks) if p.min_blocks else None
+    const_shape = p.kind == "mma" and p.const("KC") > 0
+    return _kernel(p.kind, p.backend, nout, bounds, const_shape)
 
 
 def run_plan(p: KernelPlan, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
@@ -332,7 +365,7 @@ def run_plan(p: KernelPlan, x: mx.array, w: mx.array, scales: mx.array, biases: 
     poison it with NaN to catch unwritten elements).
     """
     template = [("T", x.dtype), ("S", scales.dtype), *p.consts]
-    out = _kernel(p.kind, p.backend, 1, _bounds(p))(
+    out = _kernel_for(p)(
         inputs=[x, w, scales, biases], template=template, grid=p.grid,
         threadgroup=p.threadgroup, output_shapes=[(x.shape[0], w.shape[0])],
         output_dtypes=[x.dtype], init_value=init_value)
@@ -360,7 +393,7 @@ def _launcher(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, b
     p = _signature_plan(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits, gs, be)
     if p is None:
         return None
-    return (_kernel(p.kind, p.backend, 1, _bounds(p)), [("T", xdt), ("S", sdt), *p.consts], p.grid,
+    return (_kernel_for(p), [("T", xdt), ("S", sdt), *p.consts], p.grid,
             p.threadgroup, p.kind == "mma")
 
 
@@ -377,7 +410,7 @@ def sibling_launcher(rows, n, k, wcols, sshape, bshape, xdt, wdt, sdt, bdt, bits
     if any(c <= 0 or c >= n for c in cuts) or list(cuts) != sorted(set(cuts)):
         return None
     template = [("T", xdt), ("S", sdt), *p.consts, *((f"S{i + 1}", c) for i, c in enumerate(cuts))]
-    return (_kernel("mma", p.backend, len(cuts) + 1, _bounds(p)), template, p.grid, p.threadgroup, True)
+    return (_kernel_for(p, len(cuts) + 1), template, p.grid, p.threadgroup, True)
 
 
 _MISSING = object()

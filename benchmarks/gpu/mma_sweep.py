@@ -123,7 +123,7 @@ def regs_run(dtype, wks, nts, us, rows, shapes=SHAPES, configs=()):
     for name, n, k, m, cfg, p in names:
         u = usage[name]
         got = (p.const("WK"), p.const("NT"), p.const("U"), int(p.const("KC") > 0), p.const("XL"), p.min_blocks)
-        fits = u["registers"] * p.threadgroup[0] * max(1, p.min_blocks) <= 65536
+        fits = qmv.registers_fit(u["registers"], p.threadgroup[0], p.min_blocks)
         print(f"{n}x{k} M={m} {cfg}: {u['registers']} registers, spills {u['spill_stores']}/{u['spill_loads']} B"
               f"{'' if fits else ', DOES NOT LAUNCH'}{'' if got == tuple(cfg) else f', plan gave {got}'}")
 
@@ -152,6 +152,10 @@ def parse(csv_path, order_path, out):
              if r.get("Metric Name") == "gpu__time_duration.sum"]
     # (a run cut short: cases are printed after their launches, so ncu may hold a few more)
     assert len(times) >= 2 * len(order), (len(times), len(order))
+    for i in range(len(order)):  # a case's two launches are one kernel (else the pairing shifted)
+        if times[2 * i][0] != times[2 * i + 1][0]:
+            raise SystemExit(f"case {i} ({order[i]}): its two launches ran different kernels; "
+                             "the CSV and the case order do not pair")
     scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
     for i, case in enumerate(order):
         name, value, unit = times[2 * i + 1]

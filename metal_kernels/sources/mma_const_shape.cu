@@ -1,0 +1,85 @@
+// specserve small-batch quantized matmul, CUDA tensor-core variant: the compile-time-shape
+// loop. qmv.kernel_sources splices this file in at the mma body's "SSK_CONST_SHAPE_LOOP" line
+// only for launches with KC > 0 (default launches keep the smaller source: MLX builds and
+// hashes a custom kernel's whole source on every call); it ends in `} else`, so the body's
+// runtime-shape loop becomes its other branch.
+if constexpr (KC > 0) {
+  // Compile-time shape (qmv.py sets KC = K and GS = the group size, where a chunk holds
+  // whole groups): every address is a base pointer plus immediates, advanced by a constant
+  // stride per iteration. The chunks, their order and the arithmetic are the runtime-shape
+  // loop's below, so the bits are too. XL = 1 loads a chunk's activations just before its
+  // products (fewer registers held while U > 1 chunks of weights are in flight).
+  static_assert(KC > 0 && GS > 0 && SC % GS == 0 && KC % SC == 0, "whole groups per chunk, chunks per row");
+  constexpr int KW = KC * BITS / 32;  // words per weight row
+  constexpr int NGR = KC / GS;        // groups per row
+  constexpr int NCH = KC / SC;        // chunks per row
+  constexpr int CW = SC * BITS / 32;  // words per row per chunk
+  constexpr int CG = SC / GS;         // groups per chunk
+  const uint32_t* wp = w + (size_t)(row0 + g) * KW + warp * CW + t * VW;
+  const size_t sofs = (size_t)(row0 + g) * NGR + warp * CG + (t * VALS) / GS;
+  const S* sp = scales + sofs;
+  const S* bp = biases + sofs;
+  const T* xp = x + (size_t)g * KC + warp * SC + t * VALS;
+  for (int cbase = warp; cbase < NCH; cbase += WK * U) {
+    uint32_t wr[U][NT][2][VW];
+    S sc[U][NT][2];
+    S bi[U][NT][2];
+    uint32_t xr[U][MBLK][XW];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (cbase + u * WK < NCH) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int ro = 16 * j + 8 * h;  // rows past this thread's first
+            ssk::load_words<VW>(wp + u * WK * CW + ro * KW, wr[u][j][h]);
+            sc[u][j][h] = sp[u * WK * CG + ro * NGR];
+            bi[u][j][h] = bp[u * WK * CG + ro * NGR];
+          }
+        }
+        if constexpr (!XL) {
+#pragma unroll
+          for (int mb = 0; mb < MBLK; ++mb) {
+            ssk::load_x<XW>(xp + u * WK * SC + 8 * mb * KC, 8 * mb + g < M, xr[u][mb]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (cbase + u * WK < NCH) {
+        if constexpr (XL) {
+#pragma unroll
+          for (int mb = 0; mb < MBLK; ++mb) {
+            ssk::load_x<XW>(xp + u * WK * SC + 8 * mb * KC, 8 * mb + g < M, xr[u][mb]);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const typename Dq::Params p0 = Dq::params(sc[u][j][0], bi[u][j][0]);
+          const typename Dq::Params p1 = Dq::params(sc[u][j][1], bi[u][j][1]);
+#pragma unroll
+          for (int v = 0; v < VW; ++v) {
+#pragma unroll
+            for (int s = 0; s < MMAS; ++s) {
+              const uint32_t a[4] = {
+                  Dq::pair(wr[u][j][0][v], 2 * s, p0), Dq::pair(wr[u][j][1][v], 2 * s, p1),
+                  Dq::pair(wr[u][j][0][v], 2 * s + 1, p0), Dq::pair(wr[u][j][1][v], 2 * s + 1, p1)};
+#pragma unroll
+              for (int mb = 0; mb < MBLK; ++mb) {
+                uint32_t b0, b1;
+                ssk::XPair<BITS>::get(xr[u][mb], v, s, b0, b1);
+                ssk::Mma<T>::run(acc[j][mb], a, b0, b1);
+              }
+            }
+          }
+        }
+      }
+    }
+    wp += WK * U * CW;
+    sp += WK * U * CG;
+    bp += WK * U * CG;
+    xp += WK * U * SC;
+  }
+} else
