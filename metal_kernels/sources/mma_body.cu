@@ -36,9 +36,8 @@ constexpr int VALS = VW * 32 / BITS;
 constexpr int SC = 4 * VALS;
 constexpr int MBLK = MB / 8;
 constexpr int XW = VALS / 2;
-constexpr int MMAS = ssk::Deq<T, BITS>::kPairsPerWord / 2;
 constexpr int NREG = NT * MBLK * 4;
-using Dq = ssk::Deq<T, BITS>;
+static_assert(KC >= 0 && GS >= 0 && (XL == 0 || XL == 1), "KC, GS, XL: see mma_const_shape.cu");
 
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
@@ -107,28 +106,7 @@ for (int cbase = warp; cbase < nchunks; cbase += WK * U) {
   for (int u = 0; u < U; ++u) {
     const int c = cbase + u * WK;
     if (c < nchunks) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        const typename Dq::Params p0 = Dq::params(sc[u][j][0], bi[u][j][0]);
-        const typename Dq::Params p1 = Dq::params(sc[u][j][1], bi[u][j][1]);
-#pragma unroll
-        for (int v = 0; v < VW; ++v) {
-#pragma unroll
-          for (int s = 0; s < MMAS; ++s) {
-            const uint32_t a[4] = {
-                Dq::pair(wr[u][j][0][v], 2 * s, p0),
-                Dq::pair(wr[u][j][1][v], 2 * s, p1),
-                Dq::pair(wr[u][j][0][v], 2 * s + 1, p0),
-                Dq::pair(wr[u][j][1][v], 2 * s + 1, p1)};
-#pragma unroll
-            for (int mb = 0; mb < MBLK; ++mb) {
-              uint32_t b0, b1;
-              ssk::XPair<BITS>::get(xr[u][mb], v, s, b0, b1);
-              ssk::Mma<T>::run(acc[j][mb], a, b0, b1);
-            }
-          }
-        }
-      }
+      ssk::chunk_products<T, BITS, NT, MBLK, VW, XW>(acc, wr[u], sc[u], bi[u], xr[u]);
     }
   }
 }

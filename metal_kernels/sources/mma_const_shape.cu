@@ -55,26 +55,7 @@ if constexpr (KC > 0) {
             ssk::load_x<XW>(xp + u * WK * SC + 8 * mb * KC, 8 * mb + g < M, xr[u][mb]);
           }
         }
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const typename Dq::Params p0 = Dq::params(sc[u][j][0], bi[u][j][0]);
-          const typename Dq::Params p1 = Dq::params(sc[u][j][1], bi[u][j][1]);
-#pragma unroll
-          for (int v = 0; v < VW; ++v) {
-#pragma unroll
-            for (int s = 0; s < MMAS; ++s) {
-              const uint32_t a[4] = {
-                  Dq::pair(wr[u][j][0][v], 2 * s, p0), Dq::pair(wr[u][j][1][v], 2 * s, p1),
-                  Dq::pair(wr[u][j][0][v], 2 * s + 1, p0), Dq::pair(wr[u][j][1][v], 2 * s + 1, p1)};
-#pragma unroll
-              for (int mb = 0; mb < MBLK; ++mb) {
-                uint32_t b0, b1;
-                ssk::XPair<BITS>::get(xr[u][mb], v, s, b0, b1);
-                ssk::Mma<T>::run(acc[j][mb], a, b0, b1);
-              }
-            }
-          }
-        }
+        ssk::chunk_products<T, BITS, NT, MBLK, VW, XW>(acc, wr[u], sc[u], bi[u], xr[u]);
       }
     }
     wp += WK * U * CW;

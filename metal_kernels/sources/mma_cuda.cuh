@@ -209,6 +209,39 @@ struct Mma<__nv_bfloat16> {
   }
 };
 
+// One chunk's products: the NT tiles' weight words wr (rows g and g + 8, VW words each)
+// dequantized with their scale and bias and multiplied into acc by the tensor cores, against
+// the activation words xr of each 8-row block (the k order inside an mma as mma_body.cu says).
+// Both of the body's loops (runtime and compile-time shape) call it, so they do the same
+// arithmetic in the same order. S: the scale/bias type as held (float or the weights' own).
+template <typename T, int BITS, int NT, int MBLK, int VW, int XW, typename S>
+__device__ __forceinline__ void chunk_products(
+    float (&acc)[NT][MBLK][4], const uint32_t (&wr)[NT][2][VW], const S (&sc)[NT][2],
+    const S (&bi)[NT][2], const uint32_t (&xr)[MBLK][XW]) {
+  using Dq = Deq<T, BITS>;
+  constexpr int MMAS = Dq::kPairsPerWord / 2;
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const typename Dq::Params p0 = Dq::params(sc[j][0], bi[j][0]);
+    const typename Dq::Params p1 = Dq::params(sc[j][1], bi[j][1]);
+#pragma unroll
+    for (int v = 0; v < VW; ++v) {
+#pragma unroll
+      for (int s = 0; s < MMAS; ++s) {
+        const uint32_t a[4] = {
+            Dq::pair(wr[j][0][v], 2 * s, p0), Dq::pair(wr[j][1][v], 2 * s, p1),
+            Dq::pair(wr[j][0][v], 2 * s + 1, p0), Dq::pair(wr[j][1][v], 2 * s + 1, p1)};
+#pragma unroll
+        for (int mb = 0; mb < MBLK; ++mb) {
+          uint32_t b0, b1;
+          XPair<BITS>::get(xr[mb], v, s, b0, b1);
+          Mma<T>::run(acc[j][mb], a, b0, b1);
+        }
+      }
+    }
+  }
+}
+
 // VW consecutive 32-bit weight words, streamed (read once: evict first).
 template <int VW>
 __device__ __forceinline__ void load_words(
