@@ -35,9 +35,8 @@ def render_qmv(p: qmv.KernelPlan, xdt: mx.Dtype, sdt: mx.Dtype, fname: str, cuts
     variant with ``len(cuts) + 1`` outputs. A plan with launch bounds redefines ``__global__``
     in its header (as MLX compiles it); the rendering restores the macro after the kernel, so
     several kernels can share one translation unit."""
-    bounds = (p.threadgroup[0], p.min_blocks) if p.min_blocks else None
-    header, body = qmv.kernel_sources(p.kind, "cuda", len(cuts) + 1, bounds,
-                                      p.kind == "mma" and p.const("KC") > 0)
+    bounds, const_shape = p.source_options()
+    header, body = qmv.kernel_sources(p.kind, "cuda", len(cuts) + 1, bounds, const_shape)
     sig = []
     for name, ctype in (("x", CUDA_TYPES[xdt]), ("w", "uint32_t"), ("scales", CUDA_TYPES[sdt]),
                         ("biases", CUDA_TYPES[sdt])):
@@ -58,8 +57,8 @@ def render_qmv(p: qmv.KernelPlan, xdt: mx.Dtype, sdt: mx.Dtype, fname: str, cuts
 
 def ptxas_usage(source: str, nvcc: str = "nvcc", arch: str = "sm_90", timeout: float = 600) -> dict[str, dict]:
     """Compile ``source`` (kernels rendered by :func:`render_qmv` after :data:`MLX_PRELUDE`) to
-    a cubin; per kernel name: ``registers``, ``spill_stores`` and ``spill_loads`` (bytes), as
-    ptxas reports them.
+    a cubin; per kernel name: ``registers``, ``stack_frame``, ``spill_stores`` and
+    ``spill_loads`` (bytes), as ptxas reports them.
 
     Raises:
         RuntimeError: the compilation failed (the compiler's last output in the message).
@@ -81,6 +80,9 @@ def ptxas_usage(source: str, nvcc: str = "nvcc", arch: str = "sm_90", timeout: f
             continue
         if current is None:
             continue
+        m = re.search(r"(\d+) bytes stack frame", line)
+        if m:
+            usage[current]["stack_frame"] = int(m.group(1))
         m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
         if m:
             usage[current].update(spill_stores=int(m.group(1)), spill_loads=int(m.group(2)))

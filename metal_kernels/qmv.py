@@ -70,6 +70,12 @@ class KernelPlan:
     def const(self, name: str) -> int:
         return dict(self.consts)[name]
 
+    def source_options(self) -> tuple[tuple[int, int] | None, bool]:
+        """(launch bounds as (threads, min_blocks) or None, with the compile-time-shape loop):
+        what :func:`kernel_sources` takes to build this plan's source."""
+        bounds = (self.threadgroup[0], self.min_blocks) if self.min_blocks else None
+        return bounds, self.kind == "mma" and self.const("KC") > 0
+
 
 @functools.cache
 def _gpu_backend() -> str:
@@ -351,9 +357,7 @@ def _kernel(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = 
 
 def _kernel_for(p: KernelPlan, nout: int = 1):
     """The kernel object plan ``p`` launches (launch bounds, compile-time-shape loop)."""
-    bounds = (p.threadgroup[0], p.min_blocks) if p.min_blocks else None
-    const_shape = p.kind == "mma" and p.const("KC") > 0
-    return _kernel(p.kind, p.backend, nout, bounds, const_shape)
+    return _kernel(p.kind, p.backend, nout, *p.source_options())
 
 
 def run_plan(p: KernelPlan, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,

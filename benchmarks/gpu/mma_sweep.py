@@ -51,7 +51,7 @@ def time_us(sets, m, k, gs, dtype, kernels, reps):
 
 def _configs(n, k, gs, dtype, mb=None, wks=(1, 2, 4, 8, 16), nts=(1, 2, 4), us=(1, 2, 4)):
     """(WK, NT, U) the kernel can take for this shape (and that fit at row bucket ``mb``)."""
-    p1 = plan(1, n, k, 4, gs, dtype)
+    p1 = plan(1, n, k, 4, gs, dtype, "cuda")
     nchunks = k // (4 * p1.const("VW") * 32 // 4)
     for wk, nt, u in itertools.product(wks, nts, us):
         if wk <= nchunks and not n % (16 * nt) and (mb is None or qmv.mma_config_fits(nt, u, mb, wk)):
@@ -74,12 +74,13 @@ def apply_config(n, k, m, cfg):
 
 def case_list(n, k, gs, dtype, rows, wks, nts, us, configs):
     """(path, rows, config) cases: MLX's matmul and the default plan at each row count, then
-    ``configs`` (a negative WK: the default plan's WK), or the --wk/--nt/--u product that fits."""
+    ``configs`` (a negative WK: the default plan's WK), or the --wk/--nt/--u product that fits
+    (with the default plan's compile-time-shape choice)."""
     cases = [(path, m, None) for m in rows for path in ("mlx", "default")]
     if configs:
         wk0 = plan(1, n, k, 4, gs, dtype, "cuda").const("WK")
         return cases + [("config", m, (wk0 if c[0] < 0 else c[0], *c[1:])) for m in rows for c in configs]
-    return cases + [("config", m, (*c, 0, 0, 0)) for m in rows
+    return cases + [("config", m, (*c, int(qmv.CONST_SHAPE), 0, 0)) for m in rows
                     for c in _configs(n, k, gs, dtype, 8 if m <= 8 else 16, wks, nts, us)]
 
 
