@@ -101,8 +101,9 @@ def _pow2_at_most(n: int, cap: int) -> int:
 # Benchmark-tuned overrides: (n, k, bits) -> wk and (n, k, bits, mb) -> (nt, u).
 _WK_OVERRIDE: dict[tuple[int, int, int], int] = {}
 _NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
-# (n, k, bits, mb) -> {"const_shape": bool, "xl": bool, "min_blocks": int}: how a row bucket's
-# launch is built (none of them changes a row's arithmetic).
+# (n, k, bits, mb) -> {"const_shape": bool, "xl": bool, "min_blocks": int, "fixed_rows": bool,
+# "unroll": bool, "pin": bool}: how a row bucket's launch is built (none of them changes a
+# row's arithmetic).
 _PATH_OVERRIDE: dict[tuple[int, int, int, int], dict] = {}
 _CONFIG_GENERATION = [0]  # bumped by every override change: cached launch decisions keyed on it
 
@@ -123,7 +124,10 @@ def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
     bit-identical across M; ``nt_u`` maps a row bucket (8 or 16) to (tiles per warp, chunks
     in flight) and ``path`` a row bucket to launch-building options (``const_shape``: K as a
     compile-time constant; ``xl``: a chunk's activations loaded just before its products;
-    ``min_blocks``: launch bounds), none of which changes any row's arithmetic.
+    ``min_blocks``: launch bounds; ``fixed_rows``: the row count as a compile-time constant,
+    True for every row count, False for none, default one-row launches only; ``unroll``: the
+    compile-time-shape loop unrolled; ``pin``: a warp barrier after each step's loads), none
+    of which changes any row's arithmetic.
     """
     for mb, opts in (path or {}).items():
         _PATH_OVERRIDE[(n, k, bits, mb)] = dict(opts)
@@ -179,6 +183,12 @@ def registers_fit(registers: int, threads: int, min_blocks: int = 0) -> bool:
 # shapes timed (4096x4096 6.85-6.88 against 6.91-7.39 us over two runs; 14336x4096 15.36
 # against 16.42; 49152x576 11.30 against 11.52), within ~3% either way at 8 rows.
 CONST_SHAPE = True
+# One-row launches compiled with the row count fixed (template MR = 1): see _mma_plan. UNROLL
+# (the compile-time-shape loop unrolled) and PIN (a warp barrier after each step's loads) are
+# off by default; docs/benchmarks.md ("Twenty-fifth session") has the measurements.
+FIXED_ONE_ROW = True
+UNROLL = False
+PIN = False
 
 
 def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
@@ -204,6 +214,14 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     # K as a compile-time constant (addresses as immediates): where a chunk holds whole groups.
     const_shape = bool(path.get("const_shape", CONST_SHAPE) and sc % gs == 0)
     xl = bool(const_shape and path.get("xl", False))
+    unroll = bool(const_shape and path.get("unroll", UNROLL))
+    pin = bool(const_shape and path.get("pin", PIN))
+    # The row count as a compile-time constant (MR): by default for one-row launches only
+    # (their own compiled variant; 2..16 rows share their bucket's); path "fixed_rows" True
+    # fixes every row count, False none. No row count is read from x's shape and the epilogue
+    # skips the padding rows; the arithmetic, hence every row's bits, is unchanged.
+    fixed = path.get("fixed_rows")
+    mr = m if (fixed or (fixed is None and m == 1 and FIXED_ONE_ROW)) else 0
     min_blocks = int(path.get("min_blocks", 0))
     if n % (16 * nt):
         nt = 1
@@ -217,7 +235,8 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     threads = 32 * wk
     # (KC = GS = 0 for the runtime-shape loop: one compiled variant for every shape and group)
     consts = (("BITS", bits), ("NT", nt), ("WK", wk), ("MB", mb), ("VW", vw), ("U", u),
-              ("KC", k if const_shape else 0), ("GS", gs if const_shape else 0), ("XL", int(xl)))
+              ("KC", k if const_shape else 0), ("GS", gs if const_shape else 0), ("XL", int(xl)),
+              ("MR", mr), ("FU", int(unroll)), ("PN", int(pin)))
     return KernelPlan("mma", "cuda", consts, (n // (16 * nt) * threads, 1, 1), (threads, 1, 1),
                       (("VW", vw), ("WK", wk)), min_blocks)
 
@@ -367,7 +386,15 @@ def run_plan(p: KernelPlan, x: mx.array, w: mx.array, scales: mx.array, biases: 
     Launches exactly what :func:`quantized_matmul` launches for that plan, without its
     shape checks (tests and benchmarks use it). ``init_value`` pre-fills the output (tests
     poison it with NaN to catch unwritten elements).
+
+    Raises:
+        ValueError: an mma plan compiled for a fixed row count (``MR`` > 0, one-row plans by
+            default) with an ``x`` of another row count.
     """
+    if p.kind == "mma" and p.const("MR") and x.size // x.shape[-1] != p.const("MR"):
+        # (a fixed row count with another x would leave rows unwritten or read past x's end)
+        raise ValueError(f"this plan is compiled for {p.const('MR')} rows; x has "
+                         f"{x.size // x.shape[-1]}")
     template = [("T", x.dtype), ("S", scales.dtype), *p.consts]
     out = _kernel_for(p)(
         inputs=[x, w, scales, biases], template=template, grid=p.grid,

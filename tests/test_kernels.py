@@ -150,6 +150,35 @@ def test_one_row_plan_over_long_k_takes_one_tile_per_warp():
         qmv.clear_mma_config()
 
 
+def test_row_count_is_a_compile_time_constant_for_one_row_launches():
+    """MR (the row count fixed at compile time) is 1 for one-row launches and 0 (read from x's
+    shape) for 2..16 rows, unless path "fixed_rows" says otherwise; it and the loop options
+    leave the K split alone, and the loop options need the compile-time-shape loop."""
+    plans = {m: plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda") for m in (1, 2, 8, 9, 16)}
+    assert {m: p.const("MR") for m, p in plans.items()} == {1: 1, 2: 0, 8: 0, 9: 0, 16: 0}
+    assert len({p.k_split for p in plans.values()}) == 1
+    assert all(p.const("FU") == int(qmv.UNROLL) and p.const("PN") == int(qmv.PIN) for p in plans.values())
+    try:
+        qmv.set_mma_config(4096, 4096, 4, path={8: {"fixed_rows": True, "unroll": True, "pin": True},
+                                                16: {"fixed_rows": False, "const_shape": False,
+                                                     "unroll": True, "pin": True}})
+        p3, p1, p12 = (plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda") for m in (3, 1, 12))
+        assert (p3.const("MR"), p1.const("MR"), p12.const("MR")) == (3, 1, 0)
+        assert {p.k_split for p in (p3, p1, p12)} == {plans[1].k_split}
+        assert (p3.const("FU"), p3.const("PN")) == (1, 1)
+        # the runtime-shape loop has no unrolled or pinned form
+        assert (p12.const("KC"), p12.const("FU"), p12.const("PN")) == (0, 0, 0)
+    finally:
+        qmv.clear_mma_config()
+
+
+def test_run_plan_refuses_a_fixed_row_count_with_other_rows():
+    p = plan(1, 256, 1024, 4, 64, mx.float16, "cuda")
+    wq, s, b = _quantized(256, 1024, 64, 4, mx.float16, seed=5)
+    with pytest.raises(ValueError, match="compiled for 1 rows; x has 2"):
+        qmv.run_plan(p, mx.zeros((2, 1024), dtype=mx.float16), wq, s, b)
+
+
 def test_set_mma_config_keeps_split_shared_across_rows():
     try:
         qmv.set_mma_config(256, 1024, 4, wk=2, nt_u={8: (2, 1), 16: (1, 2)})
@@ -413,12 +442,23 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
         for bits in (4, 8):
             for k, mb, ntu, opts in ((4096, 8, (2, 2), {"const_shape": True, "exact": True}),
                                      (14336, 16, (2, 2), {"const_shape": True, "xl": True, "exact": True}),
-                                     (4096, 8, (1, 2), {"const_shape": True, "xl": True, "min_blocks": 2})):
+                                     (4096, 8, (1, 2), {"const_shape": True, "xl": True, "min_blocks": 2}),
+                                     (4096, 8, (1, 2), {"const_shape": True, "unroll": True, "pin": True,
+                                                        "fixed_rows": True, "exact": True}),
+                                     (576, 16, (1, 1), {"const_shape": True, "unroll": True})):
                 qmv.set_mma_config(4096, k, bits, nt_u={mb: ntu}, path={mb: opts})
-                cases.append((plan(mb, 4096, k, bits, 64, mx.bfloat16, "cuda"), mx.bfloat16, mx.bfloat16))
+                cases.append((plan(mb - 1, 4096, k, bits, 64, mx.bfloat16, "cuda"), mx.bfloat16, mx.bfloat16))
                 p = cases[-1][0]
                 assert (p.const("KC"), p.const("NT"), p.const("U")) == (k, *ntu), p
+                assert (p.const("FU"), p.const("PN")) == (int(opts.get("unroll", False)), int(opts.get("pin", False)))
+                assert p.const("MR") == (mb - 1 if opts.get("fixed_rows") else 0), p
                 qmv.clear_mma_config()
+        for kc in (True, False):  # one warp on K (no shared-memory sum) with the row count fixed
+            qmv.set_mma_config(256, 1024, 4, wk=1, path={8: {"const_shape": kc}, 16: {"fixed_rows": True}})
+            for m in (1, 13):
+                cases.append((plan(m, 256, 1024, 4, 64, mx.float16, "cuda"), mx.float16, mx.float16))
+                assert cases[-1][0].const("WK") == 1 and cases[-1][0].const("MR") == m
+            qmv.clear_mma_config()
     finally:
         qmv.clear_mma_config()
     src = MLX_PRELUDE + "".join(render_qmv(p, x, s, f"k{i}") for i, (p, x, s) in enumerate(cases))
@@ -529,9 +569,12 @@ def test_tiles_and_prefetch_do_not_change_bits():
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="the compile-time-shape loop is the CUDA mma kernel's")
 def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
-    """K as a compile-time constant (addresses as immediates), activations loaded late (XL) and
-    launch bounds change how a launch is built, not its arithmetic: each row bucket gives the
-    runtime-shape loop's bits exactly (NaN-filled outputs catch unwritten elements)."""
+    """K as a compile-time constant (addresses as immediates), activations loaded late (XL),
+    launch bounds, the loop unrolled, loads pinned by a warp barrier and the row count as a
+    compile-time constant (one-row launches by default, every row count in the last combo)
+    change how a launch is built, not its arithmetic: each row bucket gives the bits of the
+    runtime-shape loop with the row count read from x (NaN-filled outputs catch unwritten
+    elements)."""
     dt = DTYPES[dtype]
     # ("exact": the plan keeps NT and U as given instead of fitting them to its register rule)
     # (NT, U) per row bucket (8, 16): (2, 2) without XL takes 128 registers at 16 rows, which
@@ -539,7 +582,9 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
     combos = [({"const_shape": True}, (1, 1), (1, 1)),
               ({"const_shape": True, "exact": True}, (2, 2), (1, 2)),
               ({"const_shape": True, "xl": True, "exact": True}, (2, 2), (2, 2)),
-              ({"const_shape": True, "xl": True, "min_blocks": 2}, (1, 2), (1, 2))]
+              ({"const_shape": True, "xl": True, "min_blocks": 2}, (1, 2), (1, 2)),
+              ({"const_shape": True, "unroll": True, "pin": True, "fixed_rows": True, "exact": True},
+               (1, 2), (2, 1))]
     rows = (1, 3, 8, 9, 16)  # both row buckets, full and partial
     # K = 1024 / 4096: 4 words per thread and row per chunk (VW 4); 576: VW 2 at 4 bits;
     # 544: VW 1 at 4 bits, 2 at 8 bits
@@ -549,8 +594,9 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
         wq, s, b = _quantized(n, k, gs, bits, dt, seed=3 * n + k)
         x = mx.random.normal((16, k)).astype(dt)
         try:  # the runtime-shape loop's bits
-            qmv.set_mma_config(n, k, bits, path={8: {"const_shape": False}, 16: {"const_shape": False}})
-            assert plan(1, n, k, bits, gs, dt).const("KC") == 0
+            runtime = {"const_shape": False, "fixed_rows": False}
+            qmv.set_mma_config(n, k, bits, path={8: runtime, 16: runtime})
+            assert plan(1, n, k, bits, gs, dt).const("KC") == plan(1, n, k, bits, gs, dt).const("MR") == 0
             base = {m: quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=bits) for m in rows}
         finally:
             qmv.clear_mma_config()
@@ -563,6 +609,7 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
                     continue
                 assert p.const("KC") == k and p.const("XL") == int(opts.get("xl", False))
                 assert p.min_blocks == opts.get("min_blocks", 0)
+                assert (p.const("FU"), p.const("PN")) == (int(opts.get("unroll", False)), int(opts.get("pin", False)))
                 assert (p.const("NT"), p.const("U")) == (ntu16[0] if n % (16 * ntu16[0]) == 0 else 1, ntu16[1])
                 for m in rows:
                     y = qmv.run_plan(plan(m, n, k, bits, gs, dt), x[:m], wq, s, b, init_value=float("nan"))

@@ -18,7 +18,7 @@ order, and ``--parse CSV`` pairs ncu's CSV with that order:
         --csv --log-file ncu.csv python benchmarks/gpu/mma_sweep.py --ncu > order.txt  # a case per line
     PYTHONPATH=$PWD python benchmarks/gpu/mma_sweep.py --parse ncu.csv --order order.txt --out mma_ncu.json
 
-``--configs "WK,NT,U,KC,XL,LB;..."`` times those launch configurations instead (see
+``--configs "WK,NT,U,KC,XL,LB[,MR,FU,PN];..."`` times those launch configurations instead (see
 ``CONFIG_FIELDS``); ``--regs`` compiles the same cases with the local CUDA toolkit (no GPU) and
 prints their registers and spills, to keep unlaunchable ones out of a sweep.
 
@@ -58,18 +58,26 @@ def _configs(n, k, gs, dtype, mb=None, wks=(1, 2, 4, 8, 16), nts=(1, 2, 4), us=(
             yield wk, nt, u
 
 
-# A case's configuration: (WK, NT, U, KC, XL, LB) = warps splitting K, tiles per warp, chunks
-# in flight, K as a compile-time constant, activations loaded late, launch bounds' minimum
-# blocks per multiprocessor (0: none). Only WK changes a row's arithmetic.
-CONFIG_FIELDS = ("WK", "NT", "U", "KC", "XL", "LB")
+# A case's configuration: (WK, NT, U, KC, XL, LB, MR, FU, PN) = warps splitting K, tiles per
+# warp, chunks in flight, K as a compile-time constant, activations loaded late, launch bounds'
+# minimum blocks per multiprocessor (0: none), the row count fixed at compile time (1: every
+# row count, 0: none), the compile-time-shape loop unrolled, a warp barrier after each step's
+# loads; -1 for the last three: the plan's choice (the row count fixed for one row only). Only
+# WK changes a row's arithmetic. --configs may give the first six fields alone (the rest then
+# take the plan's choices).
+CONFIG_FIELDS = ("WK", "NT", "U", "KC", "XL", "LB", "MR", "FU", "PN")
+CONFIG_TAIL = (-1, -1, -1)  # MR, FU, PN when --configs gives six fields: the plan's choices
 
 
 def apply_config(n, k, m, cfg):
     """Install one configuration for the (n, k) 4-bit shape at m rows (qmv.set_mma_config)."""
-    wk, nt, u, kc, xl, lb = cfg
+    wk, nt, u, kc, xl, lb, mr, fu, pn = cfg
     mb = 8 if m <= 8 else 16
-    qmv.set_mma_config(n, k, 4, wk=wk, nt_u={mb: (nt, u)},
-                       path={mb: {"const_shape": bool(kc), "xl": bool(xl), "min_blocks": lb, "exact": True}})
+    opts = {"const_shape": bool(kc), "xl": bool(xl), "min_blocks": lb, "exact": True}
+    for key, v in (("fixed_rows", mr), ("unroll", fu), ("pin", pn)):
+        if v >= 0:
+            opts[key] = bool(v)
+    qmv.set_mma_config(n, k, 4, wk=wk, nt_u={mb: (nt, u)}, path={mb: opts})
 
 
 def case_list(n, k, gs, dtype, rows, wks, nts, us, configs):
@@ -80,12 +88,13 @@ def case_list(n, k, gs, dtype, rows, wks, nts, us, configs):
     if configs:
         wk0 = plan(1, n, k, 4, gs, dtype, "cuda").const("WK")
         return cases + [("config", m, (wk0 if c[0] < 0 else c[0], *c[1:])) for m in rows for c in configs]
-    return cases + [("config", m, (*c, int(qmv.CONST_SHAPE), 0, 0)) for m in rows
+    return cases + [("config", m, (*c, int(qmv.CONST_SHAPE), 0, 0, *CONFIG_TAIL)) for m in rows
                     for c in _configs(n, k, gs, dtype, 8 if m <= 8 else 16, wks, nts, us)]
 
 
-def ncu_run(dtype, wks, nts, us, rows, shapes=SHAPES, configs=()):
-    """Two launches per case (ncu flushes L2 between kernels); prints the case order, one
+def ncu_run(dtype, wks, nts, us, rows, shapes=SHAPES, configs=(), launches=2):
+    """``launches`` (>= 2) launches per case (ncu flushes L2 between kernels; the first one
+    warms up, the median of the others is the case's time); prints the case order, one
     case per line as it runs (so a run cut short still parses). A case's config is
     :data:`CONFIG_FIELDS` (``configs``: these for every row count, else the product of
     ``wks`` x ``nts`` x ``us`` that fits)."""
@@ -96,12 +105,12 @@ def ncu_run(dtype, wks, nts, us, rows, shapes=SHAPES, configs=()):
             mx.eval(x)
             if cfg:
                 apply_config(n, k, m, cfg)
-            for _ in range(2):
+            for _ in range(launches):
                 mx.eval(quantized_matmul(x, *w, gs, 4, kernels="off" if path == "mlx" else "auto"))
             mx.synchronize()
             qmv.clear_mma_config()
             print("NCU_CASE " + json.dumps({"shape": f"{n}x{k}", "group_size": gs, "weight_bytes": _nbytes(*w),
-                                            "path": path, "m": m, "config": cfg}), flush=True)
+                                            "path": path, "m": m, "config": cfg, "launches": launches}), flush=True)
 
 
 def regs_run(dtype, wks, nts, us, rows, shapes=SHAPES, configs=()):
@@ -123,10 +132,13 @@ def regs_run(dtype, wks, nts, us, rows, shapes=SHAPES, configs=()):
     usage = ptxas_usage(src)
     for name, n, k, m, cfg, p in names:
         u = usage[name]
-        got = (p.const("WK"), p.const("NT"), p.const("U"), int(p.const("KC") > 0), p.const("XL"), p.min_blocks)
+        got = (p.const("WK"), p.const("NT"), p.const("U"), int(p.const("KC") > 0), p.const("XL"), p.min_blocks,
+               p.const("MR"), p.const("FU"), p.const("PN"))
+        want = (*cfg[:6], m if cfg[6] == 1 else 0 if cfg[6] == 0 else got[6],
+                *(g if c < 0 else c for c, g in zip(cfg[7:], got[7:])))
         fits = qmv.registers_fit(u["registers"], p.threadgroup[0], p.min_blocks)
         print(f"{n}x{k} M={m} {cfg}: {u['registers']} registers, spills {u['spill_stores']}/{u['spill_loads']} B"
-              f"{'' if fits else ', DOES NOT LAUNCH'}{'' if got == tuple(cfg) else f', plan gave {got}'}")
+              f"{'' if fits else ', DOES NOT LAUNCH'}{'' if got == want else f', plan gave {got}'}")
 
 
 def floor_run(dtype, shapes=SHAPES):
@@ -143,24 +155,29 @@ def floor_run(dtype, shapes=SHAPES):
 
 
 def parse(csv_path, order_path, out):
-    """Device time (us, the second launch of each case) per case, from ncu's CSV."""
+    """Device time per case (us): the median of its launches after the first (one launch when
+    the run had two per case), from ncu's CSV; ``us_all``: those launches' times."""
     import csv
+    import statistics
     lines = open(order_path).read().splitlines()
     order = [json.loads(line[9:]) for line in lines if line.startswith("NCU_CASE ")]
     order += [c for line in lines if line.startswith("NCU_ORDER ") for c in json.loads(line[10:])]  # older runs
     times = [(r["Kernel Name"], float(r["Metric Value"].replace(",", "")), r["Metric Unit"])
              for r in csv.DictReader(line for line in open(csv_path) if not line.startswith("=="))
              if r.get("Metric Name") == "gpu__time_duration.sum"]
+    starts = [0]
+    for case in order:
+        starts.append(starts[-1] + case.get("launches", 2))
     # (a run cut short: cases are printed after their launches, so ncu may hold a few more)
-    assert len(times) >= 2 * len(order), (len(times), len(order))
-    for i in range(len(order)):  # a case's two launches are one kernel (else the pairing shifted)
-        if times[2 * i][0] != times[2 * i + 1][0]:
-            raise SystemExit(f"case {i} ({order[i]}): its two launches ran different kernels; "
-                             "the CSV and the case order do not pair")
+    assert len(times) >= starts[-1], (len(times), starts[-1])
     scale = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
-    for i, case in enumerate(order):
-        name, value, unit = times[2 * i + 1]
-        case["us"], case["kernel"] = value * scale[unit], name[:90]
+    for i, case in enumerate(order):  # a case's launches are one kernel (else the pairing shifted)
+        own = times[starts[i]:starts[i + 1]]
+        if len({name for name, _, _ in own}) != 1:
+            raise SystemExit(f"case {i} ({case}): its launches ran different kernels; "
+                             "the CSV and the case order do not pair")
+        case["us_all"] = [value * scale[unit] for _, value, unit in own[1:]]
+        case["us"], case["kernel"] = statistics.median(case["us_all"]), own[0][0].split("(")[0]
         case["tbs"] = case["weight_bytes"] / case["us"] / 1e6
     json.dump(order, open(out, "w"), indent=1)
     for shape in dict.fromkeys(c["shape"] for c in order):
@@ -192,18 +209,21 @@ def _choices(*allowed):
 
 
 def _configs_arg(text):
-    """argparse type: ``WK,NT,U,KC,XL,LB`` items separated by ';'."""
+    """argparse type: ``WK,NT,U,KC,XL,LB[,MR,FU,PN]`` items separated by ';'."""
     out = []
+    fields = ",".join(CONFIG_FIELDS)
     for item in filter(None, text.split(";")):
         try:
             cfg = tuple(int(v) for v in item.split(","))
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{item!r}: expected integers WK,NT,U,KC,XL,LB") from None
+            raise argparse.ArgumentTypeError(f"{item!r}: expected integers {fields}") from None
+        if len(cfg) == 6:
+            cfg += CONFIG_TAIL
         if len(cfg) != len(CONFIG_FIELDS):
-            raise argparse.ArgumentTypeError(f"{item!r}: expected {len(CONFIG_FIELDS)} integers WK,NT,U,KC,XL,LB")
-        wk, nt, u, kc, xl, lb = cfg
+            raise argparse.ArgumentTypeError(f"{item!r}: expected 6 or {len(CONFIG_FIELDS)} integers {fields}")
+        wk, nt, u, kc, xl, lb, mr, fu, pn = cfg
         if wk not in (-1, 1, 2, 4, 8, 16) or nt not in (1, 2, 4) or u not in (1, 2, 4) or not {kc, xl} <= {0, 1} \
-                or lb not in (0, 1, 2, 3, 4):
+                or lb not in (0, 1, 2, 3, 4) or not {mr, fu, pn} <= {-1, 0, 1}:
             raise argparse.ArgumentTypeError(f"{item!r}: out of range")
         out.append(cfg)
     return tuple(out)
@@ -231,7 +251,7 @@ def main():
     ap.add_argument("--regs", action="store_true",
                     help="compile the swept cases with the local nvcc (sm_90) and print registers and spills")
     ap.add_argument("--configs", type=_configs_arg, default=(),
-                    help="explicit cases WK,NT,U,KC,XL,LB separated by ';' (WK -1: the default plan's), "
+                    help="explicit cases WK,NT,U,KC,XL,LB[,MR,FU,PN] separated by ';' (WK -1: the default plan's), "
                          "instead of the --wk/--nt/--u product")
     ap.add_argument("--parse", default=None)
     ap.add_argument("--order", default=None)
@@ -243,6 +263,8 @@ def main():
     ap.add_argument("--nt", type=_choices(1, 2, 4), default=(1, 2, 4),
                     help="--ncu: 16-row tiles per warp to sweep (from 1,2,4)")
     ap.add_argument("--u", type=_choices(1, 2, 4), default=(1, 2, 4), help="--ncu: chunks in flight to sweep (from 1,2,4)")
+    ap.add_argument("--launches", type=int, default=2,
+                    help="--ncu: launches per case (>= 2; the first warms up, the median of the rest counts)")
     ap.add_argument("--rows", type=_choices(*range(1, 17)), default=(1,),
                     help="--ncu: row counts timed for every case (1..16)")
     ap.add_argument("--shapes", type=_shapes, default=SHAPES,
@@ -254,7 +276,7 @@ def main():
     if args.floor:
         return floor_run(dtype, args.shapes)
     if args.ncu:
-        return ncu_run(dtype, args.wk, args.nt, args.u, args.rows, args.shapes, args.configs)
+        return ncu_run(dtype, args.wk, args.nt, args.u, args.rows, args.shapes, args.configs, max(2, args.launches))
     if args.regs:
         return regs_run(dtype, args.wk, args.nt, args.u, args.rows, args.shapes, args.configs)
     if args.parse:

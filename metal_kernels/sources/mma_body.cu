@@ -5,7 +5,9 @@
 //
 // Template constants (set by metal_kernels/qmv.py): T activation type (fp16 or
 // bf16), S scale/bias type, BITS (4, 8), NT 16-row weight tiles per warp, WK warps per block splitting K, MB padded activation rows,
-// VW 32-bit weight words per thread per row per chunk, U chunks in flight.
+// VW 32-bit weight words per thread per row per chunk, U chunks in flight; KC, GS, XL, FU,
+// PN: the compile-time-shape loop's (mma_const_shape.cu); MR: the row count when fixed at
+// compile time (0: read from x's shape).
 // The group size (32, 64 or 128) is K / scales_shape[1]; a chunk's per-thread
 // k range never straddles a group.
 //
@@ -37,7 +39,8 @@ constexpr int SC = 4 * VALS;
 constexpr int MBLK = MB / 8;
 constexpr int XW = VALS / 2;
 constexpr int NREG = NT * MBLK * 4;
-static_assert(KC >= 0 && GS >= 0 && (XL == 0 || XL == 1), "KC, GS, XL: see mma_const_shape.cu");
+static_assert(KC >= 0 && GS >= 0 && (XL == 0 || XL == 1) && (FU == 0 || FU == 1) && (PN == 0 || PN == 1), "KC, GS, XL, FU, PN: see mma_const_shape.cu");
+static_assert(MR >= 0 && MR <= MB, "MR: a fixed row count within the padded rows");
 
 const int lane = threadIdx.x & 31;
 const int warp = threadIdx.x >> 5;
@@ -45,11 +48,16 @@ const int g = lane >> 2;
 const int t = lane & 3;
 // x may be (..., K): its leading dimensions are the rows. (A fixed trip count over MLX's
 // 10 shape slots: straight-line uniform code instead of a loop ptxas unrolls into branches.)
+// MR > 0: the row count is that compile-time constant (qmv.py: one-row launches), so the
+// row tests below fold away and the epilogue skips the padding rows' partial sums.
 const int K = x_shape[x_ndim - 1];
-int M = 1;
+int M = MR;
+if constexpr (MR == 0) {
+  M = 1;
 #pragma unroll
-for (int i = 0; i < 9; ++i) {
-  M *= i + 1 < x_ndim ? x_shape[i] : 1;
+  for (int i = 0; i < 9; ++i) {
+    M *= i + 1 < x_ndim ? x_shape[i] : 1;
+  }
 }
 const int N = w_shape[0];
 const int nchunks = K / SC;
@@ -111,7 +119,12 @@ for (int cbase = warp; cbase < nchunks; cbase += WK * U) {
   }
 }
 
-// Fixed-order sum of the WK partial results, then store rows m < M.
+// Fixed-order sum of the WK partial results, then store rows m < M. Accumulator slot idx holds
+// rows 8 mb + 2 t + (r & 1) (t = 0..3); live(idx): some lane's row is below MR (always true
+// for MR = 0).
+auto live = [](int idx) {
+  return MR == 0 || 8 * ((idx >> 2) % MBLK) + (idx & 1) < MR;
+};
 auto store = [&](int idx, float total) {
   const int r = idx & 3;
   const int mb = (idx >> 2) % MBLK;
@@ -129,7 +142,9 @@ if constexpr (WK == 1) {
     for (int mb = 0; mb < MBLK; ++mb) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        store((j * MBLK + mb) * 4 + r, acc[j][mb][r]);
+        if (live((j * MBLK + mb) * 4 + r)) {
+          store((j * MBLK + mb) * 4 + r, acc[j][mb][r]);
+        }
       }
     }
   }
@@ -141,12 +156,17 @@ if constexpr (WK == 1) {
     for (int mb = 0; mb < MBLK; ++mb) {
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        red[warp][(j * MBLK + mb) * 4 + r][lane] = acc[j][mb][r];
+        if (live((j * MBLK + mb) * 4 + r)) {
+          red[warp][(j * MBLK + mb) * 4 + r][lane] = acc[j][mb][r];
+        }
       }
     }
   }
   __syncthreads();
   for (int idx = warp; idx < NREG; idx += WK) {
+    if (!live(idx)) {
+      continue;
+    }
     float total = red[0][idx][lane];
     for (int ww = 1; ww < WK; ++ww) {
       total += red[ww][idx][lane];

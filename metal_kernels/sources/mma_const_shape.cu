@@ -20,14 +20,25 @@ if constexpr (KC > 0) {
   const S* sp = scales + sofs;
   const S* bp = biases + sofs;
   const T* xp = x + (size_t)g * KC + warp * SC + t * VALS;
-  for (int cbase = warp; cbase < NCH; cbase += WK * U) {
+  // A warp's chunks warp, warp + WK, ... in ITERS steps of U; WHOLE: every warp takes the
+  // same number (warp < WK), so no chunk test. FU = 1 unrolls the steps (straight-line code:
+  // ptxas may issue a later step's loads before an earlier step's products).
+  constexpr int STEP = WK * U;
+  constexpr int ITERS = (NCH + STEP - 1) / STEP;
+  constexpr bool WHOLE = NCH % STEP == 0;
+#pragma unroll(FU ? ITERS : 1)
+  for (int it = 0; it < ITERS; ++it) {
+    const int cbase = warp + it * STEP;
+    if (!WHOLE && cbase >= NCH) {
+      break;
+    }
     uint32_t wr[U][NT][2][VW];
     S sc[U][NT][2];
     S bi[U][NT][2];
     uint32_t xr[U][MBLK][XW];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (cbase + u * WK < NCH) {
+      if (WHOLE || cbase + u * WK < NCH) {
 #pragma unroll
         for (int j = 0; j < NT; ++j) {
 #pragma unroll
@@ -46,9 +57,15 @@ if constexpr (KC > 0) {
         }
       }
     }
+    if constexpr (PN) {
+      // Pin the loads above: a warp barrier orders memory, so ptxas cannot sink a later
+      // chunk's loads below an earlier chunk's products (it does, to save registers, and then
+      // U > 1 keeps no more bytes in flight than U = 1).
+      __syncwarp();
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (cbase + u * WK < NCH) {
+      if (WHOLE || cbase + u * WK < NCH) {
         if constexpr (XL) {
 #pragma unroll
           for (int mb = 0; mb < MBLK; ++mb) {
@@ -58,9 +75,9 @@ if constexpr (KC > 0) {
         ssk::chunk_products<T, BITS, NT, MBLK, VW, XW>(acc, wr[u], sc[u], bi[u], xr[u]);
       }
     }
-    wp += WK * U * CW;
-    sp += WK * U * CG;
-    bp += WK * U * CG;
-    xp += WK * U * SC;
+    wp += STEP * CW;
+    sp += STEP * CG;
+    bp += STEP * CG;
+    xp += STEP * SC;
   }
 } else
