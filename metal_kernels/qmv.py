@@ -102,7 +102,7 @@ def _pow2_at_most(n: int, cap: int) -> int:
 _WK_OVERRIDE: dict[tuple[int, int, int], int] = {}
 _NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 # (n, k, bits, mb) -> {"const_shape": bool, "xl": bool, "min_blocks": int, "fixed_rows": bool,
-# "unroll": bool, "pin": bool}: how a row bucket's launch is built (none of them changes a
+# "unroll": bool, "pin": bool, "l2_prefetch": int}: how a row bucket's launch is built (none of them changes a
 # row's arithmetic).
 _PATH_OVERRIDE: dict[tuple[int, int, int, int], dict] = {}
 _CONFIG_GENERATION = [0]  # bumped by every override change: cached launch decisions keyed on it
@@ -126,8 +126,9 @@ def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
     compile-time constant; ``xl``: a chunk's activations loaded just before its products;
     ``min_blocks``: launch bounds; ``fixed_rows``: the row count as a compile-time constant,
     True for every row count, False for none, default one-row launches only; ``unroll``: the
-    compile-time-shape loop unrolled; ``pin``: a warp barrier after each step's loads), none
-    of which changes any row's arithmetic.
+    compile-time-shape loop unrolled; ``pin``: a warp barrier after each step's loads;
+    ``l2_prefetch``: an L2 prefetch-size hint in bytes on the weight loads), none of which
+    changes any row's arithmetic.
     """
     for mb, opts in (path or {}).items():
         _PATH_OVERRIDE[(n, k, bits, mb)] = dict(opts)
@@ -216,6 +217,10 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     xl = bool(const_shape and path.get("xl", False))
     unroll = bool(const_shape and path.get("unroll", UNROLL))
     pin = bool(const_shape and path.get("pin", PIN))
+    # an L2 prefetch-size hint (bytes) on the weight loads: 0 (none), 64, 128 or 256
+    l2_prefetch = int(path.get("l2_prefetch", 0)) if const_shape else 0
+    if l2_prefetch not in (0, 64, 128, 256):
+        raise ValueError(f"l2_prefetch={l2_prefetch}: 0, 64, 128 or 256 bytes")
     # The row count as a compile-time constant (MR): by default for one-row launches only
     # (their own compiled variant; 2..16 rows share their bucket's); path "fixed_rows" True
     # fixes every row count, False none. No row count is read from x's shape and the epilogue
@@ -236,7 +241,7 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     # (KC = GS = 0 for the runtime-shape loop: one compiled variant for every shape and group)
     consts = (("BITS", bits), ("NT", nt), ("WK", wk), ("MB", mb), ("VW", vw), ("U", u),
               ("KC", k if const_shape else 0), ("GS", gs if const_shape else 0), ("XL", int(xl)),
-              ("MR", mr), ("FU", int(unroll)), ("PN", int(pin)))
+              ("MR", mr), ("FU", int(unroll)), ("PN", int(pin)), ("LP", l2_prefetch))
     return KernelPlan("mma", "cuda", consts, (n // (16 * nt) * threads, 1, 1), (threads, 1, 1),
                       (("VW", vw), ("WK", wk)), min_blocks)
 

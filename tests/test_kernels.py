@@ -165,9 +165,13 @@ def test_row_count_is_a_compile_time_constant_for_one_row_launches():
         p3, p1, p12 = (plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda") for m in (3, 1, 12))
         assert (p3.const("MR"), p1.const("MR"), p12.const("MR")) == (3, 1, 0)
         assert {p.k_split for p in (p3, p1, p12)} == {plans[1].k_split}
-        assert (p3.const("FU"), p3.const("PN")) == (1, 1)
-        # the runtime-shape loop has no unrolled or pinned form
-        assert (p12.const("KC"), p12.const("FU"), p12.const("PN")) == (0, 0, 0)
+        assert (p3.const("FU"), p3.const("PN"), p3.const("LP")) == (1, 1, 0)
+        # the runtime-shape loop has no unrolled, pinned or prefetch-hinted form
+        assert (p12.const("KC"), p12.const("FU"), p12.const("PN"), p12.const("LP")) == (0, 0, 0, 0)
+        qmv.set_mma_config(4096, 4096, 4, path={8: {"l2_prefetch": 256}, 16: {"l2_prefetch": 32}})
+        assert plan(1, 4096, 4096, 4, 64, mx.bfloat16, "cuda").const("LP") == 256
+        with pytest.raises(ValueError, match="l2_prefetch=32"):
+            plan(16, 4096, 4096, 4, 64, mx.bfloat16, "cuda")
     finally:
         qmv.clear_mma_config()
 
@@ -444,7 +448,7 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
                                      (14336, 16, (2, 2), {"const_shape": True, "xl": True, "exact": True}),
                                      (4096, 8, (1, 2), {"const_shape": True, "xl": True, "min_blocks": 2}),
                                      (4096, 8, (1, 2), {"const_shape": True, "unroll": True, "pin": True,
-                                                        "fixed_rows": True, "exact": True}),
+                                                        "fixed_rows": True, "exact": True, "l2_prefetch": 256}),
                                      (576, 16, (1, 1), {"const_shape": True, "unroll": True})):
                 qmv.set_mma_config(4096, k, bits, nt_u={mb: ntu}, path={mb: opts})
                 cases.append((plan(mb - 1, 4096, k, bits, 64, mx.bfloat16, "cuda"), mx.bfloat16, mx.bfloat16))
@@ -452,6 +456,7 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
                 assert (p.const("KC"), p.const("NT"), p.const("U")) == (k, *ntu), p
                 assert (p.const("FU"), p.const("PN")) == (int(opts.get("unroll", False)), int(opts.get("pin", False)))
                 assert p.const("MR") == (mb - 1 if opts.get("fixed_rows") else 0), p
+                assert p.const("LP") == opts.get("l2_prefetch", 0), p
                 qmv.clear_mma_config()
         for kc in (True, False):  # one warp on K (no shared-memory sum) with the row count fixed
             qmv.set_mma_config(256, 1024, 4, wk=1, path={8: {"const_shape": kc}, 16: {"fixed_rows": True}})
@@ -571,10 +576,10 @@ def test_tiles_and_prefetch_do_not_change_bits():
 def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
     """K as a compile-time constant (addresses as immediates), activations loaded late (XL),
     launch bounds, the loop unrolled, loads pinned by a warp barrier and the row count as a
-    compile-time constant (one-row launches by default, every row count in the last combo)
-    change how a launch is built, not its arithmetic: each row bucket gives the bits of the
-    runtime-shape loop with the row count read from x (NaN-filled outputs catch unwritten
-    elements)."""
+    compile-time constant (one-row launches by default, every row count in one combo) and an
+    L2 prefetch-size hint on the weight loads change how a launch is built, not its
+    arithmetic: each row bucket gives the bits of the runtime-shape loop with the row count
+    read from x (NaN-filled outputs catch unwritten elements)."""
     dt = DTYPES[dtype]
     # ("exact": the plan keeps NT and U as given instead of fitting them to its register rule)
     # (NT, U) per row bucket (8, 16): (2, 2) without XL takes 128 registers at 16 rows, which
@@ -584,7 +589,8 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
               ({"const_shape": True, "xl": True, "exact": True}, (2, 2), (2, 2)),
               ({"const_shape": True, "xl": True, "min_blocks": 2}, (1, 2), (1, 2)),
               ({"const_shape": True, "unroll": True, "pin": True, "fixed_rows": True, "exact": True},
-               (1, 2), (2, 1))]
+               (1, 2), (2, 1)),
+              ({"const_shape": True, "l2_prefetch": 128}, (1, 1), (1, 1))]
     rows = (1, 3, 8, 9, 16)  # both row buckets, full and partial
     # K = 1024 / 4096: 4 words per thread and row per chunk (VW 4); 576: VW 2 at 4 bits;
     # 544: VW 1 at 4 bits, 2 at 8 bits
@@ -611,6 +617,7 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
                 assert p.min_blocks == opts.get("min_blocks", 0)
                 assert (p.const("FU"), p.const("PN")) == (int(opts.get("unroll", False)), int(opts.get("pin", False)))
                 assert (p.const("NT"), p.const("U")) == (ntu16[0] if n % (16 * ntu16[0]) == 0 else 1, ntu16[1])
+                assert p.const("LP") == opts.get("l2_prefetch", 0)
                 for m in rows:
                     y = qmv.run_plan(plan(m, n, k, bits, gs, dt), x[:m], wq, s, b, init_value=float("nan"))
                     assert mx.array_equal(y, base[m]).item(), (opts, ntu8, ntu16, m, n, k)

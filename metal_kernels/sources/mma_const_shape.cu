@@ -44,7 +44,7 @@ if constexpr (KC > 0) {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             const int ro = 16 * j + 8 * h;  // rows past this thread's first
-            ssk::load_words<VW>(wp + u * WK * CW + ro * KW, wr[u][j][h]);
+            ssk::load_words<VW, LP>(wp + u * WK * CW + ro * KW, wr[u][j][h]);
             sc[u][j][h] = sp[u * WK * CG + ro * NGR];
             bi[u][j][h] = bp[u * WK * CG + ro * NGR];
           }

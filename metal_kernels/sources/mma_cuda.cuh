@@ -242,10 +242,33 @@ __device__ __forceinline__ void chunk_products(
   }
 }
 
-// VW consecutive 32-bit weight words, streamed (read once: evict first).
-template <int VW>
+// VW consecutive 32-bit weight words, streamed (read once: evict first). PF > 0: the same load
+// with an L2 prefetch-size hint of PF bytes (64, 128 or 256: the L2 fetches that aligned block
+// from DRAM, so neighbouring warps' words of the same row arrive in one larger request).
+template <int VW, int PF = 0>
 __device__ __forceinline__ void load_words(
     const uint32_t* p, uint32_t (&out)[VW]) {
+  if constexpr (PF > 0) {
+    static_assert(PF == 64 || PF == 128 || PF == 256, "PF: an L2 prefetch size");
+#define SSK_LD_PF(SIZE)                                                                    \
+  if constexpr (VW == 4) {                                                                 \
+    asm("ld.global.cs.L2::" SIZE ".v4.u32 {%0, %1, %2, %3}, [%4];"                         \
+        : "=r"(out[0]), "=r"(out[1]), "=r"(out[2]), "=r"(out[3]) : "l"(p));                \
+  } else if constexpr (VW == 2) {                                                          \
+    asm("ld.global.cs.L2::" SIZE ".v2.u32 {%0, %1}, [%2];" : "=r"(out[0]), "=r"(out[1]) : "l"(p)); \
+  } else {                                                                                 \
+    asm("ld.global.cs.L2::" SIZE ".u32 %0, [%1];" : "=r"(out[0]) : "l"(p));                \
+  }
+    if constexpr (PF == 64) {
+      SSK_LD_PF("64B")
+    } else if constexpr (PF == 128) {
+      SSK_LD_PF("128B")
+    } else {
+      SSK_LD_PF("256B")
+    }
+#undef SSK_LD_PF
+    return;
+  }
   if constexpr (VW == 4) {
     uint4 v = __ldcs(reinterpret_cast<const uint4*>(p));
     out[0] = v.x;
