@@ -17,7 +17,8 @@
 #                            # eager vs fused passes on the default model (MODES, STEP_ARGS)
 #   kernels_h200.sh mma      # the mma kernel's launch configurations under Nsight Compute: its GPU
 #                            # tests (CHECK_K), then mma_sweep --ncu over SHAPES/ROWS and CONFIGS
-#                            # (WK,NT,U,KC,XL,LB;...; or the WK/NT/U product), parsed into
+#                            # (WK,NT,U,KC,XL,LB[,MR,FU,PN,LP];...; or the WK/NT/U product),
+#                            # LAUNCHES per case (median after the first), parsed into
 #                            # $OUT/mma_ncu.json
 #   kernels_h200.sh draft    # the fused DSpark draft: its GPU tests first (a launch that fails
 #                            # cannot be recovered in-process, so before any engine starts), then
@@ -88,7 +89,7 @@ case "$1" in
     else sweep+=(--wk "${WK:-8,16}" --nt "${NT:-1,2}" --u "${U:-1,2,4}"); fi
     timeout -k 5 "${NCU_LIMIT:-420}" ncu --clock-control none --kernel-name regex:"qmv|qmm|specserve" \
       --metrics gpu__time_duration.sum --csv --log-file "$out/mma_ncu.csv" \
-      python3 benchmarks/gpu/mma_sweep.py --ncu "${sweep[@]}" > "$out/mma_order.txt" 2>&1 || true
+      python3 benchmarks/gpu/mma_sweep.py --ncu --launches "${LAUNCHES:-6}" "${sweep[@]}" > "$out/mma_order.txt" 2>&1 || true
     python3 benchmarks/gpu/mma_sweep.py --parse "$out/mma_ncu.csv" --order "$out/mma_order.txt" \
       --out "$out/mma_ncu.json" 2>&1 | tail -40 ;;
   *) echo "usage: $0 cal|spec|verify|check|attn|overhead|probe|fused|draft|mma" >&2; exit 2 ;;
