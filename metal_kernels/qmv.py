@@ -102,7 +102,7 @@ def _pow2_at_most(n: int, cap: int) -> int:
 _WK_OVERRIDE: dict[tuple[int, int, int], int] = {}
 _NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 # (n, k, bits, mb) -> {"const_shape": bool, "xl": bool, "min_blocks": int, "fixed_rows": bool,
-# "unroll": bool, "pin": bool, "l2_prefetch": int}: how a row bucket's launch is built (none of them changes a
+# "unroll": bool, "pin": bool, "l2_prefetch": int, "x_shuffle": bool}: how a row bucket's launch is built (none of them changes a
 # row's arithmetic).
 _PATH_OVERRIDE: dict[tuple[int, int, int, int], dict] = {}
 _CONFIG_GENERATION = [0]  # bumped by every override change: cached launch decisions keyed on it
@@ -127,8 +127,9 @@ def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
     ``min_blocks``: launch bounds; ``fixed_rows``: the row count as a compile-time constant,
     True for every row count, False for none, default one-row launches only; ``unroll``: the
     compile-time-shape loop unrolled; ``pin``: a warp barrier after each step's loads;
-    ``l2_prefetch``: an L2 prefetch-size hint in bytes on the weight loads), none of which
-    changes any row's arithmetic.
+    ``l2_prefetch``: an L2 prefetch-size hint in bytes on the weight loads; ``x_shuffle``: for
+    one fixed row, the activations held two registers per lane and passed by shuffles), none
+    of which changes any row's arithmetic.
     """
     for mb, opts in (path or {}).items():
         _PATH_OVERRIDE[(n, k, bits, mb)] = dict(opts)
@@ -227,6 +228,9 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     # skips the padding rows; the arithmetic, hence every row's bits, is unchanged.
     fixed = path.get("fixed_rows")
     mr = m if (fixed or (fixed is None and m == 1 and FIXED_ONE_ROW)) else 0
+    # one fixed row: the activations held two registers per lane and shuffled (instead of XW
+    # registers per lane, all zeros but row 0's), with the compile-time-shape loop
+    x_shuffle = bool(path.get("x_shuffle", False) and const_shape and mr == 1 and mb == 8)
     min_blocks = int(path.get("min_blocks", 0))
     if n % (16 * nt):
         nt = 1
@@ -241,7 +245,8 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     # (KC = GS = 0 for the runtime-shape loop: one compiled variant for every shape and group)
     consts = (("BITS", bits), ("NT", nt), ("WK", wk), ("MB", mb), ("VW", vw), ("U", u),
               ("KC", k if const_shape else 0), ("GS", gs if const_shape else 0), ("XL", int(xl)),
-              ("MR", mr), ("FU", int(unroll)), ("PN", int(pin)), ("LP", l2_prefetch))
+              ("MR", mr), ("FU", int(unroll)), ("PN", int(pin)), ("LP", l2_prefetch),
+              ("XS", int(x_shuffle)))
     return KernelPlan("mma", "cuda", consts, (n // (16 * nt) * threads, 1, 1), (threads, 1, 1),
                       (("VW", vw), ("WK", wk)), min_blocks)
 

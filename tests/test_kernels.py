@@ -168,6 +168,11 @@ def test_row_count_is_a_compile_time_constant_for_one_row_launches():
         assert (p3.const("FU"), p3.const("PN"), p3.const("LP")) == (1, 1, 0)
         # the runtime-shape loop has no unrolled, pinned or prefetch-hinted form
         assert (p12.const("KC"), p12.const("FU"), p12.const("PN"), p12.const("LP")) == (0, 0, 0, 0)
+        # shuffled activations: one fixed row of the 8-row bucket, compile-time-shape loop only
+        qmv.set_mma_config(4096, 4096, 4, path={8: {"x_shuffle": True}, 16: {"x_shuffle": True}})
+        assert [plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda").const("XS") for m in (1, 2, 16)] == [1, 0, 0]
+        qmv.set_mma_config(4096, 4096, 4, path={8: {"x_shuffle": True, "const_shape": False}})
+        assert plan(1, 4096, 4096, 4, 64, mx.bfloat16, "cuda").const("XS") == 0
         qmv.set_mma_config(4096, 4096, 4, path={8: {"l2_prefetch": 256}, 16: {"l2_prefetch": 32}})
         assert plan(1, 4096, 4096, 4, 64, mx.bfloat16, "cuda").const("LP") == 256
         with pytest.raises(ValueError, match="l2_prefetch=32"):
@@ -458,6 +463,13 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
                 assert p.const("MR") == (mb - 1 if opts.get("fixed_rows") else 0), p
                 assert p.const("LP") == opts.get("l2_prefetch", 0), p
                 qmv.clear_mma_config()
+        for bits in (4, 8):  # one row's activations shuffled: VW 4 (K 4096), 2 and 1 (8 bits, K 544)
+            for k in (4096, 576, 544):
+                qmv.set_mma_config(4096, k, bits, nt_u={8: (1, 2)},
+                                   path={8: {"x_shuffle": True, "min_blocks": 2, "exact": True}})
+                cases.append((plan(1, 4096, k, bits, 32, mx.float16, "cuda"), mx.float16, mx.float16))
+                assert cases[-1][0].const("XS") == 1, cases[-1][0]
+                qmv.clear_mma_config()
         for kc in (True, False):  # one warp on K (no shared-memory sum) with the row count fixed
             qmv.set_mma_config(256, 1024, 4, wk=1, path={8: {"const_shape": kc}, 16: {"fixed_rows": True}})
             for m in (1, 13):
@@ -577,7 +589,8 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
     """K as a compile-time constant (addresses as immediates), activations loaded late (XL),
     launch bounds, the loop unrolled, loads pinned by a warp barrier and the row count as a
     compile-time constant (one-row launches by default, every row count in one combo) and an
-    L2 prefetch-size hint on the weight loads change how a launch is built, not its
+    L2 prefetch-size hint on the weight loads, and one row's activations shuffled between lanes
+    instead of held by row 0's lanes, change how a launch is built, not its
     arithmetic: each row bucket gives the bits of the runtime-shape loop with the row count
     read from x (NaN-filled outputs catch unwritten elements)."""
     dt = DTYPES[dtype]
@@ -590,7 +603,9 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
               ({"const_shape": True, "xl": True, "min_blocks": 2}, (1, 2), (1, 2)),
               ({"const_shape": True, "unroll": True, "pin": True, "fixed_rows": True, "exact": True},
                (1, 2), (2, 1)),
-              ({"const_shape": True, "l2_prefetch": 128}, (1, 1), (1, 1))]
+              ({"const_shape": True, "l2_prefetch": 128}, (1, 1), (1, 1)),
+              # one row's activations held two registers per lane and shuffled (one-row launches)
+              ({"const_shape": True, "x_shuffle": True, "min_blocks": 2, "exact": True}, (1, 2), (1, 1))]
     rows = (1, 3, 8, 9, 16)  # both row buckets, full and partial
     # K = 1024 / 4096: 4 words per thread and row per chunk (VW 4); 576: VW 2 at 4 bits;
     # 544: VW 1 at 4 bits, 2 at 8 bits
@@ -618,6 +633,8 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
                 assert (p.const("FU"), p.const("PN")) == (int(opts.get("unroll", False)), int(opts.get("pin", False)))
                 assert (p.const("NT"), p.const("U")) == (ntu16[0] if n % (16 * ntu16[0]) == 0 else 1, ntu16[1])
                 assert p.const("LP") == opts.get("l2_prefetch", 0)
+                assert p.const("XS") == 0  # (16 rows: never shuffled)
+                assert plan(1, n, k, bits, gs, dt).const("XS") == int(opts.get("x_shuffle", False))
                 for m in rows:
                     y = qmv.run_plan(plan(m, n, k, bits, gs, dt), x[:m], wq, s, b, init_value=float("nan"))
                     assert mx.array_equal(y, base[m]).item(), (opts, ntu8, ntu16, m, n, k)

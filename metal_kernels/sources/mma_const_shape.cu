@@ -20,6 +20,11 @@ if constexpr (KC > 0) {
   const S* sp = scales + sofs;
   const S* bp = biases + sofs;
   const T* xp = x + (size_t)g * KC + warp * SC + t * VALS;
+  // XS (one row, M = 1): the activations of a chunk held two registers per lane, shuffled to the
+  // row's lanes by the products (ssk::load_x_held), from row 0 at the chunk's first column
+  static_assert(!XS || (MR == 1 && MBLK == 1), "XS: one fixed row in the 8-row bucket");
+  const T* x0 = x + warp * SC;
+  (void)x0;
   // A warp's chunks warp, warp + WK, ... in ITERS steps of U; WHOLE: every warp takes the
   // same number (warp < WK), so no chunk test. FU = 1 unrolls the steps (straight-line code:
   // ptxas may issue a later step's loads before an earlier step's products).
@@ -35,7 +40,7 @@ if constexpr (KC > 0) {
     uint32_t wr[U][NT][2][VW];
     S sc[U][NT][2];
     S bi[U][NT][2];
-    uint32_t xr[U][MBLK][XW];
+    uint32_t xr[U][MBLK][XS ? 2 : XW];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (WHOLE || cbase + u * WK < NCH) {
@@ -49,35 +54,38 @@ if constexpr (KC > 0) {
             bi[u][j][h] = bp[u * WK * CG + ro * NGR];
           }
         }
-        if constexpr (!XL) {
+        if constexpr (XS) {
+          ssk::load_x_held<BITS, VW>(x0 + u * WK * SC, lane, xr[u][0]);
+        } else if constexpr (!XL) {
 #pragma unroll
           for (int mb = 0; mb < MBLK; ++mb) {
-            ssk::load_x<XW>(xp + u * WK * SC + 8 * mb * KC, 8 * mb + g < M, xr[u][mb]);
+            ssk::load_x(xp + u * WK * SC + 8 * mb * KC, 8 * mb + g < M, xr[u][mb]);
           }
         }
       }
     }
     if constexpr (PN) {
-      // Pin the loads above: a warp barrier orders memory, so ptxas cannot sink a later
-      // chunk's loads below an earlier chunk's products (it does, to save registers, and then
-      // U > 1 keeps no more bytes in flight than U = 1).
+      // A warp barrier after the loads, meant to keep ptxas from sinking a later chunk's loads
+      // below an earlier chunk's products (which it does to save registers); ptxas 13 drops
+      // it for a converged warp and sinks them anyway (docs/kernels.md). Launch bounds work.
       __syncwarp();
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (WHOLE || cbase + u * WK < NCH) {
-        if constexpr (XL) {
+        if constexpr (XL && !XS) {
 #pragma unroll
           for (int mb = 0; mb < MBLK; ++mb) {
-            ssk::load_x<XW>(xp + u * WK * SC + 8 * mb * KC, 8 * mb + g < M, xr[u][mb]);
+            ssk::load_x(xp + u * WK * SC + 8 * mb * KC, 8 * mb + g < M, xr[u][mb]);
           }
         }
-        ssk::chunk_products<T, BITS, NT, MBLK, VW, XW>(acc, wr[u], sc[u], bi[u], xr[u]);
+        ssk::chunk_products<T, BITS, NT, MBLK, VW, XS ? 2 : XW, S, XS>(acc, wr[u], sc[u], bi[u], xr[u]);
       }
     }
     wp += STEP * CW;
     sp += STEP * CG;
     bp += STEP * CG;
     xp += STEP * SC;
+    x0 += STEP * SC;
   }
 } else

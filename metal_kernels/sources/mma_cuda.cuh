@@ -209,12 +209,42 @@ struct Mma<__nv_bfloat16> {
   }
 };
 
+// One activation row (M = 1): a chunk's B fragments held two registers per lane instead of XW
+// per lane of row 0 (the other lanes' activations are padding zeros). Lane h = t * (VW * MMAS)
+// + v * MMAS + s holds the (b0, b1) pair that lane t of row 0 (g = 0) takes for word v, mma s
+// (XPair's selection, from the same activation words); chunk_products<..., XSH = true> passes
+// it over with two shuffles per mma. x0: row 0 at the chunk's first column.
+// (xh: an array of at least 2 words, so that the call compiles where it is not taken)
+template <int BITS, int VW, int N, typename T>
+__device__ __forceinline__ void load_x_held(const T* x0, int lane, uint32_t (&xh)[N]) {
+  static_assert(N >= 2, "two held words");
+  constexpr int MMAS = BITS == 4 ? 2 : 1;
+  constexpr int VALS = VW * 32 / BITS;
+  const int t = lane / (VW * MMAS);
+  const int v = (lane / MMAS) % VW;
+  const int s = lane % MMAS;
+  xh[0] = 0u;
+  xh[1] = 0u;
+  if (lane < 4 * VW * MMAS) {
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(x0 + t * VALS);
+    if constexpr (BITS == 4) {
+      const uint32_t lo = __ldg(p + 4 * v + s);
+      const uint32_t hi = __ldg(p + 4 * v + s + 2);
+      xh[0] = __byte_perm(lo, hi, 0x5410u);
+      xh[1] = __byte_perm(lo, hi, 0x7632u);
+    } else {
+      xh[0] = __ldg(p + 2 * v);
+      xh[1] = __ldg(p + 2 * v + 1);
+    }
+  }
+}
+
 // One chunk's products: the NT tiles' weight words wr (rows g and g + 8, VW words each)
 // dequantized with their scale and bias and multiplied into acc by the tensor cores, against
 // the activation words xr of each 8-row block (the k order inside an mma as mma_body.cu says).
 // Both of the body's loops (runtime and compile-time shape) call it, so they do the same
 // arithmetic in the same order. S: the scale/bias type as held (float or the weights' own).
-template <typename T, int BITS, int NT, int MBLK, int VW, int XW, typename S>
+template <typename T, int BITS, int NT, int MBLK, int VW, int XW, typename S, bool XSH = false>
 __device__ __forceinline__ void chunk_products(
     float (&acc)[NT][MBLK][4], const uint32_t (&wr)[NT][2][VW], const S (&sc)[NT][2],
     const S (&bi)[NT][2], const uint32_t (&xr)[MBLK][XW]) {
@@ -234,7 +264,14 @@ __device__ __forceinline__ void chunk_products(
 #pragma unroll
         for (int mb = 0; mb < MBLK; ++mb) {
           uint32_t b0, b1;
-          XPair<BITS>::get(xr[mb], v, s, b0, b1);
+          if constexpr (XSH) {
+            // (lanes of rows 1..7 get another lane's pair: their output columns are never stored)
+            const int src = (threadIdx.x & 3) * (VW * MMAS) + v * MMAS + s;
+            b0 = __shfl_sync(0xffffffffu, xr[0][0], src);
+            b1 = __shfl_sync(0xffffffffu, xr[0][1], src);
+          } else {
+            XPair<BITS>::get(xr[mb], v, s, b0, b1);
+          }
           Mma<T>::run(acc[j][mb], a, b0, b1);
         }
       }
