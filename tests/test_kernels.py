@@ -581,8 +581,11 @@ def test_tiles_and_prefetch_do_not_change_bits():
         assert all(mx.array_equal(a, c).item() for a, c in zip(outs[0], o))
 
 
+CONST_SHAPE_CASES = [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64)]
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-@pytest.mark.parametrize("bits,gs", [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64)])
+@pytest.mark.parametrize("bits,gs", CONST_SHAPE_CASES)
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="the compile-time-shape loop is the CUDA mma kernel's")
 def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
@@ -592,7 +595,10 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
     L2 prefetch-size hint on the weight loads, and one row's activations shuffled between lanes
     instead of held by row 0's lanes, change how a launch is built, not its
     arithmetic: each row bucket gives the bits of the runtime-shape loop with the row count
-    read from x (NaN-filled outputs catch unwritten elements)."""
+    read from x (NaN-filled outputs catch unwritten elements). Each case runs the default
+    launch and three of the other six combinations, in rotation over the ten cases (each runs in
+    four to six of them, with both dtypes: on the H200 a case took ~78 s, mostly NVRTC
+    compiles, when it ran every combination)."""
     dt = DTYPES[dtype]
     # ("exact": the plan keeps NT and U as given instead of fitting them to its register rule)
     # (NT, U) per row bucket (8, 16): (2, 2) without XL takes 128 registers at 16 rows, which
@@ -606,6 +612,8 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
               ({"const_shape": True, "l2_prefetch": 128}, (1, 1), (1, 1)),
               # one row's activations held two registers per lane and shuffled (one-row launches)
               ({"const_shape": True, "x_shuffle": True, "min_blocks": 2, "exact": True}, (1, 2), (1, 1))]
+    case = 2 * CONST_SHAPE_CASES.index((bits, gs)) + (dtype == "bfloat16")
+    combos = [combos[0]] + [combos[1 + (case + i) % 6] for i in (0, 1, 2)]
     rows = (1, 3, 8, 9, 16)  # both row buckets, full and partial
     # K = 1024 / 4096: 4 words per thread and row per chunk (VW 4); 576: VW 2 at 4 bits;
     # 544: VW 1 at 4 bits, 2 at 8 bits
