@@ -161,10 +161,15 @@ def mma_config_fits(nt: int, u: int, mb: int, wk: int, xl: bool = False) -> bool
     fit the multiprocessor's 64K registers (at most 128 each for WK = 16; the H200 refused to
     launch a 512-thread block at exactly 128). With XL (a chunk's activations loaded just before
     its products, compile-time-shape loop) a unit costs less: ptxas 13.0 (nvcc and NVRTC alike)
-    gave 54-82 registers for up to 4 units and 108-124 for 8 (K = 4096-14336)."""
+    gave 54-82 registers for up to 4 units and 108-124 for 8 (K = 4096-14336). With one chunk
+    in flight (U = 1) 4 units fit at WK = 16 too since the twenty-fifth session's loop: ptxas
+    13.0 gave 56-90 registers for NT 2 at 16 rows over 176 plans (N 4096/6144, K 576-14336,
+    4/8 bits, groups 32-128, both loops) and 53-86 for NT 4 at 8 rows."""
     units = nt * u * mb // 8
     if xl:
         return units <= (4 if wk >= 16 else 8)
+    if u == 1:
+        return units <= 4
     return units <= (2 if wk >= 16 else 4)
 
 
@@ -202,7 +207,13 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
         wk *= 2
     wk = _WK_OVERRIDE.get((n, k, bits), _pow2_at_most(nchunks, wk))
     mb = 8 if m <= 8 else 16
-    nt, u = (2 if n % 32 == 0 and n >= 8192 else 1), 1
+    # Two tiles per warp from N = 8192, and in the 16-row bucket from N = 4096: on the H200 at
+    # 16 rows NT 2 took 8.45 against 10.30 us on 4096x4096 and 19.68 against 26.02 on
+    # 4096x14336 (twenty-fifth session, one launch each), 8.80 / 21.41 against 11.62 / 28.48
+    # with U = 2 and late activations (twenty-fourth); at 8 rows and one row it was slower
+    # (7.87 against 7.62, 7.68 against 6.69 on 4096x4096). N = 6144 (the 8B stack's q/k/v
+    # launch) follows N = 4096 untimed.
+    nt, u = (2 if n % 32 == 0 and (n >= 8192 or (mb == 16 and n >= 4096)) else 1), 1
     if m == 1 and bits == 4 and k >= 4096 and n <= 16384:
         # One row over a long K: twice the blocks of one tile each keep more loads in flight.
         # Nsight Compute on the H200 (twenty-first session), 14336x4096: 16.6-16.9 us at

@@ -150,6 +150,20 @@ def test_one_row_plan_over_long_k_takes_one_tile_per_warp():
         qmv.clear_mma_config()
 
 
+def test_sixteen_row_bucket_takes_two_tiles_from_n_4096():
+    """NT = 2 in the 16-row bucket from N = 4096 (faster on the H200 at 16 rows), one tile at 1..8
+    rows there and below N = 4096 at every row count; the K split, hence the bits, is shared."""
+    def nt(m, n, k=4096):
+        return plan(m, n, k, 4, 64, mx.bfloat16, "cuda").const("NT")
+
+    assert [nt(m, 4096) for m in (1, 2, 8, 9, 16)] == [1, 1, 1, 2, 2]
+    assert [nt(m, 6144) for m in (8, 16)] == [1, 2]
+    assert [nt(m, 4096, 14336) for m in (8, 16)] == [1, 2]
+    assert [nt(m, 2048) for m in (8, 16)] == [1, 1]
+    assert [nt(m, 4112) for m in (8, 16)] == [1, 1]  # N not a multiple of 32
+    assert len({plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda").k_split for m in range(1, 17)}) == 1
+
+
 def test_row_count_is_a_compile_time_constant_for_one_row_launches():
     """MR (the row count fixed at compile time) is 1 for one-row launches and 0 (read from x's
     shape) for 2..16 rows, unless path "fixed_rows" says otherwise; it and the loop options
@@ -445,7 +459,7 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
     for xdt, sdt in ((mx.float16, mx.float16), (mx.bfloat16, mx.bfloat16), (mx.float16, mx.float32),
                      (mx.float32, mx.float32), (mx.float32, mx.bfloat16)):
         for bits in (4, 8):
-            for m, n, k in ((1, 4096, 4096), (16, 14336, 4096), (9, 576, 576), (4, 208, 640)):
+            for m, n, k in ((1, 4096, 4096), (16, 14336, 4096), (12, 6144, 4096), (9, 576, 576), (4, 208, 640)):
                 cases.append((plan(m, n, k, bits, 32, xdt, "cuda"), xdt, sdt))
     try:  # the compile-time-shape loop: both row buckets, 4/8 bits, XL, launch bounds
         for bits in (4, 8):
