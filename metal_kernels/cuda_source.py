@@ -35,8 +35,8 @@ def render_qmv(p: qmv.KernelPlan, xdt: mx.Dtype, sdt: mx.Dtype, fname: str, cuts
     variant with ``len(cuts) + 1`` outputs. A plan with launch bounds redefines ``__global__``
     in its header (as MLX compiles it); the rendering restores the macro after the kernel, so
     several kernels can share one translation unit."""
-    bounds, const_shape = p.source_options()
-    header, body = qmv.kernel_sources(p.kind, "cuda", len(cuts) + 1, bounds, const_shape)
+    header, body = qmv.kernel_sources(p.kind, "cuda", len(cuts) + 1, *p.source_options())
+    bounds = p.source_options()[0]
     sig = []
     for name, ctype in (("x", CUDA_TYPES[xdt]), ("w", "uint32_t"), ("scales", CUDA_TYPES[sdt]),
                         ("biases", CUDA_TYPES[sdt])):

@@ -70,11 +70,13 @@ class KernelPlan:
     def const(self, name: str) -> int:
         return dict(self.consts)[name]
 
-    def source_options(self) -> tuple[tuple[int, int] | None, bool]:
-        """(launch bounds as (threads, min_blocks) or None, with the compile-time-shape loop):
-        what :func:`kernel_sources` takes to build this plan's source."""
+    def source_options(self) -> tuple[tuple[int, int] | None, bool, bool]:
+        """(launch bounds as (threads, min_blocks) or None, with the compile-time-shape loop,
+        with the extra helpers of an L2 prefetch hint or shuffled activations): what
+        :func:`kernel_sources` takes to build this plan's source."""
         bounds = (self.threadgroup[0], self.min_blocks) if self.min_blocks else None
-        return bounds, self.kind == "mma" and self.const("KC") > 0
+        mma = self.kind == "mma"
+        return bounds, mma and self.const("KC") > 0, mma and (self.const("LP") > 0 or self.const("XS") > 0)
 
 
 @functools.cache
@@ -102,8 +104,8 @@ def _pow2_at_most(n: int, cap: int) -> int:
 _WK_OVERRIDE: dict[tuple[int, int, int], int] = {}
 _NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 # (n, k, bits, mb) -> {"const_shape": bool, "xl": bool, "min_blocks": int, "fixed_rows": bool,
-# "unroll": bool, "pin": bool, "l2_prefetch": int, "x_shuffle": bool}: how a row bucket's launch is built (none of them changes a
-# row's arithmetic).
+# "unroll": bool, "l2_prefetch": int, "x_shuffle": bool}: how a row bucket's launch is built
+# (none of them changes a row's arithmetic).
 _PATH_OVERRIDE: dict[tuple[int, int, int, int], dict] = {}
 _CONFIG_GENERATION = [0]  # bumped by every override change: cached launch decisions keyed on it
 
@@ -126,8 +128,7 @@ def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
     compile-time constant; ``xl``: a chunk's activations loaded just before its products;
     ``min_blocks``: launch bounds; ``fixed_rows``: the row count as a compile-time constant,
     True for every row count, False for none, default one-row launches only; ``unroll``: the
-    compile-time-shape loop unrolled; ``pin``: a warp barrier after each step's loads;
-    ``l2_prefetch``: an L2 prefetch-size hint in bytes on the weight loads; ``x_shuffle``: for
+    compile-time-shape loop unrolled; ``l2_prefetch``: an L2 prefetch-size hint in bytes on the weight loads; ``x_shuffle``: for
     one fixed row, the activations held two registers per lane and passed by shuffles), none
     of which changes any row's arithmetic.
     """
@@ -191,11 +192,10 @@ def registers_fit(registers: int, threads: int, min_blocks: int = 0) -> bool:
 # against 16.42; 49152x576 11.30 against 11.52), within ~3% either way at 8 rows.
 CONST_SHAPE = True
 # One-row launches compiled with the row count fixed (template MR = 1): see _mma_plan. UNROLL
-# (the compile-time-shape loop unrolled) and PIN (a warp barrier after each step's loads) are
-# off by default; docs/benchmarks.md ("Twenty-fifth session") has the measurements.
+# (the compile-time-shape loop unrolled) is off by default; docs/benchmarks.md ("Twenty-fifth
+# session") has the measurements.
 FIXED_ONE_ROW = True
 UNROLL = False
-PIN = False
 
 
 def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
@@ -228,7 +228,6 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     const_shape = bool(path.get("const_shape", CONST_SHAPE) and sc % gs == 0)
     xl = bool(const_shape and path.get("xl", False))
     unroll = bool(const_shape and path.get("unroll", UNROLL))
-    pin = bool(const_shape and path.get("pin", PIN))
     # an L2 prefetch-size hint (bytes) on the weight loads: 0 (none), 64, 128 or 256
     l2_prefetch = int(path.get("l2_prefetch", 0)) if const_shape else 0
     if l2_prefetch not in (0, 64, 128, 256):
@@ -256,7 +255,7 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     # (KC = GS = 0 for the runtime-shape loop: one compiled variant for every shape and group)
     consts = (("BITS", bits), ("NT", nt), ("WK", wk), ("MB", mb), ("VW", vw), ("U", u),
               ("KC", k if const_shape else 0), ("GS", gs if const_shape else 0), ("XL", int(xl)),
-              ("MR", mr), ("FU", int(unroll)), ("PN", int(pin)), ("LP", l2_prefetch),
+              ("MR", mr), ("FU", int(unroll)), ("LP", l2_prefetch),
               ("XS", int(x_shuffle)))
     return KernelPlan("mma", "cuda", consts, (n // (16 * nt) * threads, 1, 1), (threads, 1, 1),
                       (("VW", vw), ("WK", wk)), min_blocks)
@@ -341,7 +340,7 @@ _CONST_SHAPE_MARK = "// SSK_CONST_SHAPE_LOOP"
 
 
 def kernel_sources(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = None,
-                   const_shape: bool = False) -> tuple[str, str]:
+                   const_shape: bool = False, extras: bool = False) -> tuple[str, str]:
     """(header, body) of one kernel family exactly as they are handed to MLX (minified).
 
     ``nout`` > 1 (mma only): the sibling variant with one output per fused projection.
@@ -349,15 +348,18 @@ def kernel_sources(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | 
     ``const_shape`` (mma only): with the compile-time-shape loop (``mma_const_shape.cu``, for
     plans with KC > 0), spliced in only where it runs: MLX builds a custom kernel's whole source
     into every call and hashes it at every evaluation, so the default launches keep the shorter
-    source."""
+    source. ``extras`` (mma only): the helpers of the L2 prefetch hint and of shuffled
+    activations (``mma_extras.cuh``) appended to the header, likewise only where used."""
     if nout != 1 and kind != "mma":
         raise ValueError("only the mma kernel has a sibling (multi-output) variant")
     if bounds and be != "cuda":
         raise ValueError("launch bounds are a CUDA kernel option")
-    if const_shape and kind != "mma":
-        raise ValueError("the compile-time-shape loop is the mma kernel's")
+    if (const_shape or extras) and kind != "mma":
+        raise ValueError("the compile-time-shape loop and the extra helpers are the mma kernel's")
     if kind == "mma":
         header, body = _read("mma_cuda.cuh"), _read("mma_body.cu")
+        if extras:
+            header += _read("mma_extras.cuh")
         lines = body.splitlines(keepends=True)
         at = next(i for i, line in enumerate(lines) if line.startswith(_CONST_SHAPE_MARK))
         lines[at] = _read("mma_const_shape.cu") if const_shape else ""
@@ -377,16 +379,18 @@ def kernel_sources(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | 
 
 @functools.cache
 def _kernel(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = None,
-            const_shape: bool = False):
+            const_shape: bool = False, extras: bool = False):
     """The mx.fast kernel object for one kernel family (compiled per template on first use);
     ``nout`` > 1: the mma kernel's sibling variant (outputs ``y0..``); ``bounds``: launch
-    bounds (threads, min_blocks); ``const_shape``: with the compile-time-shape loop."""
-    header, body = kernel_sources(kind, be, nout, bounds, const_shape)
+    bounds (threads, min_blocks); ``const_shape``: with the compile-time-shape loop;
+    ``extras``: with the helpers of the L2 prefetch hint and shuffled activations."""
+    header, body = kernel_sources(kind, be, nout, bounds, const_shape, extras)
     # The source hash is in the name so an edited source never reuses a kernel compiled
     # under the same name (MLX caches compiled kernels by name).
     digest = hashlib.sha1((header + body).encode()).hexdigest()[:10]
     lb = f"_lb{bounds[0]}x{bounds[1]}" if bounds else ""
-    name = f"specserve_qmv_{kind}{nout if nout > 1 else ''}{'_k' if const_shape else ''}{lb}_{digest}"
+    name = (f"specserve_qmv_{kind}{nout if nout > 1 else ''}{'_k' if const_shape else ''}"
+            f"{'_x' if extras else ''}{lb}_{digest}")
     outs = ["y"] if nout == 1 else [f"y{i}" for i in range(nout)]
     args = dict(name=name, input_names=["x", "w", "scales", "biases"], output_names=outs,
                 source=body, header=header, ensure_row_contiguous=True)
@@ -396,7 +400,7 @@ def _kernel(kind: str, be: str, nout: int = 1, bounds: tuple[int, int] | None = 
 
 
 def _kernel_for(p: KernelPlan, nout: int = 1):
-    """The kernel object plan ``p`` launches (launch bounds, compile-time-shape loop)."""
+    """The kernel object plan ``p`` launches (launch bounds, compile-time-shape loop, extras)."""
     return _kernel(p.kind, p.backend, nout, *p.source_options())
 
 

@@ -171,17 +171,17 @@ def test_row_count_is_a_compile_time_constant_for_one_row_launches():
     plans = {m: plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda") for m in (1, 2, 8, 9, 16)}
     assert {m: p.const("MR") for m, p in plans.items()} == {1: 1, 2: 0, 8: 0, 9: 0, 16: 0}
     assert len({p.k_split for p in plans.values()}) == 1
-    assert all(p.const("FU") == int(qmv.UNROLL) and p.const("PN") == int(qmv.PIN) for p in plans.values())
+    assert all(p.const("FU") == int(qmv.UNROLL) and p.const("LP") == p.const("XS") == 0 for p in plans.values())
     try:
-        qmv.set_mma_config(4096, 4096, 4, path={8: {"fixed_rows": True, "unroll": True, "pin": True},
+        qmv.set_mma_config(4096, 4096, 4, path={8: {"fixed_rows": True, "unroll": True},
                                                 16: {"fixed_rows": False, "const_shape": False,
-                                                     "unroll": True, "pin": True}})
+                                                     "unroll": True}})
         p3, p1, p12 = (plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda") for m in (3, 1, 12))
         assert (p3.const("MR"), p1.const("MR"), p12.const("MR")) == (3, 1, 0)
         assert {p.k_split for p in (p3, p1, p12)} == {plans[1].k_split}
-        assert (p3.const("FU"), p3.const("PN"), p3.const("LP")) == (1, 1, 0)
-        # the runtime-shape loop has no unrolled, pinned or prefetch-hinted form
-        assert (p12.const("KC"), p12.const("FU"), p12.const("PN"), p12.const("LP")) == (0, 0, 0, 0)
+        assert (p3.const("FU"), p3.const("LP")) == (1, 0)
+        # the runtime-shape loop has no unrolled or prefetch-hinted form
+        assert (p12.const("KC"), p12.const("FU"), p12.const("LP")) == (0, 0, 0)
         # shuffled activations: one fixed row of the 8-row bucket, compile-time-shape loop only
         qmv.set_mma_config(4096, 4096, 4, path={8: {"x_shuffle": True}, 16: {"x_shuffle": True}})
         assert [plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda").const("XS") for m in (1, 2, 16)] == [1, 0, 0]
@@ -288,7 +288,7 @@ def _fake_cuda(monkeypatch):
     the sibling cuts for the multi-output variant). Returns the list of launches made."""
     launches = []
 
-    def make(kind, be, nout=1, bounds=None, const_shape=False):
+    def make(kind, be, nout=1, bounds=None, const_shape=False, extras=False):
         def fake_kernel(*, inputs, template, output_shapes, output_dtypes, **_):
             x, w, s, b = inputs
             t = dict(template)
@@ -387,7 +387,7 @@ def clean_launch_caches():
 
 
 def test_sibling_launcher_declines_what_it_cannot_fuse(monkeypatch, clean_launch_caches):
-    monkeypatch.setattr(qmv, "_kernel", lambda kind, be, nout=1, bounds=None, const_shape=False: (kind, nout))
+    monkeypatch.setattr(qmv, "_kernel", lambda kind, be, nout=1, bounds=None, const_shape=False, extras=False: (kind, nout))
     sig = (4, 512, 256, 32, (512, 8), (512, 8), mx.float16, mx.uint32, mx.float16, mx.float16, 4, 32)
     kernel, template, *_ = qmv.sibling_launcher(*sig, "cuda", (256, 384))
     assert kernel == ("mma", 3) and template[-2:] == [("S1", 256), ("S2", 384)]
@@ -428,7 +428,7 @@ def test_layer_launch_decision_is_cached_and_invalidated(monkeypatch):
         return real_launcher(*args)
 
     monkeypatch.setattr(qmv, "backend", lambda: "cuda")
-    monkeypatch.setattr(qmv, "_kernel", lambda kind, be, nout=1, bounds=None, const_shape=False: fake_kernel)
+    monkeypatch.setattr(qmv, "_kernel", lambda kind, be, nout=1, bounds=None, const_shape=False, extras=False: fake_kernel)
     monkeypatch.setattr(qmv, "_launcher", counting_launcher)
     layer = nn.QuantizedLinear(64, 48, bias=False, group_size=32, bits=4)
     swap_layers(layer)
@@ -466,14 +466,14 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
             for k, mb, ntu, opts in ((4096, 8, (2, 2), {"const_shape": True, "exact": True}),
                                      (14336, 16, (2, 2), {"const_shape": True, "xl": True, "exact": True}),
                                      (4096, 8, (1, 2), {"const_shape": True, "xl": True, "min_blocks": 2}),
-                                     (4096, 8, (1, 2), {"const_shape": True, "unroll": True, "pin": True,
+                                     (4096, 8, (1, 2), {"const_shape": True, "unroll": True,
                                                         "fixed_rows": True, "exact": True, "l2_prefetch": 256}),
                                      (576, 16, (1, 1), {"const_shape": True, "unroll": True})):
                 qmv.set_mma_config(4096, k, bits, nt_u={mb: ntu}, path={mb: opts})
                 cases.append((plan(mb - 1, 4096, k, bits, 64, mx.bfloat16, "cuda"), mx.bfloat16, mx.bfloat16))
                 p = cases[-1][0]
                 assert (p.const("KC"), p.const("NT"), p.const("U")) == (k, *ntu), p
-                assert (p.const("FU"), p.const("PN")) == (int(opts.get("unroll", False)), int(opts.get("pin", False)))
+                assert p.const("FU") == int(opts.get("unroll", False))
                 assert p.const("MR") == (mb - 1 if opts.get("fixed_rows") else 0), p
                 assert p.const("LP") == opts.get("l2_prefetch", 0), p
                 qmv.clear_mma_config()
@@ -604,7 +604,7 @@ CONST_SHAPE_CASES = [(4, 32), (4, 64), (4, 128), (8, 32), (8, 64)]
 @pytest.mark.skipif(backend() != "cuda", reason="the compile-time-shape loop is the CUDA mma kernel's")
 def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
     """K as a compile-time constant (addresses as immediates), activations loaded late (XL),
-    launch bounds, the loop unrolled, loads pinned by a warp barrier and the row count as a
+    launch bounds, the loop unrolled and the row count as a
     compile-time constant (one-row launches by default, every row count in one combo) and an
     L2 prefetch-size hint on the weight loads, and one row's activations shuffled between lanes
     instead of held by row 0's lanes, change how a launch is built, not its
@@ -621,7 +621,7 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
               ({"const_shape": True, "exact": True}, (2, 2), (1, 2)),
               ({"const_shape": True, "xl": True, "exact": True}, (2, 2), (2, 2)),
               ({"const_shape": True, "xl": True, "min_blocks": 2}, (1, 2), (1, 2)),
-              ({"const_shape": True, "unroll": True, "pin": True, "fixed_rows": True, "exact": True},
+              ({"const_shape": True, "unroll": True, "fixed_rows": True, "exact": True},
                (1, 2), (2, 1)),
               ({"const_shape": True, "l2_prefetch": 128}, (1, 1), (1, 1)),
               # one row's activations held two registers per lane and shuffled (one-row launches)
@@ -652,7 +652,7 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
                     continue
                 assert p.const("KC") == k and p.const("XL") == int(opts.get("xl", False))
                 assert p.min_blocks == opts.get("min_blocks", 0)
-                assert (p.const("FU"), p.const("PN")) == (int(opts.get("unroll", False)), int(opts.get("pin", False)))
+                assert p.const("FU") == int(opts.get("unroll", False))
                 assert (p.const("NT"), p.const("U")) == (ntu16[0] if n % (16 * ntu16[0]) == 0 else 1, ntu16[1])
                 assert p.const("LP") == opts.get("l2_prefetch", 0)
                 assert p.const("XS") == 0  # (16 rows: never shuffled)

@@ -18,7 +18,7 @@ order, and ``--parse CSV`` pairs ncu's CSV with that order:
         --csv --log-file ncu.csv python benchmarks/gpu/mma_sweep.py --ncu > order.txt  # a case per line
     PYTHONPATH=$PWD python benchmarks/gpu/mma_sweep.py --parse ncu.csv --order order.txt --out mma_ncu.json
 
-``--configs "WK,NT,U,KC,XL,LB[,MR,FU,PN,LP,XS];..."`` times those launch configurations instead (see
+``--configs "WK,NT,U,KC,XL,LB[,MR,FU,LP,XS];..."`` times those launch configurations instead (see
 ``CONFIG_FIELDS``); ``--regs`` compiles the same cases with the local CUDA toolkit (no GPU) and
 prints their registers and spills, to keep unlaunchable ones out of a sweep.
 
@@ -58,26 +58,26 @@ def _configs(n, k, gs, dtype, mb=None, wks=(1, 2, 4, 8, 16), nts=(1, 2, 4), us=(
             yield wk, nt, u
 
 
-# A case's configuration: (WK, NT, U, KC, XL, LB, MR, FU, PN) = warps splitting K, tiles per
-# warp, chunks in flight, K as a compile-time constant, activations loaded late, launch bounds'
-# minimum blocks per multiprocessor (0: none), the row count fixed at compile time (1: every
-# row count, 0: none), the compile-time-shape loop unrolled, a warp barrier after each step's
-# loads (-1 for these three: the plan's choice, the row count fixed for one row only), an L2
-# prefetch-size hint in bytes on the weight loads (0: none), one fixed row's activations held
-# two registers per lane and shuffled (1; with KC and one row). Only
-# WK changes a row's arithmetic. --configs may leave out trailing fields after the first six
-# (they then take CONFIG_TAIL: the plan's choices, no hint, no shuffle).
-CONFIG_FIELDS = ("WK", "NT", "U", "KC", "XL", "LB", "MR", "FU", "PN", "LP", "XS")
-CONFIG_TAIL = (-1, -1, -1, 0, 0)  # MR, FU, PN, LP, XS where --configs leaves them out
+# A case's configuration: (WK, NT, U, KC, XL, LB, MR, FU, LP, XS) = warps splitting K, tiles
+# per warp, chunks in flight, K as a compile-time constant, activations loaded late, launch
+# bounds' minimum blocks per multiprocessor (0: none), the row count fixed at compile time (1:
+# every row count, 0: none), the compile-time-shape loop unrolled (-1 for these two: the plan's
+# choice, the row count fixed for one row only), an L2 prefetch-size hint in bytes on the
+# weight loads (0: none), one fixed row's activations held two registers per lane and shuffled
+# (1; with KC, one row). Only WK changes a row's arithmetic. --configs may leave out trailing
+# fields after the first six (they then take CONFIG_TAIL: the plan's choices, no hint, no
+# shuffle). (The twenty-fifth session's first sweep had a PN field, since removed.)
+CONFIG_FIELDS = ("WK", "NT", "U", "KC", "XL", "LB", "MR", "FU", "LP", "XS")
+CONFIG_TAIL = (-1, -1, 0, 0)  # MR, FU, LP, XS where --configs leaves them out
 
 
 def apply_config(n, k, m, cfg):
     """Install one configuration for the (n, k) 4-bit shape at m rows (qmv.set_mma_config)."""
-    wk, nt, u, kc, xl, lb, mr, fu, pn, lp, xs = cfg
+    wk, nt, u, kc, xl, lb, mr, fu, lp, xs = cfg
     mb = 8 if m <= 8 else 16
     opts = {"const_shape": bool(kc), "xl": bool(xl), "min_blocks": lb, "exact": True, "l2_prefetch": lp,
             "x_shuffle": bool(xs)}
-    for key, v in (("fixed_rows", mr), ("unroll", fu), ("pin", pn)):
+    for key, v in (("fixed_rows", mr), ("unroll", fu)):
         if v >= 0:
             opts[key] = bool(v)
     qmv.set_mma_config(n, k, 4, wk=wk, nt_u={mb: (nt, u)}, path={mb: opts})
@@ -136,9 +136,9 @@ def regs_run(dtype, wks, nts, us, rows, shapes=SHAPES, configs=()):
     for name, n, k, m, cfg, p in names:
         u = usage[name]
         got = (p.const("WK"), p.const("NT"), p.const("U"), int(p.const("KC") > 0), p.const("XL"), p.min_blocks,
-               p.const("MR"), p.const("FU"), p.const("PN"), p.const("LP"), p.const("XS"))
+               p.const("MR"), p.const("FU"), p.const("LP"), p.const("XS"))
         want = (*cfg[:6], m if cfg[6] == 1 else 0 if cfg[6] == 0 else got[6],
-                *(g if c < 0 else c for c, g in zip(cfg[7:9], got[7:9])), *cfg[9:])
+                got[7] if cfg[7] < 0 else cfg[7], *cfg[8:])
         fits = qmv.registers_fit(u["registers"], p.threadgroup[0], p.min_blocks)
         print(f"{n}x{k} M={m} {cfg}: {u['registers']} registers, spills {u['spill_stores']}/{u['spill_loads']} B"
               f"{'' if fits else ', DOES NOT LAUNCH'}{'' if got == want else f', plan gave {got}'}")
@@ -212,7 +212,7 @@ def _choices(*allowed):
 
 
 def _configs_arg(text):
-    """argparse type: ``WK,NT,U,KC,XL,LB[,MR,FU,PN,LP,XS]`` items separated by ';'."""
+    """argparse type: ``WK,NT,U,KC,XL,LB[,MR,FU,LP,XS]`` items separated by ';'."""
     out = []
     fields = ",".join(CONFIG_FIELDS)
     for item in filter(None, text.split(";")):
@@ -223,9 +223,9 @@ def _configs_arg(text):
         if not 6 <= len(cfg) <= len(CONFIG_FIELDS):
             raise argparse.ArgumentTypeError(f"{item!r}: expected 6 to {len(CONFIG_FIELDS)} integers {fields}")
         cfg += CONFIG_TAIL[len(cfg) - 6:]
-        wk, nt, u, kc, xl, lb, mr, fu, pn, lp, xs = cfg
+        wk, nt, u, kc, xl, lb, mr, fu, lp, xs = cfg
         if wk not in (-1, 1, 2, 4, 8, 16) or nt not in (1, 2, 4) or u not in (1, 2, 4) or not {kc, xl} <= {0, 1} \
-                or lb not in (0, 1, 2, 3, 4) or not {mr, fu, pn} <= {-1, 0, 1} or lp not in (0, 64, 128, 256) or xs not in (0, 1):
+                or lb not in (0, 1, 2, 3, 4) or not {mr, fu} <= {-1, 0, 1} or lp not in (0, 64, 128, 256) or xs not in (0, 1):
             raise argparse.ArgumentTypeError(f"{item!r}: out of range")
         out.append(cfg)
     return tuple(out)
@@ -253,7 +253,7 @@ def main():
     ap.add_argument("--regs", action="store_true",
                     help="compile the swept cases with the local nvcc (sm_90) and print registers and spills")
     ap.add_argument("--configs", type=_configs_arg, default=(),
-                    help="explicit cases WK,NT,U,KC,XL,LB[,MR,FU,PN,LP,XS] separated by ';' (WK -1: the default plan's), "
+                    help="explicit cases WK,NT,U,KC,XL,LB[,MR,FU,LP,XS] separated by ';' (WK -1: the default plan's), "
                          "instead of the --wk/--nt/--u product")
     ap.add_argument("--parse", default=None)
     ap.add_argument("--order", default=None)

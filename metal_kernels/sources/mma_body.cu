@@ -6,7 +6,7 @@
 // Template constants (set by metal_kernels/qmv.py): T activation type (fp16 or
 // bf16), S scale/bias type, BITS (4, 8), NT 16-row weight tiles per warp, WK warps per block splitting K, MB padded activation rows,
 // VW 32-bit weight words per thread per row per chunk, U chunks in flight; KC, GS, XL, FU,
-// PN, LP, XS: the compile-time-shape loop's (mma_const_shape.cu); MR: the row count when fixed at
+// LP, XS: the compile-time-shape loop's (mma_const_shape.cu); MR: the row count when fixed at
 // compile time (0: read from x's shape).
 // The group size (32, 64 or 128) is K / scales_shape[1]; a chunk's per-thread
 // k range never straddles a group.
@@ -39,9 +39,8 @@ constexpr int SC = 4 * VALS;
 constexpr int MBLK = MB / 8;
 constexpr int XW = VALS / 2;
 constexpr int NREG = NT * MBLK * 4;
-static_assert(KC >= 0 && GS >= 0 && (XL == 0 || XL == 1) && (FU == 0 || FU == 1) && (PN == 0 || PN == 1) && LP >= 0 &&
-              (XS == 0 || XS == 1),
-              "KC, GS, XL, FU, PN, LP, XS: see mma_const_shape.cu");
+static_assert(KC >= 0 && GS >= 0 && (XL == 0 || XL == 1) && (FU == 0 || FU == 1) && LP >= 0 &&
+              (XS == 0 || XS == 1), "KC, GS, XL, FU, LP, XS: see mma_const_shape.cu");
 static_assert(MR >= 0 && MR <= MB, "MR: a fixed row count within the padded rows");
 
 const int lane = threadIdx.x & 31;

@@ -64,12 +64,6 @@ if constexpr (KC > 0) {
         }
       }
     }
-    if constexpr (PN) {
-      // A warp barrier after the loads, meant to keep ptxas from sinking a later chunk's loads
-      // below an earlier chunk's products (which it does to save registers); ptxas 13 drops
-      // it for a converged warp and sinks them anyway (docs/kernels.md). Launch bounds work.
-      __syncwarp();
-    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (WHOLE || cbase + u * WK < NCH) {
