@@ -165,7 +165,8 @@ def mma_config_fits(nt: int, u: int, mb: int, wk: int, xl: bool = False) -> bool
     gave 54-82 registers for up to 4 units and 108-124 for 8 (K = 4096-14336). With one chunk
     in flight (U = 1) 4 units fit at WK = 16 too since the twenty-fifth session's loop: ptxas
     13.0 gave 56-90 registers for NT 2 at 16 rows over 176 plans (N 4096/6144, K 576-14336,
-    4/8 bits, groups 32-128, both loops) and 53-86 for NT 4 at 8 rows."""
+    4/8 bits, groups 32-128, both loops), a review's NVRTC sweep 54-98 over 468 (K 64-18944;
+    96-98 where the chunks do not divide evenly among the warps), and 53-86 for NT 4 at 8 rows."""
     units = nt * u * mb // 8
     if xl:
         return units <= (4 if wk >= 16 else 8)

@@ -17,7 +17,7 @@
 #                            # eager vs fused passes on the default model (MODES, STEP_ARGS)
 #   kernels_h200.sh mma      # the mma kernel's launch configurations under Nsight Compute: its GPU
 #                            # tests (CHECK_K), then mma_sweep --ncu over SHAPES/ROWS and CONFIGS
-#                            # (WK,NT,U,KC,XL,LB[,MR,FU,PN,LP];...; or the WK/NT/U product),
+#                            # (WK,NT,U,KC,XL,LB[,MR,FU,LP,XS];...; or the WK/NT/U product),
 #                            # LAUNCHES per case (median after the first), parsed into
 #                            # $OUT/mma_ncu.json
 #   kernels_h200.sh draft    # the fused DSpark draft: its GPU tests first (a launch that fails

@@ -138,7 +138,7 @@ def regs_run(dtype, wks, nts, us, rows, shapes=SHAPES, configs=()):
         got = (p.const("WK"), p.const("NT"), p.const("U"), int(p.const("KC") > 0), p.const("XL"), p.min_blocks,
                p.const("MR"), p.const("FU"), p.const("LP"), p.const("XS"))
         want = (*cfg[:6], m if cfg[6] == 1 else 0 if cfg[6] == 0 else got[6],
-                got[7] if cfg[7] < 0 else cfg[7], *cfg[8:])
+                got[7] if cfg[7] < 0 else cfg[7], cfg[8], cfg[9] if got[6] == 1 and cfg[3] else 0)
         fits = qmv.registers_fit(u["registers"], p.threadgroup[0], p.min_blocks)
         print(f"{n}x{k} M={m} {cfg}: {u['registers']} registers, spills {u['spill_stores']}/{u['spill_loads']} B"
               f"{'' if fits else ', DOES NOT LAUNCH'}{'' if got == want else f', plan gave {got}'}")

@@ -55,7 +55,7 @@ if constexpr (KC > 0) {
           }
         }
         if constexpr (XS) {
-          ssk::load_x_held<BITS, VW>(x0 + u * WK * SC, lane, xr[u][0]);
+          ssk::load_x_held_if<XS, BITS, VW>(x0 + u * WK * SC, lane, xr[u][0]);
         } else if constexpr (!XL) {
 #pragma unroll
           for (int mb = 0; mb < MBLK; ++mb) {

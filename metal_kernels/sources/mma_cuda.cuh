@@ -211,8 +211,10 @@ struct Mma<__nv_bfloat16> {
 
 // Defined in mma_extras.cuh, which qmv.py adds to the header only for launches that use them
 // (an L2 prefetch hint, LP > 0; one row's activations shuffled, XS = 1): MLX builds the whole
-// source into every call, so the other launches keep the shorter one. Referenced elsewhere
-// only from branches their launches discard.
+// source into every call, so the other launches keep the shorter one. Referenced only from
+// templates' discarded `if constexpr` branches, which are not instantiated: NVRTC rejects an
+// inline function referenced and not defined (#821) where nvcc only warns, and the kernel body
+// is no template (its discarded branches are still compiled), hence load_x_held_if.
 template <int VW, int PF>
 __device__ __forceinline__ void load_words_hinted(const uint32_t* p, uint32_t (&out)[VW]);
 template <int BITS, int VW, int N, typename T>
@@ -220,6 +222,13 @@ __device__ __forceinline__ void load_x_held(const T* x0, int lane, uint32_t (&xh
 template <int VW, int MMAS, int XW>
 __device__ __forceinline__ void x_fragment_held(
     const uint32_t (&xr)[XW], int v, int s, uint32_t& b0, uint32_t& b1);
+
+template <bool XS, int BITS, int VW, int N, typename T>
+__device__ __forceinline__ void load_x_held_if(const T* x0, int lane, uint32_t (&xh)[N]) {
+  if constexpr (XS) {
+    load_x_held<BITS, VW>(x0, lane, xh);
+  }
+}
 
 // One chunk's products: the NT tiles' weight words wr (rows g and g + 8, VW words each)
 // dequantized with their scale and bias and multiplied into acc by the tensor cores, against
