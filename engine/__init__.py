@@ -13,6 +13,7 @@ from .blas import preload_blas  # noqa: E402
 
 BLAS = preload_blas()
 
+from .detokenizer import StreamingDetokenizer  # noqa: E402
 from .engine import Engine, EngineConfig  # noqa: E402
 from .request import (  # noqa: E402
     SPECULATION_METHODS,
@@ -51,6 +52,7 @@ __all__ = [
     "SpecStats",
     "SpeculativeParams",
     "StatsSink",
+    "StreamingDetokenizer",
     "TokenEvent",
     "TokenLogprob",
 ]

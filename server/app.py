@@ -81,7 +81,9 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
         info = engine.health()
         if info["state"] in ("error", "stopped"):
             return JSONResponse({"status": info["state"], **info}, status_code=503)
-        return {"status": "ok", "draining": app.state.draining, **info}
+        # (draining: alive, but no longer ready for new requests, as /ready answers)
+        return {"status": "ok", **info, "draining": app.state.draining,
+                "ready": bool(info.get("ready")) and not app.state.draining}
 
     @app.get("/ready")
     async def ready():

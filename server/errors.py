@@ -23,6 +23,7 @@ _TYPES = {
     405: "invalid_request_error",
     408: "timeout_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     503: "unavailable_error",
 }
@@ -81,6 +82,30 @@ def _error_param(error: dict) -> str | None:
     return param
 
 
+_BODY_PARSE_FAILED = "There was an error parsing the body"  # FastAPI's detail (e.g. invalid UTF-8)
+
+
+def _is_json(content_type: str) -> bool:
+    main = content_type.split(";", 1)[0].strip().lower()
+    return main == "application/json" or (main.startswith("application/") and main.endswith("+json"))
+
+
+def _body_error(request: Request, error: dict) -> JSONResponse | None:
+    """A clear answer when the body as a whole is unusable (FastAPI parses JSON only for a JSON
+    Content-Type, so any other type leaves the body unparsed), or None."""
+    if tuple(error.get("loc", ())) != ("body",):
+        return None
+    content_type = request.headers.get("content-type", "")
+    if error.get("type") == "missing":
+        return error_response(400, "Request body is empty: send a JSON object", code="invalid_json")
+    if content_type and not _is_json(content_type):
+        return error_response(415, f"Content-Type must be application/json, not {content_type!r}",
+                              param="Content-Type", code="unsupported_media_type")
+    if error.get("type") in ("model_attributes_type", "dict_type"):
+        return error_response(400, "Request body must be a JSON object", code="invalid_json")
+    return None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
@@ -97,6 +122,9 @@ def install_error_handlers(app: FastAPI) -> None:
         if first.get("type") == "json_invalid":
             return error_response(400, f"Invalid JSON body: {first.get('ctx', {}).get('error', 'parse error')}",
                                   code="invalid_json")
+        body = _body_error(request, first)
+        if body is not None:
+            return body
         msg = "; ".join(f"{_error_param(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5])
         return error_response(400, msg, param=_error_param(first))
 
@@ -105,6 +133,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"Unknown path {request.url.path}"
+        if exc.status_code == 400 and message == _BODY_PARSE_FAILED:
+            return error_response(400, "Invalid JSON body: not UTF-8 encoded JSON", code="invalid_json")
         return error_response(exc.status_code, message, code=getattr(exc, "code", None),
                               headers=getattr(exc, "headers", None))
 

@@ -22,6 +22,7 @@ from engine import (
     SamplingParams,
     SpecStats,
     SpeculativeParams,
+    StreamingDetokenizer,
     TokenEvent,
     TokenLogprob,
 )
@@ -377,11 +378,17 @@ def log_request(request: Request, rid: str, jobs: list[Job]) -> None:
 
 
 class LegacyLogprobs:
-    """Accumulates the completions API's ``{tokens, token_logprobs, top_logprobs, text_offset}``."""
+    """Accumulates the completions API's ``{tokens, token_logprobs, top_logprobs, text_offset}``.
+
+    ``text_offset`` is each token's start in the choice's text, in characters: the text the tokens
+    before it decode to, through the same streaming UTF-8 decoder as the text (a token holding
+    part of a character adds nothing until the token that completes it; ``tokens`` shows such a
+    token as ``bytes:\\x..``, whose length is no position in the text)."""
 
     def __init__(self, table, offset: int = 0):
         self.table = table
         self.offset = offset
+        self._detok = StreamingDetokenizer(table)
 
     def render(self, items: list[TokenLogprob]) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -393,7 +400,7 @@ class LegacyLogprobs:
                 None if item.logprob is None else {self.table.token_text(t): lp for t, lp in item.top}
             )
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self._detok.add(item.token))
         return out
 
 

@@ -69,7 +69,9 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    # (allow_inf_nan: NaN and +-Infinity, which Python's JSON parser reads, fail as "not a finite
+    # number" instead of a misleading bound)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None

@@ -119,6 +119,26 @@ def test_echo_and_legacy_logprobs(tiny_server):
     assert scored["choices"][0]["logprobs"]["token_logprobs"] == choice0["logprobs"]["token_logprobs"][:5]
 
 
+def test_text_offset_counts_characters_of_the_text_not_token_spellings(tiny_server):
+    """A character split over byte tokens (shown as ``bytes:\\x..``) starts where its first
+    byte's token starts; the offsets cut the echoed text into the tokens' decoded pieces."""
+    prompt = "a \U0001F600 b \u00e9\u4e2d c"
+    r = post(tiny_server, "/v1/completions", {"prompt": prompt, "max_tokens": 0, "echo": True,
+                                              "logprobs": 0}).json()
+    choice = r["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert text == prompt
+    assert any(t.startswith("bytes:") for t in lp["tokens"])  # the test needs a split character
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[-1] < len(text)
+    assert text.index("b") in offsets and text.index("c") in offsets
+    # the generated part continues from the end of the echoed prompt
+    r = post(tiny_server, "/v1/completions", {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 0,
+                                              "temperature": 0, "ignore_eos": True}).json()
+    lp = r["choices"][0]["logprobs"]
+    assert lp["text_offset"][len(offsets)] == len(prompt)
+
+
 def test_chat_logprobs(tiny_server):
     r = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                    "max_tokens": 4, "logprobs": True, "top_logprobs": 3,
@@ -156,10 +176,14 @@ def test_chat_logprobs(tiny_server):
         ({"prompt": "x", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
         ({"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
         ({"prompt": "x", "best_of": 3}, 400, "best_of"),
+        ({"prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+        ({"prompt": "x", "top_p": float("inf")}, 400, "top_p"),
     ],
 )
 def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
-    r = post(tiny_server, "/v1/completions", body)
+    # (httpx refuses NaN in json=: send Python's JSON, which writes NaN and Infinity as bare words)
+    r = httpx.post(tiny_server.url + "/v1/completions", content=json.dumps(body), timeout=120,
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
@@ -171,6 +195,21 @@ def test_malformed_json_and_unknown_paths(tiny_server):
     r = httpx.post(tiny_server.url + "/v1/completions", content=b"{not json", timeout=30,
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+    # a body that is not a JSON object, or not JSON at all
+    for content, ctype, status, code in (
+            (b'{"prompt": "x"}', "text/plain", 415, "unsupported_media_type"),
+            (b"prompt=x", "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
+            (b'["x"]', "application/json", 400, "invalid_json"),
+            (b"", "application/json", 400, "invalid_json"),
+            (b'{"prompt": "\xff\xfe"}', "application/json", 400, "invalid_json")):
+        r = httpx.post(tiny_server.url + "/v1/completions", content=content, timeout=30,
+                       headers={"Content-Type": ctype})
+        err = r.json()["error"]
+        assert (r.status_code, err["code"]) == (status, code), (content, r.text)
+        assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+    assert "Content-Type must be application/json" in httpx.post(
+        tiny_server.url + "/v1/chat/completions", content=b"{}", headers={"Content-Type": "text/plain"},
+        timeout=30).json()["error"]["message"]
     r = httpx.get(tiny_server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     r = httpx.get(tiny_server.url + "/v1/completions")

@@ -104,6 +104,7 @@ def test_sigterm_refuses_new_work_finishes_or_aborts_in_flight_and_exits_zero(lo
         sent = time.time()
         srv.proc.send_signal(signal.SIGTERM)
         _wait(lambda: httpx.get(srv.url + "/health").json().get("draining") is True, 10)
+        assert httpx.get(srv.url + "/health").json()["ready"] is False  # as /ready says
         r = httpx.post(url, json={"prompt": "x", "max_tokens": 2}, timeout=10)
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
         assert httpx.get(srv.url + "/ready").status_code == 503
