@@ -380,7 +380,9 @@ def log_request(request: Request, rid: str, jobs: list[Job]) -> None:
 class LegacyLogprobs:
     """Accumulates the completions API's ``{tokens, token_logprobs, top_logprobs, text_offset}``.
 
-    ``text_offset`` is each token's start in the choice's text, in characters: the text the tokens
+    ``top_logprobs`` holds the ``logprobs`` most likely tokens and always the chosen one (as
+    OpenAI's, up to ``logprobs`` + 1 entries). ``text_offset`` is each token's start in the
+    choice's text, in characters: the text the tokens
     before it decode to, through the same streaming UTF-8 decoder as the text (a token holding
     part of a character adds nothing until the token that completes it; ``tokens`` shows such a
     token as ``bytes:\\x..``, whose length is no position in the text)."""
@@ -396,9 +398,12 @@ class LegacyLogprobs:
             text = self.table.token_text(item.token)
             out["tokens"].append(text)
             out["token_logprobs"].append(item.logprob)
-            out["top_logprobs"].append(
-                None if item.logprob is None else {self.table.token_text(t): lp for t, lp in item.top}
-            )
+            top = None
+            if item.logprob is not None:
+                # (as OpenAI's: the chosen token is always in it, so up to logprobs + 1 entries)
+                top = {self.table.token_text(t): lp for t, lp in item.top}
+                top.setdefault(text, item.logprob)
+            out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
             self.offset += len(self._detok.add(item.token))
         return out

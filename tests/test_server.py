@@ -112,7 +112,9 @@ def test_echo_and_legacy_logprobs(tiny_server):
     assert choice["text"].startswith("hello")
     assert len(lp["tokens"]) == 5 + 3 and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
     assert all(v <= 0 for v in lp["token_logprobs"][1:])
-    assert all(len(t) <= 2 for t in lp["top_logprobs"][1:])
+    assert all(len(t) <= 3 for t in lp["top_logprobs"][1:])  # logprobs + the chosen token
+    # the chosen token is always among them, with its own logprob
+    assert all(top[tok] == v for tok, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]))
     assert lp["text_offset"][:5] == [0, 1, 2, 3, 4]
     scored = post(tiny_server, "/v1/completions", {"prompt": "hello", "max_tokens": 0, "echo": True,
                                                    "logprobs": 0}).json()
