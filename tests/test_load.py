@@ -19,7 +19,10 @@ def _bodies() -> list[tuple[str, dict]]:
     prompts = ["abcabcabcabc abc", "the cat sat on the mat. the cat sat on", "0 1 2 3 4 0 1 2 3 4 0 1",
                "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n", "xyzxyzxyz", "hello hello hello"]
     prompts += ["".join(chr(rng.randrange(97, 123)) for _ in range(rng.randrange(5, 40))) for _ in range(8)]
-    body = {"max_tokens": 32, "temperature": 0, "ignore_eos": True, "speculative": {"method": "auto"}}
+    # (min_draft_tokens: drafting whatever the start-up cost curve says, which on a loaded machine
+    # can be that no draft pays)
+    body = {"max_tokens": 32, "temperature": 0, "ignore_eos": True,
+            "speculative": {"method": "auto", "min_draft_tokens": 2}}
     items = [("/v1/completions", {**body, "prompt": p}) for p in prompts]
     items += [("/v1/chat/completions", {**body, "messages": [{"role": "user", "content": p}]})
               for p in ("abc abc abc", "repeat: one two one two")]
