@@ -97,8 +97,8 @@ class SamplingFields(BaseModel):
     @classmethod
     def _unicode(cls, data):
         where = surrogate_path(data)
-        if where is not None:
-            raise ValueError(f"{where}: strings must be valid Unicode (found a lone surrogate escape)")
+        if where is not None:  # (param: the field holding it)
+            raise ParamError(where, "strings must be valid Unicode (found a lone surrogate escape)")
         return data
 
     @field_validator("stop")

@@ -179,6 +179,8 @@ def test_chat_logprobs(tiny_server):
         ({"prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
         ({"prompt": "x", "best_of": 3}, 400, "best_of"),
         ({"prompt": "x", "temperature": float("nan")}, 400, "temperature"),
+        ({"prompt": "a\ud800"}, 400, "prompt"),
+        ({"prompt": "x", "stop": ["ok", "\udfff"]}, 400, "stop.1"),
         ({"prompt": "x", "top_p": float("inf")}, 400, "top_p"),
     ],
 )
