@@ -128,9 +128,9 @@ def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
     compile-time constant; ``xl``: a chunk's activations loaded just before its products;
     ``min_blocks``: launch bounds; ``fixed_rows``: the row count as a compile-time constant,
     True for every row count, False for none, default one-row launches only; ``unroll``: the
-    compile-time-shape loop unrolled; ``l2_prefetch``: an L2 prefetch-size hint in bytes on the weight loads; ``x_shuffle``: for
-    one fixed row, the activations held two registers per lane and passed by shuffles), none
-    of which changes any row's arithmetic.
+    compile-time-shape loop unrolled; ``l2_prefetch``: an L2 prefetch-size hint in bytes on
+    the weight loads; ``x_shuffle``: for one fixed row, the activations held two registers per
+    lane and passed by shuffles), none of which changes any row's arithmetic.
     """
     for mb, opts in (path or {}).items():
         _PATH_OVERRIDE[(n, k, bits, mb)] = dict(opts)

@@ -382,10 +382,10 @@ class LegacyLogprobs:
 
     ``top_logprobs`` holds the ``logprobs`` most likely tokens and always the chosen one (as
     OpenAI's, up to ``logprobs`` + 1 entries). ``text_offset`` is each token's start in the
-    choice's text, in characters: the text the tokens
-    before it decode to, through the same streaming UTF-8 decoder as the text (a token holding
-    part of a character adds nothing until the token that completes it; ``tokens`` shows such a
-    token as ``bytes:\\x..``, whose length is no position in the text)."""
+    choice's text, in characters: the length of what the tokens before it decode to, through
+    the same streaming UTF-8 decoder as the text (a token holding part of a character adds
+    nothing until the token that completes it; ``tokens`` shows such a token as
+    ``bytes:\\x..``, whose length is no position in the text)."""
 
     def __init__(self, table, offset: int = 0):
         self.table = table
