@@ -82,6 +82,12 @@ def _error_param(error: dict) -> str | None:
     return param
 
 
+def _message(error: dict) -> str:
+    """pydantic's message without the "Value error, " it puts before our validators' own."""
+    msg = error.get("msg") or "invalid"
+    return msg.removeprefix("Value error, ") if error.get("type") == "value_error" else msg
+
+
 _BODY_PARSE_FAILED = "There was an error parsing the body"  # FastAPI's detail (e.g. invalid UTF-8)
 
 
@@ -125,7 +131,7 @@ def install_error_handlers(app: FastAPI) -> None:
         body = _body_error(request, first)
         if body is not None:
             return body
-        msg = "; ".join(f"{_error_param(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5])
+        msg = "; ".join(f"{_error_param(e) or 'body'}: {_message(e)}" for e in errors[:5])
         return error_response(400, msg, param=_error_param(first))
 
     @app.exception_handler(StarletteHTTPException)

@@ -135,6 +135,43 @@ TokenList = Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_
 PromptType = str | Annotated[list[str], Field(min_length=1)] | TokenList | Annotated[list[TokenList], Field(min_length=1)]
 
 
+_PROMPT_SHAPES = "a string, a list of strings, a list of token ids or a list of token-id lists"
+
+
+def _check_prompt(value):
+    """One clear message for a malformed ``prompt`` (pydantic's union would list a failure per
+    branch), naming the offending element; valid values pass unchanged."""
+
+    def token_list(items, where: str) -> None:
+        if not items:
+            raise ParamError(where, "a token list must not be empty")
+        for i, t in enumerate(items):
+            if not isinstance(t, int) or isinstance(t, bool):
+                raise ParamError(f"{where}.{i}" if where else str(i),
+                                 f"token ids must be integers, got {type(t).__name__} {t!r:.40}")
+            if t < 0:
+                raise ParamError(f"{where}.{i}" if where else str(i), f"token ids must be non-negative, got {t}")
+
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise ValueError(f"prompt must be {_PROMPT_SHAPES}, got {type(value).__name__}")
+    if not value:
+        raise ValueError("prompt must not be an empty list")
+    if all(isinstance(x, str) for x in value):
+        return value
+    if all(isinstance(x, list) for x in value):
+        for i, item in enumerate(value):
+            token_list(item, str(i))
+        return value
+    if isinstance(value[0], (str, list)):
+        kind = "strings" if isinstance(value[0], str) else "token-id lists"
+        bad = next(i for i, x in enumerate(value) if not isinstance(x, type(value[0])))
+        raise ParamError(str(bad), f"prompt mixes {kind} with {type(value[bad]).__name__}: must be {_PROMPT_SHAPES}")
+    token_list(value, "")
+    return value
+
+
 class CompletionRequest(SamplingFields):
     prompt: PromptType
     max_tokens: Annotated[int, Field(strict=True, ge=0)] | None = None
@@ -142,6 +179,8 @@ class CompletionRequest(SamplingFields):
     echo: StrictBool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(strict=True, ge=1)] | None = None
+
+    _prompt = field_validator("prompt", mode="before")(classmethod(lambda cls, v: _check_prompt(v)))
 
     @model_validator(mode="after")
     def _unsupported(self):

@@ -165,8 +165,15 @@ def test_chat_logprobs(tiny_server):
         ({"prompt": "x", "speculative": {"method": "magic"}}, 400, "speculative.method"),
         ({"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
         ({"prompt": [99999]}, 400, "prompt"),
+        # one message naming the element, not one per branch of the prompt's union
+        ({"prompt": [5, -2, 7]}, 400, "prompt.1"),
+        ({"prompt": [[5, 6], [7, -1]]}, 400, "prompt.1.1"),
+        ({"prompt": [[]]}, 400, "prompt.0"),
+        ({"prompt": []}, 400, "prompt"),
+        ({"prompt": ["a", 3]}, 400, "prompt.1"),
+        ({"prompt": [1, 2.5]}, 400, "prompt.1"),
         # strictly typed: no coercion of strings or booleans
-        ({"prompt": [True, False]}, 400, None),
+        ({"prompt": [True, False]}, 400, "prompt.0"),
         ({"prompt": "x", "max_tokens": "8"}, 400, "max_tokens"),
         ({"prompt": "x", "temperature": "0"}, 400, "temperature"),
         ({"prompt": "x", "n": True}, 400, "n"),
@@ -193,6 +200,7 @@ def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     if param is not None:
         assert err["param"] == param
+    assert "Value error" not in err["message"] and err["message"].count(";") < 2, err["message"]
 
 
 def test_malformed_json_and_unknown_paths(tiny_server):
