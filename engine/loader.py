@@ -6,6 +6,7 @@ module only picks the source, applies the weight-dtype policy and describes the 
 
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 from dataclasses import dataclass, field
@@ -89,13 +90,32 @@ def apply_weight_policy(model: nn.Module, policy: str) -> str:
     return policy
 
 
+def tokenizer_wrapper(hf_tokenizer, eos_token_ids) -> TokenizerWrapper:
+    """mlx-lm's ``TokenizerWrapper`` around a Hugging Face tokenizer, with the tool-call format
+    (markers and parser from ``mlx_lm.tool_parsers``) that ``mlx_lm.tokenizer_utils.load``
+    infers from the chat template for model directories; None of it when the template has no
+    tool-call format (the default model's) or this mlx-lm cannot infer one."""
+    tool = {}
+    try:
+        from mlx_lm.tokenizer_utils import _infer_tool_parser  # (mlx-lm's own rule, not public)
+
+        name = _infer_tool_parser(hf_tokenizer)
+        if name is not None:
+            module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+            tool = {"tool_parser": module.parse_tool_call, "tool_call_start": module.tool_call_start,
+                    "tool_call_end": module.tool_call_end}
+    except (ImportError, AttributeError) as exc:  # another mlx-lm: serve without tool calls
+        log.warning("tool-call format not inferred (%s); chat requests with tools get 400", exc)
+    return TokenizerWrapper(hf_tokenizer, eos_token_ids=eos_token_ids, **tool)
+
+
 def _load_gguf(path: Path):
     from .gguf import gguf_eos_ids, gguf_tokenizer, load_gguf_model
 
     model, config, meta = load_gguf_model(path)
     hf_tokenizer = gguf_tokenizer(meta)
     eos = gguf_eos_ids(meta)
-    return model, TokenizerWrapper(hf_tokenizer, eos_token_ids=eos), config
+    return model, tokenizer_wrapper(hf_tokenizer, eos), config
 
 
 def _load_mlx_dir(path_or_repo: str):

@@ -29,6 +29,7 @@ from engine import (
 
 from .errors import APIError, error_body
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .tools import ToolCallSplitter, ToolFormat, split_tool_calls
 
 router = APIRouter()
 MAX_PROMPTS = 64
@@ -47,6 +48,12 @@ class Job:
     events: list[TokenEvent] = field(default_factory=list)
     prompt_param: str = "prompt"  # the request field errors about the prompt name ("messages" for chat)
     max_tokens_param: str = "max_tokens"
+    tool_format: ToolFormat | None = None  # chat with tools: parse tool calls out of the text
+    tools: list[dict] | None = None  # the request's tools, as the template and the parser see them
+    max_tool_calls: int | None = None  # 1 with parallel_tool_calls false
+
+    def tool_splitter(self) -> ToolCallSplitter | None:
+        return ToolCallSplitter(self.tool_format, self.tools, self.max_tool_calls) if self.tool_format else None
 
 
 # ---- request translation ----------------------------------------------------------------------
@@ -174,10 +181,17 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
     tokenizer = engine.loaded.tokenizer
     if not getattr(tokenizer, "has_chat_template", False) and not tokenizer.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
-                for m in body.messages]
+    fmt, tools, extra = None, None, {}
+    if body.uses_tools():
+        fmt = ToolFormat.of(tokenizer)
+        if fmt is None:
+            raise APIError(400, "this model's chat template has no tool-call format, so it cannot call tools "
+                           "(send tool_choice 'none' or no tools)", param="tools")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        extra["tools"] = tools
+    messages = [m.for_template() for m in body.messages]
     try:
-        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
     except Exception as exc:  # template errors, e.g. roles out of order
         raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from exc
     tokens = list(tokens)
@@ -186,8 +200,10 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
     max_tokens = capped_max_tokens(settings, body.max_completion_tokens or body.max_tokens,
                                    max(1, engine.loaded.context_length - len(tokens)), param)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    max_calls = 1 if body.parallel_tool_calls is False else None
     return [
-        Job(i, prompt_param="messages", max_tokens_param=param, request=GenerationRequest(
+        Job(i, prompt_param="messages", max_tokens_param=param, tool_format=fmt, tools=tools,
+            max_tool_calls=max_calls, request=GenerationRequest(
             prompt_tokens=tokens,
             max_tokens=max_tokens,
             sampling=sampling_params(body, i),
@@ -533,12 +549,15 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
         lp = None
         if job.request.logprobs is not None:
             lp = {"content": chat_logprobs(table, [x for e in job.events for x in (e.logprobs or [])])}
-        choices.append({
-            "index": job.index,
-            "message": {"role": "assistant", "content": "".join(e.text for e in job.events)},
-            "logprobs": lp,
-            "finish_reason": finish_reason(job.events[-1] if job.events else None),
-        })
+        message = {"role": "assistant", "content": "".join(e.text for e in job.events)}
+        reason = finish_reason(job.events[-1] if job.events else None)
+        if job.tool_format is not None:
+            message["content"], calls = split_tool_calls(job.tool_format, message["content"], job.tools,
+                                                         job.max_tool_calls)
+            if calls:
+                message["tool_calls"] = calls
+                reason = "tool_calls" if reason == "stop" else reason
+        choices.append({"index": job.index, "message": message, "logprobs": lp, "finish_reason": reason})
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": model,
         "system_fingerprint": _state(request).fingerprint,
@@ -549,6 +568,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
 async def stream_chat(request, jobs, streams, rid, model, created, table, include_usage):
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": _state(request).fingerprint}
+    splitters = {job.index: job.tool_splitter() for job in jobs}
     for job in jobs:
         yield _sse({**base, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], "usage": None})
@@ -559,12 +579,23 @@ async def stream_chat(request, jobs, streams, rid, model, created, table, includ
                 yield _sse(error_body(str(event.error), event.error.type, event.error.param, event.error.code))
                 continue
             reason = finish_reason(event)
-            if not event.text and reason is None and not event.logprobs:
+            text, delta = event.text, {}
+            splitter = splitters[job.index]
+            if splitter is not None:  # content outside tool-call blocks; each call once its block ends
+                first = len(splitter.calls)
+                text, calls = splitter.feed(text)
+                if reason is not None:
+                    text += splitter.finish()[0]
+                    reason = "tool_calls" if reason == "stop" and splitter.calls else reason
+                if calls:
+                    delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]
+            if not text and not delta and reason is None and not event.logprobs:
                 continue
             lp = None
             if job.request.logprobs is not None:
                 lp = {"content": chat_logprobs(table, event.logprobs or [])}
-            delta = {"content": event.text} if event.text else {}
+            if text:
+                delta = {"content": text, **delta}
             yield _sse({**base, "choices": [{"index": job.index, "delta": delta, "logprobs": lp,
                                              "finish_reason": reason}], "usage": None})
     if include_usage:

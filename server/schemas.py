@@ -4,11 +4,13 @@ Unknown fields are accepted and ignored, as OpenAI-compatible servers commonly d
 that send newer fields keep working. Known fields are strictly typed: ``"3"`` or ``true`` for an
 integer, or ``"yes"`` for a boolean, is a 400, not coerced (an integer is fine for a float). Extensions: ``speculative``, ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` (vLLM's: only
-requests with the same salt share prefix-cache entries).
+requests with the same salt share prefix-cache entries). Chat takes OpenAI's ``tools``,
+``tool_choice`` (``auto``/``none``) and ``parallel_tool_calls`` (server/tools.py).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
@@ -197,11 +199,39 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[str, Field(min_length=1)]
+    arguments: str = "{}"  # a JSON object, as a string (OpenAI's shape)
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, v):
+        try:
+            value = json.loads(v or "{}")
+        except ValueError:
+            raise ValueError("arguments must be a JSON object serialized as a string") from None
+        if not isinstance(value, dict):
+            raise ValueError("arguments must be a JSON object serialized as a string")
+        return v
+
+
+class ToolCall(BaseModel):
+    """An assistant message's earlier tool call (as OpenAI returned it)."""
+
+    model_config = ConfigDict(extra="ignore")
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call this result answers
 
     def text(self) -> str:
         if self.content is None:
@@ -210,10 +240,51 @@ class ChatMessage(BaseModel):
             return self.content
         return "".join(part.text for part in self.content)
 
+    def for_template(self) -> dict:
+        """The message as Hugging Face chat templates read it: ``developer`` as ``system``,
+        content as text, tool-call arguments as objects (templates serialize them)."""
+        out: dict = {"role": self.role if self.role != "developer" else "system", "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}}
+                for c in self.tool_calls]
+        if self.role == "tool":
+            if self.tool_call_id is not None:
+                out["tool_call_id"] = self.tool_call_id
+            if self.name is not None:
+                out["name"] = self.name
+        return out
+
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="ignore")
     type: str
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: Annotated[str, Field(min_length=1, max_length=256)]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -223,8 +294,20 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: StrictBool = False
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
     response_format: ResponseFormat | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: Annotated[list[Tool], Field(max_length=512)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, v):  # (one message instead of one per branch of the union)
+        if v is None or v in ("none", "auto", "required"):
+            return v
+        if isinstance(v, dict) and v.get("type") == "function" and isinstance(v.get("function"), dict) \
+                and isinstance(v["function"].get("name"), str):
+            return v
+        raise ValueError('tool_choice must be "none", "auto", "required" or '
+                         '{"type": "function", "function": {"name": ...}}')
 
     @model_validator(mode="after")
     def _checks(self):
@@ -232,6 +315,18 @@ class ChatCompletionRequest(SamplingFields):
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
         if self.response_format is not None and self.response_format.type != "text":
             raise ParamError("response_format", f"response_format {self.response_format.type!r} is not supported")
-        if self.tools and self.tool_choice != "none":
-            raise ParamError("tools", "tool calling is not supported by this server (send tool_choice 'none' or no tools)")
+        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+            if not self.tools:
+                raise ParamError("tool_choice", "tool_choice needs tools")
+            # ('required' and a named function need decoding constrained to a call: not built)
+            raise ParamError("tool_choice", "only tool_choice 'auto' and 'none' are supported (this server "
+                             "does not constrain decoding to force a call)")
+        if self.tools:
+            names = [t.function.name for t in self.tools]
+            if len(set(names)) != len(names):
+                raise ParamError("tools", "tool names must be unique")
         return self
+
+    def uses_tools(self) -> bool:
+        """Whether the tools go into the prompt and calls are parsed from the output."""
+        return bool(self.tools) and self.tool_choice != "none"

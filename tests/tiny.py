@@ -99,6 +99,65 @@ def tiny_loaded(seed: int = 0, weights: str = "float32", context: int = 2048, sc
     )
 
 
+# A Hermes/Qwen2.5-style template: tools in a system turn, earlier calls as <tool_call> blocks.
+# mlx-lm infers its tool-call format ("json_tools") from "<tool_call>" and "tool_call.name".
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] %}{{ m['content'] }}{% endif %}"
+    "{% for c in m.tool_calls or [] %}{% set tool_call = c.function %}<tool_call>{\"name\": "
+    "\"{{ tool_call.name }}\", \"arguments\": {{ tool_call.arguments | tojson }}}</tool_call>{% endfor %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# What the tool model says after any "\n": content, then two calls (the second block's markers
+# inside one token, so markers are also found across and within tokens), then EOS.
+TOOL_REPLY = ["Checking.", "<tool_call>",
+              '{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>\n<tool_call>'
+              '{"name": "get_time", "arguments": {"zone": "CET"}}', "</tool_call>"]
+
+
+def tool_call_loaded(seed: int = 0, context: int = 2048) -> LoadedModel:
+    """A tiny Llama that answers every chat turn with ``TOOL_REPLY`` (greedy), with a
+    tool-calling template: a bigram model (attention and MLP outputs zeroed, untied LM head)
+    whose LM head makes each reply token the next one's only likely successor."""
+    import dataclasses
+
+    import mlx.nn as nn
+
+    from engine.loader import tokenizer_wrapper
+
+    hf = byte_tokenizer()
+    hf.add_tokens(TOOL_REPLY)
+    hf.chat_template = TOOL_CHAT_TEMPLATE
+    vocab = len(hf)
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=320, num_hidden_layers=2, intermediate_size=640,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=80, rms_norm_eps=1e-5, vocab_size=vocab,
+        rope_theta=10000.0, tie_word_embeddings=False, max_position_embeddings=2048,
+    )
+    model = llama.Model(args)
+    for layer in model.model.layers:
+        layer.self_attn.o_proj.weight = mx.zeros_like(layer.self_attn.o_proj.weight)
+        layer.mlp.down_proj.weight = mx.zeros_like(layer.mlp.down_proj.weight)
+    chain = [hf.convert_tokens_to_ids(t) for t in ["\u010a", *TOOL_REPLY]] + [2]  # "\n" (byte-level) ... EOS
+    embed = model.model.embed_tokens.weight
+    hidden = embed / mx.sqrt(mx.mean(embed * embed, axis=-1, keepdims=True) + 1e-5)
+    head = 0.01 * mx.random.normal(model.lm_head.weight.shape)
+    rows = mx.array(chain[1:])
+    head[rows] = hidden[mx.array(chain[:-1])]
+    model.lm_head = nn.Linear(320, vocab, bias=False)
+    model.lm_head.weight = head
+    mx.eval(model.parameters())
+    wrapper = tokenizer_wrapper(hf, [2])
+    config = {**dataclasses.asdict(args), "max_position_embeddings": context}
+    return LoadedModel(
+        model=model, tokenizer=wrapper, config=config, name="tiny-tools", source="memory",
+        context_length=context, eos_token_ids=frozenset({2}), weights="float32",
+        token_table=TokenTable.from_tokenizer(wrapper),
+    )
+
+
 def write_tiny_mlx_dir(out, seed: int = 0, context: int = 2048):
     """Write the tiny model as an MLX model directory (config.json, safetensors, tokenizer), the
     supported `--model <dir>` path, so a real `specserve` process can serve it in tests."""

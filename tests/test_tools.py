@@ -1,0 +1,221 @@
+"""Tool calls in chat: the splitter on every chunking of the text, and the HTTP surface on a tiny
+model whose template has a tool-call format and whose greedy reply is two tool calls."""
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+from mlx_lm.tool_parsers import json_tools, qwen3_coder
+from test_server import post, sse_events
+
+from server.tools import ToolCallSplitter, ToolFormat, split_tool_calls
+
+JSON_FMT = ToolFormat(json_tools.tool_call_start, json_tools.tool_call_end, json_tools.parse_tool_call)
+WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+TIME = '{"name": "get_time", "arguments": {"zone": "CET"}}'
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string"}}}}},
+]
+
+
+def _calls(calls):
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls]
+
+
+def _streamed(fmt, chunks, max_calls=None):
+    splitter = ToolCallSplitter(fmt, TOOLS, max_calls)
+    content, calls = "", []
+    for chunk in chunks:
+        text, new = splitter.feed(chunk)
+        content, calls = content + text, calls + new
+    return content + splitter.finish()[0], calls
+
+
+def _chunkings(text, rng):
+    yield [text]
+    yield list(text)  # a character at a time
+    for cut in range(1, len(text)):
+        yield [text[:cut], text[cut:]]
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (f"Checking.<tool_call>{WEATHER}</tool_call>\n<tool_call>{TIME}</tool_call>", "Checking.",
+     [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]),
+    (f"\n<tool_call>\n{WEATHER}\n</tool_call>\n", None, [("get_weather", {"city": "Paris"})]),
+    # not calls: a marker-like word, a block the parser rejects, a block max_tokens cut short
+    ("a <tool chest> and <tool_call>not json</tool_call> end <tool_",
+     "a <tool chest> and <tool_call>not json</tool_call> end <tool_", []),
+    ('x <tool_call>{"name": "get_weather", "argu', 'x <tool_call>{"name": "get_weather", "argu', []),
+    ("  \n", "  \n", []),
+    (f"Let me see. <tool_call>{TIME}</tool_call> and then <tool_call>{{bad</tool_call>",
+     "Let me see.  and then <tool_call>{bad</tool_call>", [("get_time", {"zone": "CET"})]),
+])
+def test_splitter_agrees_with_itself_on_every_chunking(text, content, calls):
+    whole_content, whole_calls = split_tool_calls(JSON_FMT, text, TOOLS)
+    assert whole_content == content and _calls(whole_calls) == calls
+    for chunks in _chunkings(text, random.Random(len(text))):
+        streamed_content, streamed_calls = _streamed(JSON_FMT, chunks)
+        assert streamed_content == (content or ""), chunks
+        assert _calls(streamed_calls) == calls, chunks
+
+
+def test_splitter_renders_openai_calls_and_limits_them():
+    content, calls = split_tool_calls(JSON_FMT, f"<tool_call>{WEATHER}</tool_call><tool_call>{TIME}</tool_call>")
+    assert content is None and len(calls) == 2
+    for call in calls:
+        assert call["type"] == "function" and call["id"].startswith("call_")
+        assert isinstance(call["function"]["arguments"], str)  # a JSON string, as OpenAI's
+    assert calls[0]["id"] != calls[1]["id"]
+    _, one = split_tool_calls(JSON_FMT, f"<tool_call>{WEATHER}</tool_call><tool_call>{TIME}</tool_call>",
+                              max_calls=1)
+    assert _calls(one) == [("get_weather", {"city": "Paris"})]
+    # a parsed block without a name is not a call
+    assert split_tool_calls(JSON_FMT, '<tool_call>{"x": 1}</tool_call>') == ('<tool_call>{"x": 1}</tool_call>', [])
+
+
+def test_splitter_with_an_xml_style_format():
+    fmt = ToolFormat(qwen3_coder.tool_call_start, qwen3_coder.tool_call_end, qwen3_coder.parse_tool_call)
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+    text = "Sum:\n<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n</parameter>\n" \
+           "</function>\n</tool_call>"
+    for chunks in _chunkings(text, random.Random(0)):
+        splitter = ToolCallSplitter(fmt, tools)
+        parts = [splitter.feed(c) for c in chunks]
+        content = "".join(p[0] for p in parts) + splitter.finish()[0]
+        assert content == "Sum:" and _calls([c for p in parts for c in p[1]]) == [("add", {"a": 2, "b": 3})]
+
+
+# ---- over HTTP -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    from conftest import tiny_live_server
+    from tiny import tool_call_loaded
+
+    live = tiny_live_server(tool_call_loaded(), max_n=4)
+    yield live
+    live.stop()
+
+
+MSGS = [{"role": "user", "content": "Weather and time in Paris?"}]
+
+
+def test_tool_calls_whole_and_streamed(tool_server):
+    body = {"messages": MSGS, "tools": TOOLS, "temperature": 0, "max_tokens": 32}
+    r = post(tool_server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    message = choice["message"]
+    assert message["content"] == "Checking."
+    assert _calls(message["tool_calls"]) == [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
+    events = sse_events(post(tool_server, "/v1/chat/completions", {**body, "stream": True}))
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    deltas = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert content == "Checking."
+    assert [d["index"] for d in deltas] == [0, 1] and _calls(deltas) == _calls(message["tool_calls"])
+    assert all(d["id"].startswith("call_") and d["type"] == "function" for d in deltas)
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # no marker text leaks into the stream's content
+    assert not any("<tool" in (e["choices"][0]["delta"].get("content") or "") for e in events)
+
+
+def test_openai_sdk_reads_the_tool_calls(tool_server):
+    client = openai.OpenAI(base_url=tool_server.url + "/v1", api_key="unused")
+    chat = client.chat.completions.create(model="tiny-tools", messages=MSGS, tools=TOOLS, temperature=0)
+    calls = chat.choices[0].message.tool_calls
+    assert [c.function.name for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    # the client sends the calls and a result back as the next turn's history
+    history = [*MSGS, chat.choices[0].message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": calls[0].id, "content": "18 C, sunny"}]
+    stream = client.chat.completions.create(model="tiny-tools", messages=history, tools=TOOLS, temperature=0,
+                                            stream=True)
+    names = [d.function.name for ch in stream for d in (ch.choices[0].delta.tool_calls or [])]
+    assert names == ["get_weather", "get_time"]
+
+
+def test_parallel_tool_calls_false_and_a_call_cut_short(tool_server):
+    body = {"messages": MSGS, "tools": TOOLS, "temperature": 0}
+    r = post(tool_server, "/v1/chat/completions", {**body, "parallel_tool_calls": False}).json()
+    assert _calls(r["choices"][0]["message"]["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+    # three tokens: the first block ends inside the third, the second is cut off: it stays text
+    for stream in (False, True):
+        r = post(tool_server, "/v1/chat/completions", {**body, "max_tokens": 3, "stream": stream})
+        if stream:
+            events = sse_events(r)
+            content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+            calls = [d for e in events for d in e["choices"][0]["delta"].get("tool_calls", [])]
+            reason = events[-1]["choices"][0]["finish_reason"]
+        else:
+            choice = r.json()["choices"][0]
+            content, calls, reason = choice["message"]["content"], choice["message"]["tool_calls"], choice["finish_reason"]
+        assert reason == "length"
+        assert content == 'Checking.\n<tool_call>{"name": "get_time", "arguments": {"zone": "CET"}}'
+        assert _calls(calls) == [("get_weather", {"city": "Paris"})]
+
+
+def test_tools_reach_the_template_and_history_renders(tool_server):
+    tok = tool_server.engine.loaded.tokenizer
+    history = [*MSGS,
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "call_1", "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "18 C"}]
+    r = post(tool_server, "/v1/chat/completions", {"messages": history, "tools": TOOLS, "max_tokens": 1})
+    expected = tok.apply_chat_template(
+        [MSGS[0], {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+         {"role": "tool", "content": "18 C", "tool_call_id": "call_1"}],
+        tools=TOOLS, add_generation_prompt=True, tokenize=True)
+    assert r.json()["usage"]["prompt_tokens"] == len(expected)
+    rendered = tok.decode(expected)
+    assert '"get_weather", "arguments": {"city": "Paris"}}</tool_call>' in rendered and '"description"' in rendered
+    # tool_choice none: no tools in the prompt and no parsing (the reply's markers stay text)
+    r = post(tool_server, "/v1/chat/completions",
+             {"messages": MSGS, "tools": TOOLS, "tool_choice": "none", "temperature": 0}).json()
+    plain = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "temperature": 0}).json()
+    assert r["choices"][0]["message"]["content"].startswith("Checking.<tool_call>{")
+    assert "tool_calls" not in r["choices"][0]["message"] and r["choices"][0]["finish_reason"] == "stop"
+    assert r["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+    ({"messages": [*MSGS, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages.1.tool_calls.0.function.arguments"),
+])
+def test_bad_tool_requests(tool_server, extra, param):
+    r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and "Value error" not in r.json()["error"]["message"]
+
+
+def test_a_template_without_a_tool_format_rejects_tools(tiny_server):
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": MSGS, "tools": TOOLS, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    assert "tool-call format" in r.json()["error"]["message"]
+    # tool_choice none serves it without the tools; so does a history with earlier calls
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c", "content": "18 C"}]
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60,
+                   json={"messages": history, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2})
+    assert r.status_code == 200, r.text
