@@ -50,6 +50,12 @@ class ParamError(ValueError):
         self.param = param
 
 
+class _Part(BaseModel):
+    """A nested OpenAI object: unknown fields ignored, as at the top level."""
+
+    model_config = ConfigDict(extra="ignore")
+
+
 class SpeculativeOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     method: SpecMethod | None = None
@@ -63,8 +69,7 @@ class SpeculativeOptions(BaseModel):
         return self
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class StreamOptions(_Part):
     include_usage: StrictBool = False
 
 
@@ -193,14 +198,12 @@ class CompletionRequest(SamplingFields):
         return self
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TextPart(_Part):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionCall(_Part):
     name: Annotated[str, Field(min_length=1)]
     arguments: str = "{}"  # a JSON object, as a string (OpenAI's shape)
 
@@ -216,17 +219,15 @@ class FunctionCall(BaseModel):
         return v
 
 
-class ToolCall(BaseModel):
+class ToolCall(_Part):
     """An assistant message's earlier tool call (as OpenAI returned it)."""
 
-    model_config = ConfigDict(extra="ignore")
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(_Part):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -257,32 +258,27 @@ class ChatMessage(BaseModel):
         return out
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ResponseFormat(_Part):
     type: str
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class FunctionDefinition(_Part):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class Tool(_Part):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class NamedFunction(_Part):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class NamedToolChoice(_Part):
     type: Literal["function"]
     function: NamedFunction
 
