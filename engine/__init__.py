@@ -13,6 +13,7 @@ from .blas import preload_blas  # noqa: E402
 
 BLAS = preload_blas()
 
+from .constraint import GrammarError, choice_grammar, json_grammar, regex_grammar  # noqa: E402
 from .detokenizer import StreamingDetokenizer  # noqa: E402
 from .engine import Engine, EngineConfig  # noqa: E402
 from .request import (  # noqa: E402
@@ -45,6 +46,7 @@ __all__ = [
     "EngineUnavailable",
     "FinishReason",
     "GenerationRequest",
+    "GrammarError",
     "InvalidRequestError",
     "NullSink",
     "RequestTimeout",
@@ -55,4 +57,7 @@ __all__ = [
     "StreamingDetokenizer",
     "TokenEvent",
     "TokenLogprob",
+    "choice_grammar",
+    "json_grammar",
+    "regex_grammar",
 ]

@@ -35,6 +35,7 @@ import mlx.core as mx
 
 from drafters import PromptLookupDrafter
 
+from .constraint import GrammarConstraint, GrammarError, check_grammar, ll_tokenizer
 from .generation import Sequence, prefill_step, speculative_batch_step, speculative_step
 from .loader import LoadedModel, load_target
 from .prefix_cache import PrefixCache
@@ -278,6 +279,18 @@ class Engine:
         bad = [t for t in request.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"stop token id {bad[0]} is out of range [0, {vocab})", param="stop_token_ids")
+        if request.grammar is not None:
+            try:
+                check_grammar(request.grammar, self._grammar_tokenizer())
+            except GrammarError as exc:
+                raise InvalidRequestError(f"the output format does not compile: {exc}",
+                                          param="response_format") from None
+
+    def _grammar_tokenizer(self):
+        """llguidance's tokenizer for structured output (built at first use, then cached)."""
+        loaded = self.loaded
+        vocab = loaded.config.get("vocab_size") or len(loaded.tokenizer._tokenizer)
+        return ll_tokenizer(loaded.tokenizer, vocab, loaded.eos_token_ids)
 
     def _enqueue(self, request: GenerationRequest, emit: Callable[[TokenEvent], None]) -> _Handle:
         try:
@@ -557,9 +570,13 @@ class Engine:
         seed = request.sampling.seed
         if seed is None:
             seed = random.SystemRandom().getrandbits(63)
+        constraint = None
+        if request.grammar is not None:
+            tokenizer = self._grammar_tokenizer()
+            constraint = GrammarConstraint(request.grammar, tokenizer, tokenizer.vocab_size)
         seq = Sequence(
             request, self.runner, self.loaded.token_table, self.loaded.eos_token_ids,
-            self.loaded.context_length, seed, drafters=drafters,
+            self.loaded.context_length, seed, drafters=drafters, constraint=constraint,
             acceptance=RequestAcceptance(self.acceptance), dspark_stats=self.dspark_stats,
             taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
         )

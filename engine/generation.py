@@ -56,6 +56,7 @@ class Sequence:
         context_length: int,
         seed: int,
         drafters: dict | None = None,
+        constraint=None,
         acceptance: RequestAcceptance | None = None,
         dspark_stats: DsparkStats | None = None,
         taps=None,
@@ -69,7 +70,8 @@ class Sequence:
         self.num_prefilled = 0
         self.num_generated = 0
         self.cached_tokens = 0  # prompt positions taken from the prefix cache
-        self.pipeline = LogitsPipeline(request.sampling, seed, self.prompt_len)
+        self.pipeline = LogitsPipeline(request.sampling, seed, self.prompt_len, constraint)
+        self.constraint = constraint  # engine.constraint.GrammarConstraint, or None
         self.table = table
         self.detok = StreamingDetokenizer(table)
         self.stop = StopMatcher(request.stop)
@@ -126,7 +128,8 @@ class Sequence:
     # ---- committing tokens ----------------------------------------------------------------
 
     def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> CommitResult:
-        """Append generated tokens, cutting at EOS, a stop string, max_tokens or the context."""
+        """Append generated tokens, cutting at EOS, a stop string, the end of the request's
+        grammar, max_tokens or the context."""
         ids, parts, stopped = [], [], False
         for token in tokens:
             self.tokens.append(token)
@@ -140,6 +143,11 @@ class Sequence:
             if stopped:
                 self.finish_reason = FinishReason.STOP
                 break
+            if self.constraint is not None:
+                self.constraint.commit(token)
+                if self.constraint.done:  # only EOS could follow
+                    self.finish_reason = FinishReason.STOP
+                    break
             if self.num_generated >= self.request.max_tokens or len(self.tokens) >= self.context_length:
                 self.finish_reason = FinishReason.LENGTH
                 break
@@ -216,7 +224,7 @@ class Sequence:
         forced = self.request.speculative.min_draft_tokens > 0
         lookup = self.drafters.get("prompt_lookup")
         if lookup is not None:
-            proposal = lookup.propose(ctx, budget)
+            proposal = self._grammar_cut(lookup.propose(ctx, budget))
             proposal.drafter = "prompt_lookup"
             if proposal.tokens:
                 conditional = self.acceptance.survival(proposal.match_length, len(proposal.tokens))
@@ -267,7 +275,7 @@ class Sequence:
             self.pending_hidden, self.pending_folded = [], 0
         started = time.perf_counter()
         drafter = self.drafters["dspark"]
-        proposal = drafter.propose(ctx, budget)
+        proposal = self._grammar_cut(drafter.propose(ctx, budget))
         if not getattr(drafter, "traced", False):  # a forward that compiled a graph is not typical
             self.dspark_stats.observe_cost(time.perf_counter() - started)
         proposal.drafter = "dspark"
@@ -275,6 +283,17 @@ class Sequence:
         conditional = self.dspark_stats.calibrated(raw)
         length, rate = choose_length(conditional, cost, context=len(self.tokens))
         return rate, length, proposal, conditional
+
+    def _grammar_cut(self, proposal: Draft) -> Draft:
+        """A proposal without the tokens from the first one the request's grammar forbids
+        (never accepted: its verify row gives it probability 0)."""
+        if self.constraint is not None and proposal.tokens:
+            n = self.constraint.valid_prefix(proposal.tokens)
+            if n < len(proposal.tokens):
+                cut(proposal, n)
+                if proposal.confidence:
+                    proposal.confidence = proposal.confidence[:n]
+        return proposal
 
     def observe(self, draft: Draft, num_accepted: int, hidden: mx.array | LayerRows | None) -> str | None:
         """Record a verify step and hand committed hidden rows on; returns the drafter's name."""

@@ -148,6 +148,9 @@ class GenerationRequest:
     logprobs: int | None = None  # None: no logprobs; k: the chosen token plus k alternatives
     prompt_logprobs: bool = False  # echo + logprobs: logprobs of the prompt tokens too
     speculative: SpeculativeParams = field(default_factory=SpeculativeParams)
+    # structured output: an llguidance grammar (engine.constraint.json_grammar etc.) the output
+    # must match; it ends when the grammar is complete
+    grammar: str | None = None
     request_id: str = field(default_factory=new_request_id)
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share
 

@@ -56,8 +56,9 @@ class LogitsPipeline:
         prompt_len: number of prompt tokens (penalties split prompt and output history).
     """
 
-    def __init__(self, params: SamplingParams, seed: int, prompt_len: int):
+    def __init__(self, params: SamplingParams, seed: int, prompt_len: int, constraint=None):
         self.params = params
+        self.constraint = constraint  # an engine.constraint.GrammarConstraint, or None
         self.seed = seed
         self.prompt_len = prompt_len
         self._bias = None
@@ -80,7 +81,7 @@ class LogitsPipeline:
     def process(
         self, logits: mx.array, committed: Sequence[int], draft: Sequence[int] = ()
     ) -> mx.array:
-        """Apply logit_bias and penalties to ``[R, V]`` float32 logits.
+        """Apply logit_bias, penalties and the grammar's mask to ``[R, V]`` float32 logits.
 
         Row ``r`` predicts the token after ``committed + draft[:r]`` and sees exactly that
         history, as a one-token decode step at that position would. Returns ``[R, V]``.
@@ -88,8 +89,13 @@ class LogitsPipeline:
         if self._bias is not None:
             ids, values = self._bias
             logits = logits.at[:, ids].add(values)
-        if self._repetition is None and self._presence is None and self._frequency is None:
-            return logits
+        if self._repetition is not None or self._presence is not None or self._frequency is not None:
+            logits = self._penalize(logits, committed, draft)
+        if self.constraint is not None:  # (last: nothing may lift a forbidden token again)
+            logits = self.constraint.apply(logits, draft)
+        return logits
+
+    def _penalize(self, logits: mx.array, committed: Sequence[int], draft: Sequence[int]) -> mx.array:
         history = list(committed) + list(draft)
         first = len(committed)
         rows = []

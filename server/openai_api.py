@@ -19,12 +19,16 @@ from engine import (
     EngineError,
     FinishReason,
     GenerationRequest,
+    GrammarError,
     SamplingParams,
     SpecStats,
     SpeculativeParams,
     StreamingDetokenizer,
     TokenEvent,
     TokenLogprob,
+    choice_grammar,
+    json_grammar,
+    regex_grammar,
 )
 
 from .errors import APIError, error_body
@@ -51,6 +55,7 @@ class Job:
     tool_format: ToolFormat | None = None  # chat with tools: parse tool calls out of the text
     tools: list[dict] | None = None  # the request's tools, as the template and the parser see them
     max_tool_calls: int | None = None  # 1 with parallel_tool_calls false
+    grammar_param: str | None = None  # the field that asked for structured output
 
     def tool_splitter(self) -> ToolCallSplitter | None:
         return ToolCallSplitter(self.tool_format, self.tools, self.max_tool_calls) if self.tool_format else None
@@ -94,6 +99,32 @@ def speculative_params(body: SamplingFields) -> SpeculativeParams:
         return SpeculativeParams()
     spec = body.speculative
     return SpeculativeParams(spec.method, spec.max_draft_tokens, spec.min_draft_tokens)
+
+
+def output_grammar(body: SamplingFields) -> tuple[str | None, str | None]:
+    """The llguidance grammar ``response_format`` / ``structured_outputs`` ask for, and the
+    field to name in errors about it; ``(None, None)`` for free text."""
+    rf, so = body.response_format, body.structured_outputs
+    param = None
+    try:
+        if so is not None:
+            if so.json_ is not None:
+                param = "structured_outputs.json"
+                return json_grammar(so.json_), param
+            if so.regex is not None:
+                param = "structured_outputs.regex"
+                return regex_grammar(so.regex), param
+            param = "structured_outputs.choice"
+            return choice_grammar(so.choice), param
+        if rf is None or rf.type == "text":
+            return None, None
+        if rf.type == "json_object":
+            param = "response_format"
+            return json_grammar(None), param
+        param = "response_format.json_schema.schema"
+        return json_grammar(rf.json_schema.schema_), param
+    except (GrammarError, ValueError, RuntimeError) as exc:
+        raise APIError(400, f"the output format does not compile: {exc}", param=param) from None
 
 
 def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int], str | None]]:
@@ -147,6 +178,7 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
         raise APIError(400, "max_tokens must be at least 1 (0 is allowed only with echo and logprobs)",
                        param="max_tokens")
     table = _state(request).engine.loaded.token_table
+    grammar, grammar_param = output_grammar(body)
     jobs = []
     for p_index, (tokens, text) in enumerate(_prompts(request, body)):
         check_prompt_length(settings, tokens, "prompt")
@@ -164,8 +196,9 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
                 speculative=speculative_params(body),
                 request_id=f"{rid}-{p_index}-{i}",
                 cache_salt=body.cache_salt,
+                grammar=grammar,
             )
-            job = Job(len(jobs), req, echo)
+            job = Job(len(jobs), req, echo, grammar_param=grammar_param)
             if body.echo and echo is None:
                 validate(request, job)  # token ids in range before decoding them
                 echo = job.prompt_text = text if text is not None else table.decode(tokens)
@@ -182,6 +215,10 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
     if not getattr(tokenizer, "has_chat_template", False) and not tokenizer.chat_template:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
     fmt, tools, extra = None, None, {}
+    grammar, grammar_param = output_grammar(body)
+    if grammar is not None and body.uses_tools():
+        raise APIError(400, "structured output and tools cannot be combined (the format would keep the model "
+                       "from calling a tool)", param=grammar_param)
     if body.uses_tools():
         fmt = ToolFormat.of(tokenizer)
         if fmt is None:
@@ -203,7 +240,7 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
     max_calls = 1 if body.parallel_tool_calls is False else None
     return [
         Job(i, prompt_param="messages", max_tokens_param=param, tool_format=fmt, tools=tools,
-            max_tool_calls=max_calls, request=GenerationRequest(
+            max_tool_calls=max_calls, grammar_param=grammar_param, request=GenerationRequest(
             prompt_tokens=tokens,
             max_tokens=max_tokens,
             sampling=sampling_params(body, i),
@@ -214,6 +251,7 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
             speculative=speculative_params(body),
             request_id=f"{rid}-{i}",
             cache_salt=body.cache_salt,
+            grammar=grammar,
         ))
         for i in range(body.n)
     ]
@@ -232,6 +270,8 @@ def validate(request: Request, job: Job) -> None:
         _state(request).metrics.request_rejected(type(exc).__name__)
         if isinstance(exc, ContextLengthExceeded):
             exc.param = job.prompt_param if exc.prompt_tokens >= exc.context_length else job.max_tokens_param
+        elif exc.param == "response_format" and job.grammar_param:  # (the engine's name for the grammar)
+            exc.param = job.grammar_param
         raise
 
 

@@ -73,6 +73,44 @@ class StreamOptions(_Part):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(_Part):
+    name: Annotated[str, Field(min_length=1, max_length=256)] = "response"
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Part):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
+    ``json_schema`` (``{"json_schema": {"name", "schema", "strict"}}``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ParamError("json_schema", "type json_schema needs a json_schema object")
+        return self
+
+
+class StructuredOutputs(_Part):
+    """vLLM's ``structured_outputs`` (extension): exactly one of ``json`` (a JSON schema),
+    ``regex`` or ``choice``."""
+
+    model_config = ConfigDict(extra="forbid")
+    json_: dict[str, Any] | None = Field(default=None, alias="json")
+    regex: Annotated[str, Field(min_length=1, max_length=10_000)] | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1, max_length=1024)] | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        given = [k for k, v in (("json", self.json_), ("regex", self.regex), ("choice", self.choice)) if v is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex or choice")
+        return self
+
+
 class SamplingFields(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
@@ -98,6 +136,8 @@ class SamplingFields(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
     speculative: SpeculativeOptions | None = None
+    response_format: ResponseFormat | None = None  # (an extension on /v1/completions, as in vLLM)
+    structured_outputs: StructuredOutputs | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
 
     @model_validator(mode="before")
@@ -135,6 +175,9 @@ class SamplingFields(BaseModel):
     def _stream_options(self):
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed when stream is true")
+        if self.structured_outputs is not None and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ParamError("structured_outputs", "give response_format or structured_outputs, not both")
         return self
 
 
@@ -258,10 +301,6 @@ class ChatMessage(_Part):
         return out
 
 
-class ResponseFormat(_Part):
-    type: str
-
-
 class FunctionDefinition(_Part):
     name: Annotated[str, Field(min_length=1, max_length=256)]
     description: str | None = None
@@ -289,7 +328,6 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
-    response_format: ResponseFormat | None = None
     tools: Annotated[list[Tool], Field(max_length=512)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -309,8 +347,6 @@ class ChatCompletionRequest(SamplingFields):
     def _checks(self):
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ParamError("response_format", f"response_format {self.response_format.type!r} is not supported")
         if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
             if not self.tools:
                 raise ParamError("tool_choice", "tool_choice needs tools")

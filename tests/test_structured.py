@@ -1,0 +1,188 @@
+"""Structured output (engine/constraint.py): grammar masks per verify row, exact speculation under
+a grammar, the grammar's end, and response_format / structured_outputs over HTTP."""
+
+import json
+import random
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+from helpers import generate_all, run
+from llguidance import LLMatcher
+from test_server import post, sse_events
+
+from drafters import Draft
+from engine import FinishReason, GenerationRequest, SamplingParams, SpeculativeParams, json_grammar
+from engine.constraint import GrammarConstraint, ll_tokenizer
+from engine.generation import Sequence
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "count", "tags"],
+          "properties": {"answer": {"enum": ["yes", "no"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
+                         "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3}}}
+GRAMMAR = json_grammar(SCHEMA)
+
+
+def _conforms(text):
+    value = json.loads(text)
+    assert set(value) == {"answer", "count", "tags"} and value["answer"] in ("yes", "no")
+    assert 0 <= value["count"] <= 99 and len(value["tags"]) <= 3 and all(len(t) <= 4 for t in value["tags"])
+
+
+def _constraint(tiny, grammar=GRAMMAR):
+    vocab = tiny.config["vocab_size"]
+    return GrammarConstraint(grammar, ll_tokenizer(tiny.tokenizer, vocab, tiny.eos_token_ids), vocab)
+
+
+def test_masks_per_row_equal_masks_one_token_at_a_time(tiny):
+    c = _constraint(tiny)
+    tok = tiny.tokenizer
+    rng = random.Random(0)
+    committed = tok.encode('{"answer":"yes","count":4', add_special_tokens=False)
+    for t in committed:
+        c.commit(t)
+    for _ in range(30):
+        valid = tok.encode(rng.choice([',"tags":["ab","c"]}', ',"tags":[]}', '1,"tags":["x"', "7"]),
+                           add_special_tokens=False)
+        draft = valid[: rng.randint(0, len(valid))] + [rng.randrange(3, 259) for _ in range(rng.randint(0, 3))]
+        masks = np.array(c.masks(draft))
+        n = c.valid_prefix(draft)
+        assert masks.shape == (len(draft) + 1, tiny.config["vocab_size"])
+        for r in range(n + 1):  # a fresh matcher fed committed + draft[:r], one token at a time
+            fresh = _constraint(tiny)
+            for t in committed + draft[:r]:
+                fresh.commit(t)
+            assert (masks[r] == np.array(fresh.masks([]))[0]).all(), (draft, r)
+        if n < len(draft):  # the first forbidden draft is masked in its row (later rows: unreachable)
+            assert not masks[n][draft[n]] and (masks[n + 1:] == masks[n]).all()
+        # reading the masks left the committed state as it was
+        assert c.consumed == len(committed) and c.valid_prefix(draft) == n
+
+
+def test_a_proposal_is_cut_before_the_first_forbidden_token(tiny):
+    c = _constraint(tiny)
+    tok = tiny.tokenizer
+    ok = tok.encode('{"answer":"no"', add_special_tokens=False)
+    bad = tok.encode('{"answer":"maybe"', add_special_tokens=False)
+    owner = SimpleNamespace(constraint=c)
+    draft = Sequence._grammar_cut(owner, Draft(tokens=list(bad), confidence=[0.9] * len(bad)))
+    assert draft.tokens == bad[:len(draft.tokens)] and len(draft.confidence) == len(draft.tokens)
+    assert len(draft.tokens) == c.valid_prefix(bad) < len(bad)
+    assert Sequence._grammar_cut(owner, Draft(tokens=list(ok))).tokens == ok
+
+
+def _json_prompts(tok, n, seed=0):
+    """Prompts that quote conforming JSON (prompt lookup drafts from them) and random bytes."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        if i % 2:
+            out.append([rng.randrange(3, 259) for _ in range(rng.randint(1, 30))])
+        else:
+            item = json.dumps({"answer": rng.choice(["yes", "no"]), "count": rng.randrange(100),
+                               "tags": ["ab", "c"][: rng.randint(0, 2)]}, separators=(",", ":"))
+            out.append(tok.encode((item + " ") * rng.randint(1, 4), add_special_tokens=False))
+    return out
+
+
+def test_greedy_and_seeded_speculation_are_identical_under_a_grammar(tiny_engine, tiny):
+    drafted = 0
+    for i, prompt in enumerate(_json_prompts(tiny.tokenizer, 24)):
+        for temperature in (0.0, 0.9):
+            plain, plain_text, last = run(tiny_engine, prompt, "off", max_tokens=64, temperature=temperature,
+                                          seed=i, grammar=GRAMMAR)
+            spec, spec_text, spec_last = run(tiny_engine, prompt, temperature=temperature, seed=i, grammar=GRAMMAR,
+                                             speculative=SpeculativeParams("prompt_lookup", None, 1), max_tokens=64)
+            assert spec == plain and spec_text == plain_text, (i, temperature)
+            assert spec_last.finish_reason == last.finish_reason
+            if last.finish_reason is FinishReason.STOP:
+                _conforms(plain_text)
+            drafted += spec_last.stats.total.num_draft_tokens
+    assert drafted > 100  # the drafts were verified under the masks, not skipped
+
+
+def test_batched_requests_under_grammars(tiny_engine, tiny):
+    prompts = _json_prompts(tiny.tokenizer, 8, seed=1)
+    grammars = [GRAMMAR, None, LLMatcher.grammar_from_regex("[a-c]{3,9}x"), GRAMMAR]
+
+    def requests(method):
+        return [GenerationRequest(prompt_tokens=p, max_tokens=48, grammar=grammars[i % 4],
+                                  sampling=SamplingParams(temperature=0.0),
+                                  speculative=SpeculativeParams(method, None, 1 if method != "off" else 0))
+                for i, p in enumerate(prompts)]
+
+    plain = generate_all(tiny_engine, requests("off"))
+    spec = generate_all(tiny_engine, requests("prompt_lookup"))
+    for i, (a, b) in enumerate(zip(plain, spec)):
+        assert [t for e in a for t in e.token_ids] == [t for e in b for t in e.token_ids], i
+    regex_out = "".join(e.text for e in plain[2])
+    assert 4 <= len(regex_out) <= 10 and regex_out.endswith("x") and set(regex_out[:-1]) <= set("abc")
+
+
+def test_output_ends_with_the_grammar_even_with_ignore_eos(tiny_engine, tiny):
+    _, text, last = run(tiny_engine, tiny.tokenizer.encode("hi"), max_tokens=200, ignore_eos=True,
+                        grammar=LLMatcher.grammar_from_regex("(ab){2}c"))
+    assert text == "ababc" and last.finish_reason is FinishReason.STOP and last.completion_tokens == 5
+
+
+# ---- over HTTP -------------------------------------------------------------------------------
+
+MSGS = [{"role": "user", "content": "Answer in JSON."}]
+
+
+def test_response_format_json_schema_whole_and_streamed(tiny_server):
+    for path, body, field in (
+            ("/v1/chat/completions", {"messages": MSGS}, "message"),
+            ("/v1/completions", {"prompt": "Answer in JSON:"}, "text")):
+        body = {**body, "temperature": 0, "max_tokens": 80,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}}
+        r = post(tiny_server, path, body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        text = choice["message"]["content"] if field == "message" else choice["text"]
+        assert choice["finish_reason"] == "stop"
+        _conforms(text)
+        events = sse_events(post(tiny_server, path, {**body, "stream": True}))
+        streamed = "".join((e["choices"][0]["delta"].get("content") or "") if field == "message"
+                           else e["choices"][0]["text"] for e in events if e["choices"])
+        assert streamed == text
+
+
+def test_json_object_regex_and_choice(tiny_server):
+    r = post(tiny_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 300, "temperature": 0,
+                                                   "response_format": {"type": "json_object"}}).json()
+    text = r["choices"][0]["message"]["content"]
+    assert text.startswith("{")
+    if r["choices"][0]["finish_reason"] == "stop":
+        assert isinstance(json.loads(text), dict)
+    r = post(tiny_server, "/v1/chat/completions", {"messages": MSGS, "temperature": 0.8, "seed": 1, "n": 4,
+                                                   "structured_outputs": {"choice": ["red", "green", "blue"]}}).json()
+    assert {c["message"]["content"] for c in r["choices"]} <= {"red", "green", "blue"}
+    r = post(tiny_server, "/v1/completions", {"prompt": "x", "temperature": 0, "max_tokens": 20,
+                                              "structured_outputs": {"regex": "[0-9]{3}-[a-z]{2}"}}).json()
+    text = r["choices"][0]["text"]
+    assert len(text) == 6 and text[:3].isdigit() and text[3] == "-" and text[4:].isalpha()
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "foo"}}}},
+     "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
+    ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+])
+def test_bad_output_formats(tiny_server, extra, param):
+    r = post(tiny_server, "/v1/chat/completions", {"messages": MSGS, **extra})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert post(tiny_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2}).status_code == 200
+
+
+def test_format_and_tools_together_are_refused(tiny_server):
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60, json={
+        "messages": MSGS, "tools": tools, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
