@@ -38,11 +38,13 @@ class TokenTable:
     tokenizer: object  # the Hugging Face tokenizer, for the fallback path
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> TokenTable:
+    def from_tokenizer(cls, tokenizer, visible=()) -> TokenTable:
+        """``visible``: special token ids that decode to their text anyway (a model's tool-call
+        markers, which the server must see to find the calls)."""
         hf = getattr(tokenizer, "_tokenizer", tokenizer)
         vocab_size = len(hf)
         pieces = hf.convert_ids_to_tokens(list(range(vocab_size)))
-        special = set(getattr(hf, "all_special_ids", []) or [])
+        special = set(getattr(hf, "all_special_ids", []) or []) - set(visible)
         decoder = None
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is not None and backend.decoder is not None:

@@ -109,6 +109,19 @@ def tokenizer_wrapper(hf_tokenizer, eos_token_ids) -> TokenizerWrapper:
     return TokenizerWrapper(hf_tokenizer, eos_token_ids=eos_token_ids, **tool)
 
 
+def tool_marker_ids(tokenizer) -> list[int]:
+    """The ids of tool-call markers that are special tokens (decoded to nothing otherwise)."""
+    if not getattr(tokenizer, "has_tool_calling", False):
+        return []
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    ids = []
+    for marker in (tokenizer.tool_call_start, tokenizer.tool_call_end):
+        encoded = tokenizer.encode(marker, add_special_tokens=False) if marker else []
+        if len(encoded) == 1 and encoded[0] in special:
+            ids.append(encoded[0])
+    return ids
+
+
 def _load_gguf(path: Path):
     from .gguf import gguf_eos_ids, gguf_tokenizer, load_gguf_model
 
@@ -169,7 +182,7 @@ def load_target(model: str = "default", weights: str = "auto", served_name: str 
         context_length=context,
         eos_token_ids=eos,
         weights=applied,
-        token_table=TokenTable.from_tokenizer(tokenizer),
+        token_table=TokenTable.from_tokenizer(tokenizer, visible=tool_marker_ids(tokenizer)),
         quantized=stored if stored and not applied.startswith("quantized") else None,
     )
 

@@ -224,7 +224,7 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
         if fmt is None:
             raise APIError(400, "this model's chat template has no tool-call format, so it cannot call tools "
                            "(send tool_choice 'none' or no tools)", param="tools")
-        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        tools = [t.for_template() for t in body.tools]
         extra["tools"] = tools
     messages = [m.for_template() for m in body.messages]
     try:
@@ -625,7 +625,8 @@ async def stream_chat(request, jobs, streams, rid, model, created, table, includ
                 first = len(splitter.calls)
                 text, calls = splitter.feed(text)
                 if reason is not None:
-                    text += splitter.finish()[0]
+                    tail, last_calls = splitter.finish()
+                    text, calls = text + tail, calls + last_calls
                     reason = "tool_calls" if reason == "stop" and splitter.calls else reason
                 if calls:
                     delta["tool_calls"] = [{"index": first + k, **call} for k, call in enumerate(calls)]

@@ -248,18 +248,19 @@ class TextPart(_Part):
 
 class FunctionCall(_Part):
     name: Annotated[str, Field(min_length=1)]
-    arguments: str = "{}"  # a JSON object, as a string (OpenAI's shape)
+    # OpenAI's shape is a JSON object serialized as a string; an object is taken too (as
+    # Ollama's clients send it), and a string that is no JSON object reaches the template as is
+    arguments: str | dict[str, Any] = "{}"
 
-    @field_validator("arguments")
-    @classmethod
-    def _json_object(cls, v):
+    def arguments_for_template(self) -> dict | str:
+        """The arguments as chat templates serialize them: an object where there is one."""
+        if isinstance(self.arguments, dict):
+            return self.arguments
         try:
-            value = json.loads(v or "{}")
-        except ValueError:
-            raise ValueError("arguments must be a JSON object serialized as a string") from None
-        if not isinstance(value, dict):
-            raise ValueError("arguments must be a JSON object serialized as a string")
-        return v
+            value = json.loads(self.arguments or "{}")
+        except (ValueError, RecursionError):
+            return self.arguments
+        return value if isinstance(value, dict) else self.arguments
 
 
 class ToolCall(_Part):
@@ -291,7 +292,7 @@ class ChatMessage(_Part):
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments or "{}")}}
+                 "function": {"name": c.function.name, "arguments": c.function.arguments_for_template()}}
                 for c in self.tool_calls]
         if self.role == "tool":
             if self.tool_call_id is not None:
@@ -311,6 +312,13 @@ class FunctionDefinition(_Part):
 class Tool(_Part):
     type: Literal["function"]
     function: FunctionDefinition
+
+    def for_template(self) -> dict:
+        """OpenAI's tool dict, ``parameters`` defaulting to an empty object schema (templates
+        and parsers index it)."""
+        out = self.model_dump(exclude_none=True)
+        out["function"].setdefault("parameters", {"type": "object", "properties": {}})
+        return out
 
 
 class NamedFunction(_Part):

@@ -8,13 +8,16 @@ stream into assistant content and tool-call blocks as tokens arrive, holding bac
 could still be the start of a marker, so a streamed response and a whole one agree: the
 content deltas add up to the whole response's ``content`` and the tool calls are the same.
 Nothing generated is dropped: a block the parser rejects, or one that ``max_tokens`` cut off
-before its end marker, is returned as content, markers included.
+before its end marker, is returned as content, markers included. A format without an end
+marker (Mistral's ``[TOOL_CALLS]``) runs its block to the end of the output, as mlx-lm does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import secrets
+import string
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,20 +31,26 @@ class ToolFormat:
     """A model's tool-call markers and the parser of one block's text (mlx-lm's).
 
     ``parse(text, tools)`` gets the text between the markers and the request's tools as OpenAI
-    dicts, and returns ``{"name": str, "arguments": dict | str}`` or a list of them; it raises
-    ``ValueError`` (``json.JSONDecodeError`` included) on text it cannot read.
+    dicts, and returns ``{"name": str, "arguments": dict | str, "id"?: str}`` or a list of
+    them. It is third-party code fed model output, so any exception it raises means "not a
+    call". ``end`` is empty for formats whose block runs to the end of the output.
+    ``short_ids``: call ids of 9 letters and digits (Mistral's templates refuse others in the
+    history), else ``call_`` and 24 hex digits.
     """
 
     start: str
     end: str
     parse: Callable[[str, Any], Any]
+    short_ids: bool = False
 
     @classmethod
     def of(cls, tokenizer) -> ToolFormat | None:
         """The format of an mlx-lm ``TokenizerWrapper``, or None when its template has none."""
         if not getattr(tokenizer, "has_tool_calling", False):
             return None
-        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end, tokenizer.tool_parser)
+        parser = tokenizer.tool_parser
+        return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "", parser,
+                   short_ids=getattr(parser, "__module__", "").endswith(".mistral"))
 
 
 @dataclass
@@ -73,8 +82,8 @@ class ToolCallSplitter:
         self._buffer += text
         while True:
             if self._inside:
-                end = self._buffer.find(self.fmt.end)
-                if end < 0:
+                end = self._buffer.find(self.fmt.end) if self.fmt.end else -1
+                if end < 0:  # (no end marker: the block runs to finish())
                     break
                 block, self._buffer = self._buffer[:end], self._buffer[end + len(self.fmt.end):]
                 self._inside = False
@@ -96,14 +105,22 @@ class ToolCallSplitter:
         return self._content("".join(out)), new_calls
 
     def finish(self) -> tuple[str, list[dict]]:
-        """Release the held-back tail; an unterminated block is returned as content."""
-        rest = (self.fmt.start if self._inside else "") + self._buffer
+        """Release the held-back tail and the calls of a block that ends with the output (a
+        format without an end marker); an unterminated block is returned as content."""
+        calls: list[dict] = []
+        rest = self._buffer
+        if self._inside:
+            parsed = self._parse(rest) if not self.fmt.end else None
+            if parsed is None:
+                rest = self.fmt.start + rest
+            else:
+                calls, rest = parsed, ""
         self._buffer, self._inside = "", False
         content = self._content(rest)
         if not self.calls:
             content += self._pending
         self._pending = ""
-        return content, []
+        return content, calls
 
     def _content(self, text: str) -> str:
         """Content to release now: trailing whitespace waits for what follows it."""
@@ -118,9 +135,11 @@ class ToolCallSplitter:
         try:
             parsed = self.fmt.parse(block, self.tools)
             items = parsed if isinstance(parsed, list) else [parsed]
-            rendered = [_render(item) for item in items]
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:  # (JSONDecodeError is a ValueError)
-            log.warning("tool call not parsed (%s: %s); returned as content", type(exc).__name__, exc)
+            if not items:
+                raise ValueError("no call in the block")
+            rendered = [_render(item, self.fmt.short_ids) for item in items]
+        except Exception as exc:  # noqa: BLE001 (a parser's failure on model output: the block is text)
+            log.warning("tool call not parsed (%s: %.200s); returned as content", type(exc).__name__, exc)
             return None
         kept = rendered
         if self.max_calls is not None:
@@ -129,14 +148,27 @@ class ToolCallSplitter:
         return kept
 
 
-def _render(item: Any) -> dict:
-    if not isinstance(item, dict) or not isinstance(item.get("name"), str):
+_ALNUM = string.ascii_letters + string.digits
+
+
+def _render(item: Any, short_ids: bool = False) -> dict:
+    """One parsed call as an OpenAI ``tool_calls`` entry. Raises ValueError unless it has a
+    name and its arguments are a JSON object (``parameters`` is taken for ``arguments``, as
+    Llama-style models write it); a parser's own id is kept."""
+    if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not item["name"]:
         raise ValueError(f"a tool call needs a name, got {item!r:.80}")
-    arguments = item.get("arguments", {})
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": item["name"], "arguments": arguments}}
+    arguments = item.get("arguments", item.get("parameters", {}))
+    if isinstance(arguments, str):
+        arguments = json.loads(arguments or "{}")
+    if not isinstance(arguments, dict):
+        raise ValueError(f"tool call arguments must be a JSON object, got {type(arguments).__name__}")
+    call_id = item.get("id")
+    if not isinstance(call_id, str) or not call_id:
+        call_id = ("".join(secrets.choice(_ALNUM) for _ in range(9)) if short_ids
+                   else f"call_{uuid.uuid4().hex[:24]}")
+    return {"id": call_id, "type": "function",
+            "function": {"name": item["name"], "arguments": json.dumps(arguments, ensure_ascii=False,
+                                                                       allow_nan=False)}}
 
 
 def _marker_prefix_len(text: str, marker: str) -> int:

@@ -7,7 +7,7 @@ import random
 import httpx
 import openai
 import pytest
-from mlx_lm.tool_parsers import json_tools, qwen3_coder
+from mlx_lm.tool_parsers import json_tools, kimi_k2, mistral, qwen3_coder
 from test_server import post, sse_events
 
 from server.tools import ToolCallSplitter, ToolFormat, split_tool_calls
@@ -33,7 +33,8 @@ def _streamed(fmt, chunks, max_calls=None):
     for chunk in chunks:
         text, new = splitter.feed(chunk)
         content, calls = content + text, calls + new
-    return content + splitter.finish()[0], calls
+    tail, last = splitter.finish()
+    return content + tail, calls + last
 
 
 def _chunkings(text, rng):
@@ -92,6 +93,48 @@ def test_splitter_with_an_xml_style_format():
         parts = [splitter.feed(c) for c in chunks]
         content = "".join(p[0] for p in parts) + splitter.finish()[0]
         assert content == "Sum:" and _calls([c for p in parts for c in p[1]]) == [("add", {"a": 2, "b": 3})]
+
+
+def test_a_format_without_an_end_marker_runs_to_the_end():  # (Mistral's [TOOL_CALLS])
+    fmt = ToolFormat(mistral.tool_call_start, "", mistral.parse_tool_call, short_ids=True)
+    text = 'Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}get_time[ARGS]{"zone": "CET"}'
+    for chunks in _chunkings(text, random.Random(1)):
+        content, calls = _streamed(fmt, chunks)
+        assert content == "Sure." and _calls(calls) == [("get_weather", {"city": "Paris"}),
+                                                        ("get_time", {"zone": "CET"})]
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)  # (Mistral's templates)
+    # a cut-off call stays text
+    assert split_tool_calls(fmt, 'Sure.[TOOL_CALLS]get_weather[ARGS]{"ci') == (
+        'Sure.[TOOL_CALLS]get_weather[ARGS]{"ci', [])
+
+
+def test_parser_ids_lists_and_argument_shapes():
+    kimi = ToolFormat(kimi_k2.tool_call_start, kimi_k2.tool_call_end, kimi_k2.parse_tool_call)
+    block = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+             '{"city": "Paris"}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+             '<|tool_call_argument_begin|>{"zone": "CET"}<|tool_call_end|><|tool_calls_section_end|>')
+    content, calls = split_tool_calls(kimi, block)
+    assert content is None and [c["id"] for c in calls] == ["functions.get_weather:0", "functions.get_time:1"]
+    assert _calls(calls) == [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})]
+
+    def one(body):
+        return split_tool_calls(JSON_FMT, f"<tool_call>{body}</tool_call>")
+
+    assert _calls(one('{"name": "f", "arguments": "{\\"a\\": 1}"}')[1]) == [("f", {"a": 1})]  # a JSON string
+    assert _calls(one('{"name": "f", "parameters": {"a": 1}}')[1]) == [("f", {"a": 1})]  # Llama-style key
+    assert _calls(one('{"name": "f"}')[1]) == [("f", {})]
+    for body in ('{"name": "f", "arguments": "not json"}', '{"name": "f", "arguments": [1, 2]}',
+                 '{"name": "f", "arguments": {"x": NaN}}', "[]", '{"name": "", "arguments": {}}'):
+        assert one(body) == (f"<tool_call>{body}</tool_call>", []), body  # not a call: kept as text
+
+
+@pytest.mark.parametrize("error", [OverflowError, RecursionError, MemoryError, RuntimeError])
+def test_any_parser_failure_keeps_the_block_as_text(error):
+    def parse(text, tools):
+        raise error("model output the parser could not take")
+
+    fmt = ToolFormat("<tool_call>", "</tool_call>", parse)
+    assert split_tool_calls(fmt, "a<tool_call>{}</tool_call>") == ("a<tool_call>{}</tool_call>", [])
 
 
 # ---- over HTTP -------------------------------------------------------------------------------
@@ -198,7 +241,7 @@ def test_tools_reach_the_template_and_history_renders(tool_server):
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools"),
     ({"messages": [*MSGS, {"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": 5}}]}]},
      "messages.1.tool_calls.0.function.arguments"),
 ])
 def test_bad_tool_requests(tool_server, extra, param):
@@ -219,3 +262,47 @@ def test_a_template_without_a_tool_format_rejects_tools(tiny_server):
     r = httpx.post(tiny_server.url + "/v1/chat/completions", timeout=60,
                    json={"messages": history, "tools": TOOLS, "tool_choice": "none", "max_tokens": 2})
     assert r.status_code == 200, r.text
+
+
+def test_a_parser_that_raises_gives_text_not_a_500(tool_server, monkeypatch):
+    def parse(text, tools):
+        raise OverflowError("cannot convert float infinity to integer")
+
+    monkeypatch.setattr(tool_server.engine.loaded.tokenizer, "_tool_parser", parse)
+    body = {"messages": MSGS, "tools": TOOLS, "temperature": 0}
+    r = post(tool_server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"].startswith("Checking.<tool_call>{")
+    assert r.json()["choices"][0]["finish_reason"] == "stop"
+    events = sse_events(post(tool_server, "/v1/chat/completions", {**body, "stream": True}))
+    content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert content == r.json()["choices"][0]["message"]["content"]
+
+
+def test_history_arguments_as_objects_or_any_string_and_n_choices(tool_server):
+    for arguments in ({"city": "Paris"}, '{"city": "Paris"}', "city=Paris", "[" * 1500):
+        history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]
+        r = post(tool_server, "/v1/chat/completions", {"messages": history, "tools": TOOLS, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+    body = {"messages": MSGS, "tools": TOOLS, "temperature": 0, "n": 2, "logprobs": True, "stream": True}
+    events = sse_events(post(tool_server, "/v1/chat/completions", body))
+    for index in (0, 1):
+        deltas = [d for e in events if e["choices"] and e["choices"][0]["index"] == index
+                  for d in e["choices"][0]["delta"].get("tool_calls", [])]
+        assert [d["index"] for d in deltas] == [0, 1] and _calls(deltas)[0] == ("get_weather", {"city": "Paris"})
+
+
+def test_special_token_markers_stay_visible():
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tiny import byte_tokenizer
+
+    from engine.detokenizer import TokenTable
+
+    hf = byte_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["<tool_call>"]})
+    marker = hf.convert_tokens_to_ids("<tool_call>")
+    wrapper = TokenizerWrapper(hf, eos_token_ids=[2])
+    assert TokenTable.from_tokenizer(wrapper).decode([marker]) == ""
+    assert TokenTable.from_tokenizer(wrapper, visible=[marker]).decode([marker]) == "<tool_call>"
