@@ -63,6 +63,31 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
+def tool_call_grammar(tokenizer, ll_tok, start: str, end: str, call_schemas: Sequence[dict],
+                      parallel: bool = True) -> str:
+    """The grammar of a reply that is only tool calls in the JSON-block format
+    (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, mlx-lm's ``json_tools``):
+    one block, or with ``parallel`` one or more separated by newlines, each holding a JSON
+    object valid under one of ``call_schemas``. A marker that is one special token is matched
+    as that token (llguidance's ``<[id]>``), else as text. For ``tool_choice`` ``required`` or a
+    named function (OpenAI), as vLLM forces them."""
+    def marker(text: str) -> str:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) == 1 and ll_tok.is_special_token(ids[0]):
+            return f"<[{ids[0]}]>"
+        return json.dumps(text)
+
+    schema = call_schemas[0] if len(call_schemas) == 1 else {"anyOf": list(call_schemas)}
+    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_lark("\n".join([
+        'start: block ("\\n" block)*' if parallel else "start: block",
+        f'block: {marker(start)} "\\n"? call "\\n"? {marker(end)}',
+        f"call: %json {json.dumps(schema)}",
+    ]))
+
+
 def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> object:
     """llguidance's view of a Hugging Face fast tokenizer (an mlx-lm wrapper is unwrapped),
     built once per tokenizer (about 0.3 s for 49k tokens). ``vocab_size``: the width of the

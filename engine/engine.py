@@ -35,7 +35,13 @@ import mlx.core as mx
 
 from drafters import PromptLookupDrafter
 
-from .constraint import GrammarConstraint, GrammarError, check_grammar, ll_tokenizer
+from .constraint import (
+    GrammarConstraint,
+    GrammarError,
+    check_grammar,
+    ll_tokenizer,
+    tool_call_grammar,
+)
 from .generation import Sequence, prefill_step, speculative_batch_step, speculative_step
 from .loader import LoadedModel, load_target
 from .prefix_cache import PrefixCache
@@ -285,6 +291,10 @@ class Engine:
             except GrammarError as exc:
                 raise InvalidRequestError(f"the output format does not compile: {exc}",
                                           param="response_format") from None
+
+    def tool_call_grammar(self, start: str, end: str, call_schemas: list[dict], parallel: bool = True) -> str:
+        """A grammar forcing a reply of tool calls in the JSON-block format (engine.constraint.tool_call_grammar)."""
+        return tool_call_grammar(self.loaded.tokenizer, self._grammar_tokenizer(), start, end, call_schemas, parallel)
 
     def _grammar_tokenizer(self):
         """llguidance's tokenizer for structured output (built at first use, then cached)."""

@@ -5,7 +5,7 @@ that send newer fields keep working. Known fields are strictly typed: ``"3"`` or
 integer, or ``"yes"`` for a boolean, is a 400, not coerced (an integer is fine for a float). Extensions: ``speculative``, ``top_k``, ``min_p``,
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, ``cache_salt`` (vLLM's: only
 requests with the same salt share prefix-cache entries). Chat takes OpenAI's ``tools``,
-``tool_choice`` (``auto``/``none``) and ``parallel_tool_calls`` (server/tools.py).
+``tool_choice`` and ``parallel_tool_calls`` (server/tools.py).
 """
 
 from __future__ import annotations
@@ -355,17 +355,27 @@ class ChatCompletionRequest(SamplingFields):
     def _checks(self):
         if self.top_logprobs and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
-        if self.tool_choice is not None and self.tool_choice not in ("none", "auto"):
+        forced = self.forced_tools()
+        if forced is not None:
             if not self.tools:
-                raise ParamError("tool_choice", "tool_choice needs tools")
-            # ('required' and a named function need decoding constrained to a call: not built)
-            raise ParamError("tool_choice", "only tool_choice 'auto' and 'none' are supported (this server "
-                             "does not constrain decoding to force a call)")
+                raise ParamError("tool_choice", f"tool_choice {self.tool_choice!r} needs tools")
+            if not forced:
+                raise ParamError("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, "
+                                 "which is not among the tools")
         if self.tools:
             names = [t.function.name for t in self.tools]
             if len(set(names)) != len(names):
                 raise ParamError("tools", "tool names must be unique")
         return self
+
+    def forced_tools(self) -> list[Tool] | None:
+        """The tools one of which the reply must call (``tool_choice`` ``required``: any; a
+        named function: that one), or None when the model may answer in text."""
+        if self.tool_choice == "required":
+            return list(self.tools or [])
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in self.tools or [] if t.function.name == self.tool_choice.function.name]
+        return None
 
     def uses_tools(self) -> bool:
         """Whether the tools go into the prompt and calls are parsed from the output."""

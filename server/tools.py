@@ -42,6 +42,7 @@ class ToolFormat:
     end: str
     parse: Callable[[str, Any], Any]
     short_ids: bool = False
+    json_blocks: bool = False  # blocks hold {"name", "arguments"} JSON (json_tools): calls can be forced
 
     @classmethod
     def of(cls, tokenizer) -> ToolFormat | None:
@@ -49,8 +50,17 @@ class ToolFormat:
         if not getattr(tokenizer, "has_tool_calling", False):
             return None
         parser = tokenizer.tool_parser
+        module = getattr(parser, "__module__", "") or ""
         return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "", parser,
-                   short_ids=getattr(parser, "__module__", "").endswith(".mistral"))
+                   short_ids=module.endswith(".mistral"), json_blocks=module.endswith(".json_tools"))
+
+
+def call_schema(tool: dict) -> dict:
+    """JSON Schema of one call of ``tool`` (an OpenAI tool dict) as a JSON block holds it."""
+    function = tool["function"]
+    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+            "properties": {"name": {"const": function["name"]},
+                           "arguments": function.get("parameters") or {"type": "object"}}}
 
 
 @dataclass

@@ -234,8 +234,8 @@ def test_tools_reach_the_template_and_history_renders(tool_server):
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_rain"}}}, "tool_choice"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
@@ -306,3 +306,37 @@ def test_special_token_markers_stay_visible():
     wrapper = TokenizerWrapper(hf, eos_token_ids=[2])
     assert TokenTable.from_tokenizer(wrapper).decode([marker]) == ""
     assert TokenTable.from_tokenizer(wrapper, visible=[marker]).decode([marker]) == "<tool_call>"
+
+
+ALARM = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["hour", "label"],
+    "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                   "label": {"type": "string", "maxLength": 8}}}}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}])
+def test_forced_tool_choice_calls_a_tool_with_valid_arguments(tool_server, choice):
+    body = {"messages": MSGS, "tools": [*TOOLS, ALARM] if choice == "required" else [TOOLS[0], ALARM],
+            "tool_choice": choice, "temperature": 0, "max_tokens": 200}
+    choice_out = post(tool_server, "/v1/chat/completions", body).json()["choices"][0]
+    assert choice_out["finish_reason"] == "tool_calls" and choice_out["message"]["content"] is None
+    calls = _calls(choice_out["message"]["tool_calls"])
+    assert calls, choice_out
+    for name, args in calls:  # (the tiny model left to itself answers get_weather + get_time)
+        assert name in ("get_weather", "get_time", "set_alarm")
+        if name == "set_alarm":
+            assert set(args) == {"hour", "label"} and 0 <= args["hour"] <= 23 and len(args["label"]) <= 8
+    if choice != "required":
+        assert [n for n, _ in calls] == ["set_alarm"] * len(calls)
+    events = sse_events(post(tool_server, "/v1/chat/completions", {**body, "stream": True}))
+    deltas = [d for e in events if e["choices"] for d in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert _calls(deltas) == calls and events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    one = post(tool_server, "/v1/chat/completions", {**body, "parallel_tool_calls": False}).json()
+    assert len(one["choices"][0]["message"]["tool_calls"]) == 1
+
+
+def test_forced_tool_choice_needs_json_blocks(tool_server, monkeypatch):
+    monkeypatch.setattr(tool_server.engine.loaded.tokenizer, "_tool_parser", qwen3_coder.parse_tool_call)
+    r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS, "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS}).status_code == 200
