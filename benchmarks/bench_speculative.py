@@ -23,9 +23,17 @@ from collections import defaultdict
 from pathlib import Path
 
 import engine  # noqa: F401  (OpenBLAS before mlx.core)
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
+from engine import (
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    SamplingParams,
+    SpeculativeParams,
+    json_grammar,
+)
 
 WORKLOADS = Path(__file__).parent / "workloads"
+USE_SCHEMAS = True  # --schemas off: the same prompts as free text (what the grammar costs)
 
 
 def load_workloads(names: list[str] | None) -> list[dict]:
@@ -48,10 +56,10 @@ def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
     return tokenizer.encode(prompt["prompt"])
 
 
-def run_once(eng: Engine, tokens: list[int], method: str, max_tokens: int) -> dict:
+def run_once(eng: Engine, tokens: list[int], method: str, max_tokens: int, grammar: str | None = None) -> dict:
     req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens,
                             sampling=SamplingParams(temperature=0.0),
-                            speculative=SpeculativeParams(method=method))
+                            speculative=SpeculativeParams(method=method), grammar=grammar)
     start = time.perf_counter()
     first = None
     ids = []
@@ -81,7 +89,9 @@ def run_turns(eng: Engine, tok, prompt: dict, method: str, max_tokens: int) -> l
     history) under one method: ``(prompt tokens, run_once's row with its "ids")`` per request."""
     if prompt["kind"] != "session":
         tokens = prompt_tokens(tok, prompt)
-        return [(tokens, run_once(eng, tokens, method, max_tokens))]
+        # a prompt with a "schema" asks for structured output (response_format json_schema)
+        grammar = json_grammar(prompt["schema"]) if "schema" in prompt and USE_SCHEMAS else None
+        return [(tokens, run_once(eng, tokens, method, max_tokens, grammar))]
     messages, out = [], []
     for turn in prompt["turns"]:
         messages.append({"role": "user", "content": turn})
@@ -152,11 +162,15 @@ def main(argv=None) -> dict:
     ap.add_argument("--freeze-cost", action="store_true",
                     help="keep the start-up T(k) curve (no online refresh; a diagnostic)")
     ap.add_argument("--max-tokens", type=int, default=None, help="override each workload's max_tokens")
+    ap.add_argument("--schemas", default="on", choices=["on", "off"],
+                    help="off: prompts with a JSON schema run as free text (the grammar's cost)")
     ap.add_argument("--out", default=None, help="JSON results path")
     ap.add_argument("--plot", default=None, help="PNG chart path")
     args = ap.parse_args(argv)
 
     methods = args.methods.split(",")
+    global USE_SCHEMAS
+    USE_SCHEMAS = args.schemas == "on"
     workloads = load_workloads(args.workloads.split(",") if args.workloads else None)
     use_dspark = bool(args.dspark or args.dspark_drafter or {"dspark", "auto"} & set(methods))
     extra = {} if args.prompt_lookup_min_ngram is None else {
@@ -176,7 +190,7 @@ def main(argv=None) -> dict:
                     "device": str(mx.default_device()), "python": sys.version.split()[0],
                     "mlx": mx.__version__, "blas": engine.BLAS.status},
         "model": eng.info(), "methods": methods, "repeats": args.repeats, "workloads": {},
-        "freeze_cost": args.freeze_cost,
+        "freeze_cost": args.freeze_cost, "schemas": args.schemas,
         # the scheduler's T(k) (ms) when the benchmark starts (after the engine's warm-up passes)
         "verify_cost_ms_at_start": [round(t * 1e3, 4) for t in eng.cost.verify_cost],
     }
