@@ -21,7 +21,7 @@ set -euo pipefail
 stage=/root/s
 if [ -d "$stage" ] && [ ! -d /tmp/site/mlx ]; then
   (cd "$stage" && cat part_* | tar x && rm -f part_* &&
-   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl)
+   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl $(ls files/*.whl 2>/dev/null))
 fi
 root=${ROOT:-/root}
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECSERVE_CACHE_DIR=${SPECSERVE_CACHE_DIR:-$root/cache}

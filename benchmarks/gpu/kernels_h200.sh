@@ -25,14 +25,15 @@
 #                            # benchmarks/gpu/dspark_forward.py and benchmarks/dspark_cost.py
 #                            # (GRAPHS_AB=1: dspark_forward again with MLX_USE_CUDA_GRAPHS=1, MLX's
 #                            # default; engine/mlx_env.py turns CUDA graphs off)
-# Staging: ../shared/tools/stage-for-gpu.sh --pip transformers==5.24.0 \
-#   "$SPECSERVE_CACHE_DIR"/models/SmolLM2-135M-Instruct.Q4_1.gguf
+# Staging: ../shared/tools/stage-for-gpu.sh "$SPECSERVE_CACHE_DIR"/models/SmolLM2-135M-Instruct.Q4_1.gguf \
+#   llguidance-1.9.1-cp39-abi3-manylinux_2_31_x86_64.whl   (`pip download --no-deps llguidance==1.9.1`:
+#   the script's platform list would pick an older llguidance; wheels under files/ are installed too)
 # Results go to $OUT.
 set -euo pipefail
 stage=/root/s
 if [ -d "$stage" ] && [ ! -d /tmp/site/mlx ]; then
   (cd "$stage" && cat part_* | tar x && rm -f part_* &&
-   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl)
+   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl $(ls files/*.whl 2>/dev/null))
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECSERVE_CACHE_DIR=${SPECSERVE_CACHE_DIR:-/root/cache}
 mkdir -p "$SPECSERVE_CACHE_DIR/models" && cp -n "$stage"/files/*.gguf "$SPECSERVE_CACHE_DIR/models/" 2>/dev/null || true

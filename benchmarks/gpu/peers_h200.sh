@@ -26,7 +26,7 @@ stage=/root/s
 py=${PYTHON:-python3}
 if [ -d "$stage" ] && [ ! -d /tmp/site/mlx ]; then
   (cd "$stage" && cat part_* | tar x && rm -f part_* &&
-   "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl)
+   "$py" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl $(ls files/*.whl 2>/dev/null))
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECSERVE_CACHE_DIR=${SPECSERVE_CACHE_DIR:-/root/cache}
 mkdir -p "$SPECSERVE_CACHE_DIR/models" && cp -n "$stage"/files/*.gguf "$SPECSERVE_CACHE_DIR/models/" 2>/dev/null || true

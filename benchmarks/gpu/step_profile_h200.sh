@@ -10,7 +10,7 @@ set -uo pipefail
 stage=/root/s
 if [ ! -d /tmp/site/mlx ] && [ -d "$stage" ]; then
   (cd "$stage" && { ! ls part_* >/dev/null 2>&1 || { cat part_* | tar x && rm -f part_*; }; } &&
-   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl)
+   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site wheels/*.whl $(ls files/*.whl 2>/dev/null))
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECSERVE_CACHE_DIR=${SPECSERVE_CACHE_DIR:-/root/cache}
 out=${OUT:-/tmp/out}; mkdir -p "$out"
