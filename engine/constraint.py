@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
 log = logging.getLogger("specserve.constraint")
-_TOKENIZERS: dict[int, object] = {}
-_LOCK = threading.Lock()
 
 
 class GrammarError(ValueError):
@@ -37,9 +34,11 @@ class GrammarError(ValueError):
 
 def json_grammar(schema: dict | None = None) -> str:
     """The llguidance grammar for JSON values matching ``schema`` (JSON Schema as a dict; None:
-    any JSON object, OpenAI's ``json_object`` mode). Separators are llguidance's defaults
-    (``", "`` and ``": "``, no other whitespace), which keeps small models from looping on
-    newlines. Raises GrammarError for a schema it cannot compile."""
+    any JSON object, OpenAI's ``json_object`` mode). No whitespace outside strings (separators
+    ``,`` and ``:``): a grammar with free whitespace let small models loop on newlines. A
+    schema's own ``x-guidance`` options override that. Raises GrammarError for a schema
+    llguidance rejects outright; most errors show when the grammar is compiled
+    (:func:`compile_grammar`)."""
     from llguidance import LLMatcher
 
     try:
@@ -89,48 +88,63 @@ def tool_call_grammar(tokenizer, ll_tok, start: str, end: str, call_schemas: Seq
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> object:
-    """llguidance's view of a Hugging Face fast tokenizer (an mlx-lm wrapper is unwrapped),
-    built once per tokenizer (about 0.3 s for 49k tokens). ``vocab_size``: the width of the
-    model's logits rows, which may exceed the tokenizer's."""
+    """llguidance's view of a Hugging Face fast tokenizer (an mlx-lm ``TokenizerWrapper`` is
+    unwrapped); about 0.3 s for 49k tokens, so callers keep it (the engine builds one).
+    ``vocab_size``: the width of the model's logits rows, which may exceed the tokenizer's.
+
+    Raises:
+        GrammarError: llguidance cannot take this tokenizer (not a fast tokenizer, or a
+            vocabulary larger than ``vocab_size``).
+    """
     import llguidance.hf
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    with _LOCK:
-        if id(hf) not in _TOKENIZERS:
-            _TOKENIZERS[id(hf)] = (hf, llguidance.hf.from_tokenizer(
-                hf, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)))
-        return _TOKENIZERS[id(hf)][1]
+    hf = tokenizer._tokenizer if isinstance(tokenizer, TokenizerWrapper) else tokenizer
+    try:
+        return llguidance.hf.from_tokenizer(hf, n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise GrammarError(f"structured output is not available for this model's tokenizer: {exc}") from None
 
 
-def check_grammar(grammar: str, tokenizer) -> None:
-    """Raise GrammarError when ``grammar`` does not compile against ``tokenizer``."""
+def compile_grammar(grammar: str, tokenizer):
+    """A matcher for ``grammar`` at the start of an output, to ``deep_copy`` per request.
+
+    Raises:
+        GrammarError: the grammar does not compile against ``tokenizer``.
+    """
     from llguidance import LLMatcher
 
     error = LLMatcher.validate_grammar(grammar, tokenizer)
     if error:
         raise GrammarError(error)
+    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    if matcher.is_error():
+        raise GrammarError(matcher.get_error())
+    return matcher
 
 
 class GrammarConstraint:
     """One request's grammar state over its output tokens.
 
     Args:
-        grammar: an llguidance grammar (``json_grammar`` and friends).
-        tokenizer: from :func:`ll_tokenizer`.
+        matcher: this request's own llguidance matcher (``compile_grammar(...).deep_copy()``).
         vocab_size: width ``V`` of the logits rows.
-
-    Raises:
-        GrammarError: the grammar does not compile.
+        eos_token_ids: the ids that end an output (forbidden while the grammar can go on when
+            ``ignore_eos`` is set).
+        ignore_eos: the request's ``ignore_eos``: end only where the grammar must end.
     """
 
-    def __init__(self, grammar: str, tokenizer, vocab_size: int):
-        from llguidance import LLMatcher
-
-        self.matcher = LLMatcher(tokenizer, grammar, log_level=0)
-        if self.matcher.is_error():
-            raise GrammarError(self.matcher.get_error())
+    def __init__(self, matcher, vocab_size: int, eos_token_ids=(), ignore_eos: bool = False):
+        self.matcher = matcher
         self.vocab_size = vocab_size
-        self.consumed = 0  # output tokens consumed (committed)
+        self.committed: list[int] = []  # the output tokens consumed
+        self._eos = np.array(sorted(t for t in eos_token_ids if 0 <= t < vocab_size), dtype=np.int64)
+        self._ignore_eos = ignore_eos and len(self._eos) > 0
+        self._shifts = mx.arange(32, dtype=mx.uint32)
+
+    @property
+    def consumed(self) -> int:
+        return len(self.committed)
 
     def valid_prefix(self, draft: Sequence[int]) -> int:
         """How many leading tokens of ``draft`` the grammar allows after the committed output."""
@@ -139,31 +153,76 @@ class GrammarConstraint:
     def masks(self, draft: Sequence[int]) -> mx.array:
         """Allowed tokens per verify row: ``[len(draft) + 1, V]`` bool; row ``r`` after
         ``committed + draft[:r]``. Rows after a draft token the grammar forbids (never reached:
-        that token is rejected) repeat the last reachable row's mask."""
+        that token is rejected) repeat the last reachable row's mask.
+
+        The drafts are consumed tentatively and rolled back; if that fails (llguidance's
+        per-step limits can put a matcher in its error state, which no rollback leaves), the
+        matcher is rebuilt from the committed output, so a draft never changes what a later
+        row or step sees."""
         n = self.valid_prefix(draft)
         words = (self.vocab_size + 31) // 32
-        bits = np.zeros((len(draft) + 1, words * 4), dtype=np.uint8)
-        for r in range(n + 1):
-            if r:
-                self.matcher.consume_token(draft[r - 1])
-            bits[r] = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)[: words * 4]
-        if n:
-            self.matcher.rollback(n)
-        bits[n + 1:] = bits[n]
-        allowed = np.unpackbits(bits, axis=-1, bitorder="little")[:, : self.vocab_size]
-        return mx.array(allowed.astype(np.bool_))
+        packed = np.zeros((len(draft) + 1, words), dtype=np.uint32)
+        consumed = 0
+        try:
+            for r in range(n + 1):
+                if r:
+                    if not self.matcher.consume_token(draft[r - 1]):
+                        break  # (rows from here on are not filled: the restore below runs)
+                    consumed += 1
+                packed[r] = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)[:words]
+                self._forbid_early_eos(packed[r])
+        finally:
+            if (consumed and not self.matcher.rollback(consumed)) or self.matcher.is_error():
+                self._restore()
+        if consumed < n:  # a draft the matcher refused after all: its rows are unreachable
+            n = consumed
+        packed[n + 1:] = packed[n]
+        return self._unpack(packed)
+
+    def _forbid_early_eos(self, row: np.ndarray) -> None:
+        """With ``ignore_eos``, EOS only where nothing else is allowed (the grammar's end)."""
+        if not self._ignore_eos:
+            return
+        cleared = row.copy()
+        cleared[self._eos // 32] &= ~(np.uint32(1) << (self._eos % 32).astype(np.uint32))
+        if cleared.any():
+            row[:] = cleared
+
+    def _unpack(self, packed: np.ndarray) -> mx.array:
+        """Packed 32-bit words (bit b of word w: token 32 w + b) to ``[R, V]`` bool, on device."""
+        words = mx.array(packed)
+        bits = (words[:, :, None] >> self._shifts) & 1
+        return bits.reshape(packed.shape[0], -1)[:, : self.vocab_size].astype(mx.bool_)
+
+    def _restore(self) -> None:
+        log.warning("grammar matcher left in an error state (%s); rebuilt from the committed output",
+                    self.matcher.get_error())
+        self.matcher.reset()
+        if self.committed and not self.matcher.consume_tokens(self.committed):
+            raise GrammarError(f"cannot restore the grammar state: {self.matcher.get_error()}")
 
     def commit(self, token: int) -> None:
-        """Consume one committed output token (chosen under this grammar's mask)."""
+        """Consume one committed output token (chosen under this grammar's mask).
+
+        Raises:
+            GrammarError: the grammar refused it (an llguidance limit, never a token the mask
+                allowed otherwise): the request ends with an error rather than with text the
+                grammar did not accept.
+        """
         if not self.matcher.consume_token(token):
-            log.warning("grammar rejected committed token %d: %s", token, self.matcher.get_error())
-        self.consumed += 1
+            raise GrammarError(f"the output left its grammar at token {token}: {self.matcher.get_error()}")
+        self.committed.append(token)
 
     @property
     def done(self) -> bool:
-        """The grammar is complete (only EOS could follow) or failed: the output ends here."""
-        return self.matcher.is_stopped() or self.matcher.is_error()
+        """The grammar is complete: only EOS could follow, so the output ends here."""
+        return self.matcher.is_stopped()
 
     def apply(self, logits: mx.array, draft: Sequence[int]) -> mx.array:
-        """``[R, V]`` logits with the tokens each row's grammar state forbids set to -inf."""
-        return mx.where(self.masks(draft), logits, -mx.inf)
+        """``[R, V]`` logits with the tokens each row's grammar state forbids set to -inf (ids
+        past the tokenizer's vocabulary, when the logits are wider, are forbidden too)."""
+        mask = self.masks(draft)
+        width = logits.shape[-1]
+        if mask.shape[-1] < width:
+            mask = mx.concatenate([mask, mx.zeros((mask.shape[0], width - mask.shape[-1]), mx.bool_)], axis=-1)
+        return mx.where(mask[:, :width], logits, -mx.inf)

@@ -38,7 +38,7 @@ from drafters import PromptLookupDrafter
 from .constraint import (
     GrammarConstraint,
     GrammarError,
-    check_grammar,
+    compile_grammar,
     ll_tokenizer,
     tool_call_grammar,
 )
@@ -142,6 +142,9 @@ class Engine:
         self._live: set[str] = set()
         self._closed = False
         self._lock = threading.Lock()
+        self._grammar_lock = threading.Lock()  # structured output: the llguidance tokenizer and grammars
+        self._ll_tokenizer = None
+        self._grammars: dict[str, object] = {}  # grammar -> compiled matcher (insertion order: LRU)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopping = False
@@ -287,20 +290,49 @@ class Engine:
             raise InvalidRequestError(f"stop token id {bad[0]} is out of range [0, {vocab})", param="stop_token_ids")
         if request.grammar is not None:
             try:
-                check_grammar(request.grammar, self._grammar_tokenizer())
+                self._compiled_grammar(request.grammar)
             except GrammarError as exc:
                 raise InvalidRequestError(f"the output format does not compile: {exc}",
                                           param="response_format") from None
 
     def tool_call_grammar(self, start: str, end: str, call_schemas: list[dict], parallel: bool = True) -> str:
-        """A grammar forcing a reply of tool calls in the JSON-block format (engine.constraint.tool_call_grammar)."""
+        """A grammar forcing a reply of tool calls in the JSON-block format (engine.constraint.tool_call_grammar).
+
+        Raises:
+            GrammarError: the model's tokenizer cannot be used for grammars.
+        """
         return tool_call_grammar(self.loaded.tokenizer, self._grammar_tokenizer(), start, end, call_schemas, parallel)
 
     def _grammar_tokenizer(self):
-        """llguidance's tokenizer for structured output (built at first use, then cached)."""
-        loaded = self.loaded
-        vocab = loaded.config.get("vocab_size") or len(loaded.tokenizer._tokenizer)
-        return ll_tokenizer(loaded.tokenizer, vocab, loaded.eos_token_ids)
+        """llguidance's tokenizer for structured output, built at first use (~0.3 s).
+
+        Raises:
+            GrammarError: llguidance cannot use this model's tokenizer.
+        """
+        with self._grammar_lock:
+            if self._ll_tokenizer is None:
+                loaded = self.loaded
+                vocab = loaded.config.get("vocab_size") or len(loaded.tokenizer._tokenizer)
+                self._ll_tokenizer = ll_tokenizer(loaded.tokenizer, vocab, loaded.eos_token_ids)
+            return self._ll_tokenizer
+
+    def _compiled_grammar(self, grammar: str):
+        """A compiled matcher for ``grammar`` (kept for the last 64 grammars: a request is
+        validated twice and then built in the worker, and agents repeat their schemas).
+
+        Raises:
+            GrammarError: the grammar does not compile.
+        """
+        tokenizer = self._grammar_tokenizer()
+        with self._grammar_lock:
+            matcher = self._grammars.pop(grammar, None)
+        if matcher is None:
+            matcher = compile_grammar(grammar, tokenizer)
+        with self._grammar_lock:
+            self._grammars[grammar] = matcher
+            while len(self._grammars) > 64:
+                self._grammars.pop(next(iter(self._grammars)))
+        return matcher
 
     def _enqueue(self, request: GenerationRequest, emit: Callable[[TokenEvent], None]) -> _Handle:
         try:
@@ -582,8 +614,9 @@ class Engine:
             seed = random.SystemRandom().getrandbits(63)
         constraint = None
         if request.grammar is not None:
-            tokenizer = self._grammar_tokenizer()
-            constraint = GrammarConstraint(request.grammar, tokenizer, tokenizer.vocab_size)
+            constraint = GrammarConstraint(self._compiled_grammar(request.grammar).deep_copy(),
+                                           self._grammar_tokenizer().vocab_size, self.loaded.eos_token_ids,
+                                           ignore_eos=request.ignore_eos)
         seq = Sequence(
             request, self.runner, self.loaded.token_table, self.loaded.eos_token_ids,
             self.loaded.context_length, seed, drafters=drafters, constraint=constraint,

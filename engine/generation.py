@@ -285,14 +285,21 @@ class Sequence:
         return rate, length, proposal, conditional
 
     def _grammar_cut(self, proposal: Draft) -> Draft:
-        """A proposal without the tokens from the first one the request's grammar forbids
-        (never accepted: its verify row gives it probability 0)."""
+        """A proposal without the tokens after the first one the request's grammar forbids
+        (never reached: that token's row gives it probability 0, so it is rejected).
+
+        A one-hot proposal (prompt lookup, greedy DSpark) loses that token too: its row then
+        gives the bonus token, the same token its rejection would have recovered (the target's
+        choice does not depend on the draft). A proposal with ``draft_probs`` keeps it: there
+        the recovered token is drawn from norm(max(0, p - q)), not from p, so ending the draft
+        before it would change the output distribution."""
         if self.constraint is not None and proposal.tokens:
             n = self.constraint.valid_prefix(proposal.tokens)
             if n < len(proposal.tokens):
-                cut(proposal, n)
+                keep = n if proposal.draft_probs is None else n + 1
+                cut(proposal, keep)
                 if proposal.confidence:
-                    proposal.confidence = proposal.confidence[:n]
+                    proposal.confidence = proposal.confidence[:keep]
         return proposal
 
     def observe(self, draft: Draft, num_accepted: int, hidden: mx.array | LayerRows | None) -> str | None:
@@ -458,6 +465,8 @@ def cut(draft: Draft, length: int) -> None:
 
 def _verdict(seq: Sequence, draft: Draft, logits: mx.array) -> tuple:
     """Lazy ``(row_tokens, passed, *logprob arrays)`` of a verify pass's rows."""
+    if seq.constraint is not None:  # the pass runs while the host computes the grammar's masks
+        mx.async_eval(logits)
     processed = seq.pipeline.process(logits, seq.tokens, draft.tokens)
     row_tokens, passed = seq.pipeline.verify(processed, draft.tokens, draft.draft_probs, len(seq.tokens))
     lp = raw_logprobs(logits, row_tokens, seq.request.logprobs) if seq.request.logprobs is not None else ()

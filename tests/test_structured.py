@@ -13,9 +13,17 @@ from llguidance import LLMatcher
 from test_server import post, sse_events
 
 from drafters import Draft
-from engine import FinishReason, GenerationRequest, SamplingParams, SpeculativeParams, json_grammar
-from engine.constraint import GrammarConstraint, ll_tokenizer
+from engine import (
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    SpeculativeParams,
+    json_grammar,
+    regex_grammar,
+)
+from engine.constraint import GrammarConstraint, compile_grammar, ll_tokenizer
 from engine.generation import Sequence
+from engine.sampling import LogitsPipeline
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["answer", "count", "tags"],
           "properties": {"answer": {"enum": ["yes", "no"]}, "count": {"type": "integer", "minimum": 0, "maximum": 99},
@@ -29,9 +37,15 @@ def _conforms(text):
     assert 0 <= value["count"] <= 99 and len(value["tags"]) <= 3 and all(len(t) <= 4 for t in value["tags"])
 
 
-def _constraint(tiny, grammar=GRAMMAR):
+_LL = {}
+
+
+def _constraint(tiny, grammar=GRAMMAR, **kw):
     vocab = tiny.config["vocab_size"]
-    return GrammarConstraint(grammar, ll_tokenizer(tiny.tokenizer, vocab, tiny.eos_token_ids), vocab)
+    if id(tiny) not in _LL:
+        _LL[id(tiny)] = ll_tokenizer(tiny.tokenizer, vocab, tiny.eos_token_ids)
+    matcher = compile_grammar(grammar, _LL[id(tiny)]).deep_copy()
+    return GrammarConstraint(matcher, vocab, tiny.eos_token_ids, **kw)
 
 
 def test_masks_per_row_equal_masks_one_token_at_a_time(tiny):
@@ -69,6 +83,83 @@ def test_a_proposal_is_cut_before_the_first_forbidden_token(tiny):
     assert draft.tokens == bad[:len(draft.tokens)] and len(draft.confidence) == len(draft.tokens)
     assert len(draft.tokens) == c.valid_prefix(bad) < len(bad)
     assert Sequence._grammar_cut(owner, Draft(tokens=list(ok))).tokens == ok
+
+
+def test_sampled_drafts_with_draft_probs_keep_the_target_distribution(tiny):
+    """A DSpark-style draft (tokens drawn from q, verified by the rejection rule) under a grammar:
+    q puts half its mass on a token the grammar forbids. The first committed token must follow
+    the masked target p (the draft is cut after, not before, the forbidden token)."""
+    import mlx.core as mx
+    from scipy import stats
+
+    vocab = tiny.config["vocab_size"]
+    a, b, c = (tiny.tokenizer.encode(ch, add_special_tokens=False)[0] for ch in "abc")
+    logits = mx.full((2, vocab), -30.0)
+    logits[:, a], logits[:, b], logits[:, c] = 1.0, 0.0, 2.0  # masked p: a 0.73, b 0.27
+    q = np.zeros((1, vocab), np.float32)
+    q[0, a] = q[0, c] = 0.5
+    expected = np.exp([1.0, 0.0]) / np.exp([1.0, 0.0]).sum()
+    rng = np.random.default_rng(0)
+    counts = {a: 0, b: 0}
+    n = 3000
+    for seed in range(n):
+        c_ = _constraint(tiny, regex_grammar("[ab]x"))
+        pipe = LogitsPipeline(SamplingParams(temperature=1.0, seed=seed), seed, 0, c_)
+        x = a if rng.random() < 0.5 else c
+        draft = Sequence._grammar_cut(SimpleNamespace(constraint=c_), Draft(tokens=[x], draft_probs=mx.array(q)))
+        rows = pipe.process(logits[: len(draft.tokens) + 1], [], draft.tokens)
+        row_tokens, passed = pipe.verify(rows, draft.tokens, draft.draft_probs, 0)
+        accepted = next((i for i, ok in enumerate(passed.tolist()) if not ok), len(draft.tokens))
+        first = (draft.tokens[:accepted] + [row_tokens.tolist()[accepted]])[0]
+        counts[first] += 1
+    assert stats.chisquare([counts[a], counts[b]], expected * n).pvalue > 1e-3, counts
+
+
+class _SlipperyMatcher:
+    """An llguidance matcher whose rollback fails, as one left in its error state does."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def rollback(self, n):
+        return False
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_a_failed_rollback_rebuilds_the_committed_state(tiny):
+    tok = tiny.tokenizer
+    committed = tok.encode('{"answer":"no","count":1', add_special_tokens=False)
+    draft = tok.encode('2,"tags":["a"]}', add_special_tokens=False)
+    c = _constraint(tiny)
+    for t in committed:
+        c.commit(t)
+    reference = np.array(c.masks(draft))
+    c.matcher = _SlipperyMatcher(c.matcher)
+    assert (np.array(c.masks(draft)) == reference).all()  # the rows were read before the restore
+    fresh = _constraint(tiny)
+    for t in committed:
+        fresh.commit(t)
+    assert (np.array(c.masks(draft)) == np.array(fresh.masks(draft))).all()
+    assert c.valid_prefix(draft) == len(draft)
+
+
+def test_wider_logits_and_ignore_eos(tiny):
+    import mlx.core as mx
+
+    c = _constraint(tiny, regex_grammar("[a-c]{1,3}"), ignore_eos=True)
+    vocab = tiny.config["vocab_size"]
+    out = np.array(c.apply(mx.zeros((1, vocab + 5)), []))
+    assert np.isneginf(out[0, vocab:]).all() and np.isfinite(out[0, 3 + ord("a")])
+    for ch in "ab":
+        c.commit(tiny.tokenizer.encode(ch, add_special_tokens=False)[0])
+    row = np.array(c.masks([]))[0]  # accepting, but may go on: EOS stays forbidden with ignore_eos
+    assert not row[2] and row[3 + ord("c")]
+    plain = _constraint(tiny, regex_grammar("[a-c]{1,3}"))
+    for ch in "ab":
+        plain.commit(tiny.tokenizer.encode(ch, add_special_tokens=False)[0])
+    assert np.array(plain.masks([]))[0][2]
 
 
 def _json_prompts(tok, n, seed=0):
@@ -123,6 +214,10 @@ def test_output_ends_with_the_grammar_even_with_ignore_eos(tiny_engine, tiny):
     _, text, last = run(tiny_engine, tiny.tokenizer.encode("hi"), max_tokens=200, ignore_eos=True,
                         grammar=LLMatcher.grammar_from_regex("(ab){2}c"))
     assert text == "ababc" and last.finish_reason is FinishReason.STOP and last.completion_tokens == 5
+    # a grammar that could end earlier runs to where it must end
+    ids, text, last = run(tiny_engine, tiny.tokenizer.encode("hi"), max_tokens=200, ignore_eos=True,
+                          grammar=regex_grammar("[a-c]{1,30}"), speculative=SpeculativeParams("prompt_lookup", None, 1))
+    assert len(text) == 30 and set(text) <= set("abc") and 2 not in ids and last.finish_reason is FinishReason.STOP
 
 
 # ---- over HTTP -------------------------------------------------------------------------------
@@ -148,13 +243,20 @@ def test_response_format_json_schema_whole_and_streamed(tiny_server):
         assert streamed == text
 
 
-def test_json_object_regex_and_choice(tiny_server):
-    r = post(tiny_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 300, "temperature": 0,
-                                                   "response_format": {"type": "json_object"}}).json()
-    text = r["choices"][0]["message"]["content"]
-    assert text.startswith("{")
-    if r["choices"][0]["finish_reason"] == "stop":
-        assert isinstance(json.loads(text), dict)
+def test_json_object_regex_and_choice(tiny_server, tiny):
+    close = tiny.tokenizer.encode("}", add_special_tokens=False)[0]
+    r = post(tiny_server, "/v1/chat/completions", {
+        "messages": MSGS, "max_tokens": 300, "temperature": 0, "response_format": {"type": "json_object"},
+        "logit_bias": {str(close): 40}}).json()  # (the grammar still decides where "}" may go)
+    assert r["choices"][0]["finish_reason"] == "stop"
+    assert json.loads(r["choices"][0]["message"]["content"]) == {}
+    # stop strings, logprobs and n > 1 under a grammar: each choice has its own matcher
+    r = post(tiny_server, "/v1/chat/completions", {
+        "messages": MSGS, "temperature": 1.0, "seed": 3, "n": 3, "logprobs": True, "stop": [","],
+        "max_tokens": 40, "response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA}}}).json()
+    for choice in r["choices"]:
+        assert choice["message"]["content"].startswith('{"answer":"') and "," not in choice["message"]["content"]
+        assert choice["finish_reason"] == "stop" and choice["logprobs"]["content"]
     r = post(tiny_server, "/v1/chat/completions", {"messages": MSGS, "temperature": 0.8, "seed": 1, "n": 4,
                                                    "structured_outputs": {"choice": ["red", "green", "blue"]}}).json()
     assert {c["message"]["content"] for c in r["choices"]} <= {"red", "green", "blue"}
