@@ -188,8 +188,13 @@ class GrammarConstraint:
         if cleared.any():
             row[:] = cleared
 
-    def _unpack(self, packed: np.ndarray) -> mx.array:
-        """Packed 32-bit words (bit b of word w: token 32 w + b) to ``[R, V]`` bool, on device."""
+    def _unpack(self, packed: np.ndarray, on_device: bool | None = None) -> mx.array:
+        """Packed 32-bit words (bit b of word w: token 32 w + b) to ``[R, V]`` bool: on a GPU
+        the words go over and expand there (8x less to copy); on the CPU numpy's unpackbits is
+        ~8x faster than the same MLX ops (84 against 700 us for 16 rows of 49k)."""
+        if not (on_device if on_device is not None else mx.default_device() != mx.cpu):
+            bits = np.unpackbits(packed.view(np.uint8), axis=-1, bitorder="little")[:, : self.vocab_size]
+            return mx.array(bits.astype(np.bool_))
         words = mx.array(packed)
         bits = (words[:, :, None] >> self._shifts) & 1
         return bits.reshape(packed.shape[0], -1)[:, : self.vocab_size].astype(mx.bool_)

@@ -115,6 +115,15 @@ def test_sampled_drafts_with_draft_probs_keep_the_target_distribution(tiny):
     assert stats.chisquare([counts[a], counts[b]], expected * n).pvalue > 1e-3, counts
 
 
+def test_mask_unpacking_on_host_and_device_agree(tiny):
+    c = _constraint(tiny)
+    packed = np.random.default_rng(0).integers(0, 2**32, size=(5, (tiny.config["vocab_size"] + 31) // 32),
+                                               dtype=np.uint64).astype(np.uint32)
+    host, device = np.array(c._unpack(packed, on_device=False)), np.array(c._unpack(packed, on_device=True))
+    assert host.shape == (5, tiny.config["vocab_size"]) and (host == device).all()
+    assert host[0, 0] == bool(packed[0, 0] & 1) and host[0, 33] == bool(packed[0, 1] >> 1 & 1)
+
+
 class _SlipperyMatcher:
     """An llguidance matcher whose rollback fails, as one left in its error state does."""
 
