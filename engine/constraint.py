@@ -20,16 +20,34 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
 
+from .request import InvalidRequestError
+
 log = logging.getLogger("specserve.constraint")
 
 
-class GrammarError(ValueError):
-    """A grammar or schema llguidance cannot compile (the message is llguidance's)."""
+MAX_MASK_SECONDS = 0.1  # one mask step slower than this ends the request (400): it would stall every other
+
+
+class GrammarError(InvalidRequestError):
+    """A grammar or schema llguidance cannot compile or enforce: the request's fault (HTTP
+    400, ``param`` ``response_format``; the server names the field that asked for it). The
+    message is llguidance's, cut to 500 characters."""
+
+    def __init__(self, message: str):
+        super().__init__(message if len(message) <= 500 else message[:500] + " ...", param="response_format",
+                         code="invalid_output_format")
+
+
+def _limits():
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(verbose_errors=False)  # (verbose errors dump the parser state and the grammar)
 
 
 def json_grammar(schema: dict | None = None) -> str:
@@ -49,10 +67,15 @@ def json_grammar(schema: dict | None = None) -> str:
 
 
 def regex_grammar(pattern: str) -> str:
-    """The llguidance grammar for text matching the regular expression ``pattern``."""
-    from llguidance import LLMatcher
+    """The llguidance grammar for text matching the regular expression ``pattern`` (Rust
+    regex syntax; ``\\d``, ``\\w`` and ``\\s`` are ASCII classes, as in JSON Schema patterns and
+    what clients mean: Unicode ``\\d`` let a model write ``🯸🯸🯸🯸`` for a year)."""
+    from llguidance import LLMatcher, regex_to_lark
 
-    return LLMatcher.grammar_from_regex(pattern)
+    try:
+        return LLMatcher.grammar_from_lark(f"start: /{regex_to_lark(pattern, 'dws')}/")
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise GrammarError(str(exc)) from None
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
@@ -107,19 +130,28 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> object:
 
 
 def compile_grammar(grammar: str, tokenizer):
-    """A matcher for ``grammar`` at the start of an output, to ``deep_copy`` per request.
+    """A matcher for ``grammar`` at the start of an output, to ``deep_copy`` per request. Its
+    first mask is computed here, so a grammar that fails there (a schema nothing satisfies,
+    a ``$ref`` loop, a regex past llguidance's lexer limits) or whose first mask takes longer
+    than ``MAX_MASK_SECONDS`` is refused before it runs.
 
     Raises:
-        GrammarError: the grammar does not compile against ``tokenizer``.
+        GrammarError: the grammar does not compile against ``tokenizer``, or cannot be enforced.
     """
     from llguidance import LLMatcher
 
-    error = LLMatcher.validate_grammar(grammar, tokenizer)
+    error = LLMatcher.validate_grammar(grammar, tokenizer, limits=_limits())
     if error:
         raise GrammarError(error)
-    matcher = LLMatcher(tokenizer, grammar, log_level=0)
+    matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
+    started = time.perf_counter()
+    matcher.compute_bitmask()
+    elapsed = time.perf_counter() - started
     if matcher.is_error():
-        raise GrammarError(matcher.get_error())
+        raise GrammarError(f"the grammar cannot be enforced: {matcher.get_error()}")
+    if elapsed > MAX_MASK_SECONDS:
+        raise GrammarError(f"the grammar is too expensive to enforce: its first step took {elapsed * 1e3:.0f} ms "
+                           f"(limit {MAX_MASK_SECONDS * 1e3:.0f} ms)")
     return matcher
 
 
@@ -169,7 +201,13 @@ class GrammarConstraint:
                     if not self.matcher.consume_token(draft[r - 1]):
                         break  # (rows from here on are not filled: the restore below runs)
                     consumed += 1
+                started = time.perf_counter()
                 packed[r] = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)[:words]
+                elapsed = time.perf_counter() - started
+                if elapsed > MAX_MASK_SECONDS or (r == 0 and self.matcher.is_error()):
+                    raise GrammarError(f"the grammar is too expensive to enforce here (a step took "
+                                       f"{elapsed * 1e3:.0f} ms)" if elapsed > MAX_MASK_SECONDS else
+                                       f"the grammar failed: {self.matcher.get_error()}")
                 self._forbid_early_eos(packed[r])
         finally:
             if (consumed and not self.matcher.rollback(consumed)) or self.matcher.is_error():

@@ -289,11 +289,7 @@ class Engine:
         if bad:
             raise InvalidRequestError(f"stop token id {bad[0]} is out of range [0, {vocab})", param="stop_token_ids")
         if request.grammar is not None:
-            try:
-                self._compiled_grammar(request.grammar)
-            except GrammarError as exc:
-                raise InvalidRequestError(f"the output format does not compile: {exc}",
-                                          param="response_format") from None
+            self.prepare_grammar(request.grammar)
 
     def tool_call_grammar(self, start: str, end: str, call_schemas: list[dict], parallel: bool = True) -> str:
         """A grammar forcing a reply of tool calls in the JSON-block format (engine.constraint.tool_call_grammar).
@@ -316,13 +312,22 @@ class Engine:
                 self._ll_tokenizer = ll_tokenizer(loaded.tokenizer, vocab, loaded.eos_token_ids)
             return self._ll_tokenizer
 
-    def _compiled_grammar(self, grammar: str):
-        """A compiled matcher for ``grammar`` (kept for the last 64 grammars: a request is
-        validated twice and then built in the worker, and agents repeat their schemas).
+    def prepare_grammar(self, grammar: str):
+        """Compile ``grammar`` for structured output (milliseconds; seconds for a huge schema,
+        so the server calls this from a worker thread before it submits) and keep it: the last
+        64 grammars are kept, since a request is validated twice and then built in the engine's
+        worker, and agents repeat their schemas.
 
         Raises:
-            GrammarError: the grammar does not compile.
+            GrammarError (an InvalidRequestError, HTTP 400): the grammar does not compile or
+                cannot be enforced, or the model's tokenizer cannot be used for grammars.
         """
+        try:
+            return self._compiled_grammar(grammar)
+        except GrammarError as exc:
+            raise GrammarError(f"the output format cannot be used: {exc}") from None
+
+    def _compiled_grammar(self, grammar: str):
         tokenizer = self._grammar_tokenizer()
         with self._grammar_lock:
             matcher = self._grammars.pop(grammar, None)

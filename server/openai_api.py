@@ -273,6 +273,33 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
 # ---- running jobs ---------------------------------------------------------------------------
 
 
+def _name_grammar_field(job: Job, exc: EngineError) -> EngineError:
+    """The engine calls every structured-output error's field ``response_format``: name the
+    one this request used (``structured_outputs.regex``, ``tools``, ...)."""
+    if exc.param == "response_format" and job.grammar_param:
+        exc.param = job.grammar_param
+    return exc
+
+
+async def prepare_grammars(request: Request, jobs: list[Job]) -> None:
+    """Compile the jobs' grammars in a worker thread (a big schema takes seconds; on the event
+    loop it would stall every stream); the engine keeps them for the submit that follows."""
+    engine = _state(request).engine
+    if not engine.ready:
+        return  # (validate answers 503)
+    done = set()
+    for job in jobs:
+        grammar = job.request.grammar
+        if grammar is None or grammar in done:
+            continue
+        done.add(grammar)
+        try:
+            await asyncio.to_thread(engine.prepare_grammar, grammar)
+        except EngineError as exc:
+            _state(request).metrics.request_rejected(type(exc).__name__)
+            raise _name_grammar_field(job, exc) from None
+
+
 def validate(request: Request, job: Job) -> None:
     """The engine's checks of ``job``; a rejection is counted (the engine's own count sees only
     submits) and a context overflow names the field to shorten (``messages``/``prompt``, or
@@ -283,9 +310,7 @@ def validate(request: Request, job: Job) -> None:
         _state(request).metrics.request_rejected(type(exc).__name__)
         if isinstance(exc, ContextLengthExceeded):
             exc.param = job.prompt_param if exc.prompt_tokens >= exc.context_length else job.max_tokens_param
-        elif exc.param == "response_format" and job.grammar_param:  # (the engine's name for the grammar)
-            exc.param = job.grammar_param
-        raise
+        raise _name_grammar_field(job, exc) from None
 
 
 def submit_all(request: Request, jobs: list[Job]) -> list[AsyncIterator[TokenEvent]]:
@@ -376,7 +401,7 @@ def first_error(jobs: list[Job]) -> EngineError | None:
     for job in jobs:
         for event in job.events:
             if event.error is not None:
-                return event.error
+                return _name_grammar_field(job, event.error)
     return None
 
 
@@ -511,6 +536,7 @@ async def _run(request: Request, body, jobs: list[Job], rid: str, model: str, st
 
     Returns ``(streaming response or None, created, token table)``.
     """
+    await prepare_grammars(request, jobs)
     streams = submit_all(request, jobs)
     created = int(time.time())
     table = _state(request).engine.loaded.token_table
@@ -569,7 +595,8 @@ async def stream_completions(request, jobs, streams, rid, model, created, table,
         async for job, event in events:
             job.events.append(event)
             if event.error is not None:
-                yield _sse(error_body(str(event.error), event.error.type, event.error.param, event.error.code))
+                err = _name_grammar_field(job, event.error)
+                yield _sse(error_body(str(err), err.type, err.param, err.code))
                 continue
             text = event.text
             items = list(event.logprobs or [])
@@ -629,7 +656,8 @@ async def stream_chat(request, jobs, streams, rid, model, created, table, includ
         async for job, event in events:
             job.events.append(event)
             if event.error is not None:
-                yield _sse(error_body(str(event.error), event.error.type, event.error.param, event.error.code))
+                err = _name_grammar_field(job, event.error)
+                yield _sse(error_body(str(err), err.type, err.param, err.code))
                 continue
             reason = finish_reason(event)
             text, delta = event.text, {}

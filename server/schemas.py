@@ -260,7 +260,8 @@ class FunctionCall(_Part):
             value = json.loads(self.arguments or "{}")
         except (ValueError, RecursionError):
             return self.arguments
-        return value if isinstance(value, dict) else self.arguments
+        # (an escaped lone surrogate decodes to text no tokenizer takes: keep the string)
+        return value if isinstance(value, dict) and surrogate_path(value) is None else self.arguments
 
 
 class ToolCall(_Part):
@@ -307,6 +308,13 @@ class FunctionDefinition(_Part):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v):  # (as OpenAI's: a call's arguments are a JSON object)
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError(f'parameters must be a JSON Schema of type "object", got type {v.get("type")!r}')
+        return v
 
 
 class Tool(_Part):

@@ -284,12 +284,29 @@ def test_json_object_regex_and_choice(tiny_server, tiny):
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
+    # formats llguidance compiles but cannot enforce: refused at their first step, every time
+    ({"structured_outputs": {"regex": "((((b{1,50}){1,50}){1,50}){1,50})"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs.regex"),  # matches nothing
+    ({"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs.json"),
+    # a first step of ~0.7 s: it would stall every other request at each token
+    ({"structured_outputs": {"regex": "(a{300}){300}(b{300}){300}(c{300}){300}(d{300}){300}"}},
+     "structured_outputs.regex"),
 ])
 def test_bad_output_formats(tiny_server, extra, param):
-    r = post(tiny_server, "/v1/chat/completions", {"messages": MSGS, **extra})
-    assert r.status_code == 400, r.text
-    assert r.json()["error"]["param"] == param
+    for _ in range(2):  # (a refused grammar is not kept)
+        r = post(tiny_server, "/v1/chat/completions", {"messages": MSGS, **extra})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and len(r.json()["error"]["message"]) < 700
     assert post(tiny_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2}).status_code == 200
+
+
+def test_regex_classes_are_ascii(tiny_server):
+    r = post(tiny_server, "/v1/completions", {"prompt": "year:", "temperature": 1.0, "seed": 4, "n": 4,
+                                              "structured_outputs": {"regex": "\\d{4}-\\w\\s"}}).json()
+    for choice in r["choices"]:
+        text = choice["text"]
+        assert len(text) == 7 and text[:4].isascii() and text[:4].isdigit() and text[4] == "-", text
+        assert (text[5].isascii() and (text[5].isalnum() or text[5] == "_")) and text[6] in " \t\n\r\f\v", text
 
 
 def test_format_and_tools_together_are_refused(tiny_server):

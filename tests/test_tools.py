@@ -237,6 +237,8 @@ def test_tools_reach_the_template_and_history_renders(tool_server):
     ({"tool_choice": {"type": "function", "function": {"name": "get_rain"}}}, "tool_choice"),
     ({"tools": [], "tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "integer"}}}]},
+     "tools.0.function.parameters"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0.type"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools.0.function.name"),
     ({"tools": TOOLS + TOOLS[:1]}, "tools"),
@@ -340,3 +342,24 @@ def test_forced_tool_choice_needs_json_blocks(tool_server, monkeypatch):
     r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS, "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
     assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS}).status_code == 200
+
+
+def test_forced_tool_parameters_that_cannot_be_enforced(tool_server):
+    tools = [{"type": "function", "function": {"name": "x", "parameters": {"$ref": "#"}}}]
+    for stream in (False, True):
+        r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": tools, "tool_choice": "required",
+                                                        "temperature": 0, "max_tokens": 60, "stream": stream})
+        if stream:  # (the loop shows once the arguments start: an error event, then [DONE])
+            errors = [e for e in sse_events(r) if "error" in e]
+            assert r.status_code == 200 and errors and errors[0]["error"]["param"] == "tools"
+        else:
+            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS}).status_code == 200
+
+
+def test_history_arguments_with_an_escaped_lone_surrogate(tool_server):
+    history = [*MSGS, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "\\ud800"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]
+    r = post(tool_server, "/v1/chat/completions", {"messages": history, "tools": TOOLS, "max_tokens": 1})
+    assert r.status_code == 200, r.text
