@@ -31,7 +31,7 @@ from .request import InvalidRequestError
 log = logging.getLogger("specserve.constraint")
 
 
-MAX_MASK_SECONDS = 0.1  # one mask step slower than this ends the request (400): it would stall every other
+MAX_MASK_SECONDS = 0.1  # CPU seconds: a mask step slower than this ends the request (400), not every other
 
 
 class GrammarError(InvalidRequestError):
@@ -144,9 +144,9 @@ def compile_grammar(grammar: str, tokenizer):
     if error:
         raise GrammarError(error)
     matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
-    started = time.perf_counter()
+    started = time.thread_time()
     matcher.compute_bitmask()
-    elapsed = time.perf_counter() - started
+    elapsed = time.thread_time() - started
     if matcher.is_error():
         raise GrammarError(f"the grammar cannot be enforced: {matcher.get_error()}")
     if elapsed > MAX_MASK_SECONDS:
@@ -173,6 +173,8 @@ class GrammarConstraint:
         self._eos = np.array(sorted(t for t in eos_token_ids if 0 <= t < vocab_size), dtype=np.int64)
         self._ignore_eos = ignore_eos and len(self._eos) > 0
         self._shifts = mx.arange(32, dtype=mx.uint32)
+        self.failed_row: int | None = None  # the last masks() call's first failed row (> 0), if any
+        self.failure: str | None = None
 
     @property
     def consumed(self) -> int:
@@ -190,31 +192,43 @@ class GrammarConstraint:
         The drafts are consumed tentatively and rolled back; if that fails (llguidance's
         per-step limits can put a matcher in its error state, which no rollback leaves), the
         matcher is rebuilt from the committed output, so a draft never changes what a later
-        row or step sees."""
+        row or step sees.
+
+        A step that fails (the error state) or takes over ``MAX_MASK_SECONDS`` of this thread's
+        CPU time raises GrammarError at row 0, as a one-token step there would. At a later row
+        it is only recorded (``failed_row``, ``failure``) and the rows from it on repeat the
+        last good mask: they matter only if the pass accepts the drafts before that row, and
+        then the engine raises, as plain decoding would have at that step."""
+        self.failed_row, self.failure = None, None
         n = self.valid_prefix(draft)
         words = (self.vocab_size + 31) // 32
         packed = np.zeros((len(draft) + 1, words), dtype=np.uint32)
-        consumed = 0
+        consumed = good = 0
         try:
             for r in range(n + 1):
                 if r:
                     if not self.matcher.consume_token(draft[r - 1]):
-                        break  # (rows from here on are not filled: the restore below runs)
+                        self.failed_row, self.failure = r, f"the grammar failed: {self.matcher.get_error()}"
+                        break
                     consumed += 1
-                started = time.perf_counter()
-                packed[r] = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)[:words]
-                elapsed = time.perf_counter() - started
-                if elapsed > MAX_MASK_SECONDS or (r == 0 and self.matcher.is_error()):
-                    raise GrammarError(f"the grammar is too expensive to enforce here (a step took "
-                                       f"{elapsed * 1e3:.0f} ms)" if elapsed > MAX_MASK_SECONDS else
-                                       f"the grammar failed: {self.matcher.get_error()}")
+                started = time.thread_time()
+                row = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)[:words]
+                elapsed = time.thread_time() - started
+                failure = (f"the grammar failed: {self.matcher.get_error()}" if self.matcher.is_error() else
+                           f"the grammar is too expensive to enforce here (a step took {elapsed * 1e3:.0f} ms of "
+                           f"CPU time; limit {MAX_MASK_SECONDS * 1e3:.0f} ms)" if elapsed > MAX_MASK_SECONDS else None)
+                if failure is not None:
+                    if r == 0:
+                        raise GrammarError(failure)
+                    self.failed_row, self.failure = r, failure
+                    break
+                packed[r] = row
                 self._forbid_early_eos(packed[r])
+                good = r + 1
         finally:
             if (consumed and not self.matcher.rollback(consumed)) or self.matcher.is_error():
                 self._restore()
-        if consumed < n:  # a draft the matcher refused after all: its rows are unreachable
-            n = consumed
-        packed[n + 1:] = packed[n]
+        packed[good:] = packed[good - 1]
         return self._unpack(packed)
 
     def _forbid_early_eos(self, row: np.ndarray) -> None:

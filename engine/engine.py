@@ -142,9 +142,8 @@ class Engine:
         self._live: set[str] = set()
         self._closed = False
         self._lock = threading.Lock()
-        self._grammar_lock = threading.Lock()  # structured output: the llguidance tokenizer and grammars
+        self._grammar_lock = threading.Lock()  # structured output: the llguidance tokenizer
         self._ll_tokenizer = None
-        self._grammars: dict[str, object] = {}  # grammar -> compiled matcher (insertion order: LRU)
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._stopping = False
@@ -288,8 +287,8 @@ class Engine:
         bad = [t for t in request.stop_token_ids if not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"stop token id {bad[0]} is out of range [0, {vocab})", param="stop_token_ids")
-        if request.grammar is not None:
-            self.prepare_grammar(request.grammar)
+        if request.grammar is not None and request.grammar_matcher is None:  # (last: the costly check)
+            request.grammar_matcher = self.prepare_grammar(request.grammar)
 
     def tool_call_grammar(self, start: str, end: str, call_schemas: list[dict], parallel: bool = True) -> str:
         """A grammar forcing a reply of tool calls in the JSON-block format (engine.constraint.tool_call_grammar).
@@ -313,31 +312,18 @@ class Engine:
             return self._ll_tokenizer
 
     def prepare_grammar(self, grammar: str):
-        """Compile ``grammar`` for structured output (milliseconds; seconds for a huge schema,
-        so the server calls this from a worker thread before it submits) and keep it: the last
-        64 grammars are kept, since a request is validated twice and then built in the engine's
-        worker, and agents repeat their schemas.
+        """A freshly compiled llguidance matcher for ``grammar`` (milliseconds; seconds for a
+        huge schema). One per request: copies of one matcher share a lexer cache that grows
+        with every copy's output until llguidance's limits fail all of them.
 
         Raises:
             GrammarError (an InvalidRequestError, HTTP 400): the grammar does not compile or
                 cannot be enforced, or the model's tokenizer cannot be used for grammars.
         """
         try:
-            return self._compiled_grammar(grammar)
+            return compile_grammar(grammar, self._grammar_tokenizer())
         except GrammarError as exc:
             raise GrammarError(f"the output format cannot be used: {exc}") from None
-
-    def _compiled_grammar(self, grammar: str):
-        tokenizer = self._grammar_tokenizer()
-        with self._grammar_lock:
-            matcher = self._grammars.pop(grammar, None)
-        if matcher is None:
-            matcher = compile_grammar(grammar, tokenizer)
-        with self._grammar_lock:
-            self._grammars[grammar] = matcher
-            while len(self._grammars) > 64:
-                self._grammars.pop(next(iter(self._grammars)))
-        return matcher
 
     def _enqueue(self, request: GenerationRequest, emit: Callable[[TokenEvent], None]) -> _Handle:
         try:
@@ -619,9 +605,10 @@ class Engine:
             seed = random.SystemRandom().getrandbits(63)
         constraint = None
         if request.grammar is not None:
-            constraint = GrammarConstraint(self._compiled_grammar(request.grammar).deep_copy(),
-                                           self._grammar_tokenizer().vocab_size, self.loaded.eos_token_ids,
-                                           ignore_eos=request.ignore_eos)
+            matcher = request.grammar_matcher or self.prepare_grammar(request.grammar)
+            request.grammar_matcher = None  # (used once; the request may be resubmitted)
+            constraint = GrammarConstraint(matcher, self._grammar_tokenizer().vocab_size,
+                                           self.loaded.eos_token_ids, ignore_eos=request.ignore_eos)
         seq = Sequence(
             request, self.runner, self.loaded.token_table, self.loaded.eos_token_ids,
             self.loaded.context_length, seed, drafters=drafters, constraint=constraint,

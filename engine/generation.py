@@ -15,6 +15,7 @@ import mlx.core as mx
 
 from drafters import Draft, DraftContext
 
+from .constraint import GrammarError
 from .detokenizer import StreamingDetokenizer, TokenTable
 from .request import FinishReason, GenerationRequest, SpecStats, TokenEvent, TokenLogprob
 from .runner import LayerRows, TargetRunner, join_rows
@@ -439,13 +440,22 @@ def speculative_batch_step(seqs: list[Sequence], cost: CostModel,
         taps = next((seqs[i].taps for i in live if seqs[i].taps is not None), None)
         started = time.perf_counter()
         outs = seqs[live[0]].runner.verify_batch(rows, [seqs[i].cache for i in live], taps)
-        verdicts = [_verdict(seqs[i], drafts[i], logits) for i, (logits, _) in zip(live, outs)]
-        mx.eval(*(a for v in verdicts for a in v),  # the cycle's only host sync (and the taps, as above)
-                *(hidden for i, (_, hidden) in zip(live, outs) if hidden is not None and seqs[i].taps is not None))
+        verdicts = {}
+        for i, (logits, _) in zip(live, outs):
+            try:
+                verdicts[i] = _verdict(seqs[i], drafts[i], logits)
+            except Exception as exc:  # (a grammar that fails its request's masks) this sequence alone
+                out[i] = exc
+        mx.eval(*(a for v in verdicts.values() for a in v),  # the cycle's only host sync (and the taps, as above)
+                *(hidden for i, (_, hidden) in zip(live, outs)
+                  if i in verdicts and hidden is not None and seqs[i].taps is not None))
         stats = next((seqs[i].dspark_stats for i in live if "dspark" in seqs[i].drafters), None)
         if stats is not None:  # one pass, credited once
             stats.observe_cycle(time.perf_counter() - started)
-        for i, verdict, (_, hidden) in zip(live, verdicts, outs):
+        for i, (_, hidden) in zip(live, outs):
+            if i not in verdicts:
+                continue
+            verdict = verdicts[i]
             try:
                 out[i] = _accept(seqs[i], drafts[i], verdict, hidden if seqs[i].taps is not None else None)
             except Exception as exc:
@@ -477,6 +487,9 @@ def _accept(seq: Sequence, draft: Draft, verdict: tuple, hidden: mx.array | Laye
     row_tokens, passed, *lp = verdict
     # 3. Accept the drafts up to the first rejection, plus the bonus/recovered token.
     num_accepted = next((i for i, ok in enumerate(passed.tolist()) if not ok), len(draft.tokens))
+    if seq.constraint is not None and seq.constraint.failed_row is not None \
+            and num_accepted >= seq.constraint.failed_row:  # a row whose mask failed was reached
+        raise GrammarError(seq.constraint.failure)
     row_tokens = row_tokens.tolist()
     committed = draft.tokens[:num_accepted] + [row_tokens[num_accepted]]
 

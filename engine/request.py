@@ -153,6 +153,9 @@ class GenerationRequest:
     grammar: str | None = None
     request_id: str = field(default_factory=new_request_id)
     cache_salt: str | None = None  # prefix-cache namespace: only requests with the same salt share
+    # the grammar compiled for this request alone (Engine.validate sets it: the worker never
+    # compiles, and llguidance matchers must not share state across requests)
+    grammar_matcher: object = field(default=None, repr=False, compare=False)
 
 
 @dataclass

@@ -282,22 +282,13 @@ def _name_grammar_field(job: Job, exc: EngineError) -> EngineError:
 
 
 async def prepare_grammars(request: Request, jobs: list[Job]) -> None:
-    """Compile the jobs' grammars in a worker thread (a big schema takes seconds; on the event
-    loop it would stall every stream); the engine keeps them for the submit that follows."""
-    engine = _state(request).engine
-    if not engine.ready:
-        return  # (validate answers 503)
-    done = set()
-    for job in jobs:
-        grammar = job.request.grammar
-        if grammar is None or grammar in done:
-            continue
-        done.add(grammar)
-        try:
-            await asyncio.to_thread(engine.prepare_grammar, grammar)
-        except EngineError as exc:
-            _state(request).metrics.request_rejected(type(exc).__name__)
-            raise _name_grammar_field(job, exc) from None
+    """Validate the jobs that ask for structured output in a worker thread: the engine's last
+    check compiles each one's grammar (milliseconds; seconds for a big schema, which on the event
+    loop would stall every stream) after the cheap ones (so a draining server still answers
+    503 at once) and keeps it on the request, for the submit that follows."""
+    grammar_jobs = [job for job in jobs if job.request.grammar is not None]
+    if grammar_jobs:
+        await asyncio.to_thread(lambda: [validate(request, job) for job in grammar_jobs])
 
 
 def validate(request: Request, job: Job) -> None:

@@ -232,6 +232,7 @@ def test_output_ends_with_the_grammar_even_with_ignore_eos(tiny_engine, tiny):
 # ---- over HTTP -------------------------------------------------------------------------------
 
 MSGS = [{"role": "user", "content": "Answer in JSON."}]
+PROMPT_FOR_BATCH = "abcabcabc abc abc"
 
 
 def test_response_format_json_schema_whole_and_streamed(tiny_server):
@@ -285,7 +286,6 @@ def test_json_object_regex_and_choice(tiny_server, tiny):
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
     # formats llguidance compiles but cannot enforce: refused at their first step, every time
-    ({"structured_outputs": {"regex": "((((b{1,50}){1,50}){1,50}){1,50})"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"regex": "[^\\s\\S]"}}, "structured_outputs.regex"),  # matches nothing
     ({"structured_outputs": {"json": {"$ref": "#"}}}, "structured_outputs.json"),
     # a first step of ~0.7 s: it would stall every other request at each token
@@ -298,6 +298,56 @@ def test_bad_output_formats(tiny_server, extra, param):
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param and len(r.json()["error"]["message"]) < 700
     assert post(tiny_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2}).status_code == 200
+
+
+def test_a_grammar_failing_mid_output_fails_only_its_request(tiny_server):
+    """A regex past llguidance's lexer limits after a dozen tokens: each request gets its own
+    matcher (copies of one share a lexer cache that wears out), fails with a 400-type error
+    naming the field, and a request batched alongside it is unaffected."""
+    import concurrent.futures
+
+    bad = {"prompt": "hi", "max_tokens": 60, "temperature": 0, "ignore_eos": True,
+           "structured_outputs": {"regex": "((((b{1,50}){1,50}){1,50}){1,50})"}}
+    plain = {"prompt": PROMPT_FOR_BATCH, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    alone = post(tiny_server, "/v1/completions", plain).json()["choices"][0]["text"]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(post, tiny_server, "/v1/completions", body) for body in (bad, plain, bad, plain)]
+        results = [f.result() for f in futures]
+    for r in results[0::2]:
+        assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs.regex", r.text
+    for r in results[1::2]:
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone
+    events = sse_events(post(tiny_server, "/v1/completions", {**bad, "stream": True}))
+    assert events[-1]["error"]["param"] == "structured_outputs.regex"
+
+
+def test_a_failed_later_row_is_deferred(tiny):
+    """A step that fails at a draft row (r > 0) is recorded, not raised: plain decoding only
+    meets it if the pass accepts the drafts before that row (the engine then raises)."""
+    tok = tiny.tokenizer
+    c = _constraint(tiny)
+    draft = tok.encode('{"answer":"yes"', add_special_tokens=False)
+    reference = np.array(c.masks(draft))
+
+    class FailsAfterTwo(_SlipperyMatcher):
+        consumed = 0
+
+        def consume_token(self, t):
+            self.consumed += 1
+            return self.inner.consume_token(t)
+
+        def is_error(self):
+            return self.consumed >= 2 or self.inner.is_error()
+
+        def rollback(self, n):
+            self.consumed = 0
+            return self.inner.rollback(n)
+
+    c.matcher = FailsAfterTwo(c.matcher)
+    masks = np.array(c.masks(draft))
+    assert c.failed_row == 2 and "failed" in c.failure
+    assert (masks[:2] == reference[:2]).all() and (masks[2:] == masks[1]).all()
+    assert c.valid_prefix(draft) == len(draft)  # the committed state was restored
 
 
 def test_regex_classes_are_ascii(tiny_server):
