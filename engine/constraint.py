@@ -50,15 +50,41 @@ def _limits():
     return LLParserLimits(verbose_errors=False)  # (verbose errors dump the parser state and the grammar)
 
 
-def json_grammar(schema: dict | None = None) -> str:
+def closed_schema(schema):
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not
+    set it (OpenAI's strict mode: objects hold their listed properties only; JSON Schema's
+    default lets a model invent keys until ``max_tokens``). Returns a new schema."""
+    if isinstance(schema, list):
+        return [closed_schema(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {key: closed_schema(value) if key in _SUBSCHEMAS else value for key, value in schema.items()}
+    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
+        if isinstance(schema.get(key), dict):
+            out[key] = {name: closed_schema(sub) for name, sub in schema[key].items()}
+    is_object = schema.get("type") == "object" or (isinstance(schema.get("type"), list) and "object" in schema["type"]) \
+        or "properties" in schema
+    if is_object and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
+
+
+_SUBSCHEMAS = {"items", "prefixItems", "additionalItems", "contains", "anyOf", "oneOf", "allOf", "not",
+               "if", "then", "else", "additionalProperties", "propertyNames", "unevaluatedProperties",
+               "unevaluatedItems"}
+
+
+def json_grammar(schema: dict | None = None, strict: bool = False) -> str:
     """The llguidance grammar for JSON values matching ``schema`` (JSON Schema as a dict; None:
     any JSON object, OpenAI's ``json_object`` mode). No whitespace outside strings (separators
     ``,`` and ``:``): a grammar with free whitespace let small models loop on newlines. A
     schema's own ``x-guidance`` options override that. Raises GrammarError for a schema
     llguidance rejects outright; most errors show when the grammar is compiled
-    (:func:`compile_grammar`)."""
+    (:func:`compile_grammar`). ``strict``: OpenAI's strict mode (:func:`closed_schema`)."""
     from llguidance import LLMatcher
 
+    if strict and schema is not None:
+        schema = closed_schema(schema)
     try:
         return LLMatcher.grammar_from_json_schema({"type": "object"} if schema is None else schema,
                                                   defaults={"whitespace_flexible": False})
@@ -148,7 +174,10 @@ def compile_grammar(grammar: str, tokenizer):
     matcher.compute_bitmask()
     elapsed = time.thread_time() - started
     if matcher.is_error():
-        raise GrammarError(f"the grammar cannot be enforced: {matcher.get_error()}")
+        error = matcher.get_error().replace("<non-verbose/>", "").strip()
+        if "NoExtensionBias" in error:  # (llguidance's word for "no token can start it")
+            error = "no output satisfies it"
+        raise GrammarError(f"the grammar cannot be enforced: {error}")
     if elapsed > MAX_MASK_SECONDS:
         raise GrammarError(f"the grammar is too expensive to enforce: its first step took {elapsed * 1e3:.0f} ms "
                            f"(limit {MAX_MASK_SECONDS * 1e3:.0f} ms)")

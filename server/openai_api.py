@@ -122,7 +122,7 @@ def output_grammar(body: SamplingFields) -> tuple[str | None, str | None]:
             param = "response_format"
             return json_grammar(None), param
         param = "response_format.json_schema.schema"
-        return json_grammar(rf.json_schema.schema_), param
+        return json_grammar(rf.json_schema.schema_, strict=bool(rf.json_schema.strict)), param
     except (GrammarError, ValueError, RuntimeError) as exc:
         raise APIError(400, f"the output format does not compile: {exc}", param=param) from None
 

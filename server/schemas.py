@@ -76,7 +76,7 @@ class StreamOptions(_Part):
 class JsonSchemaFormat(_Part):
     name: Annotated[str, Field(min_length=1, max_length=256)] = "response"
     description: str | None = None
-    schema_: dict[str, Any] = Field(default_factory=dict, alias="schema")
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: StrictBool | None = None
 
 
@@ -91,6 +91,9 @@ class ResponseFormat(_Part):
     def _schema(self):
         if self.type == "json_schema" and self.json_schema is None:
             raise ParamError("json_schema", "type json_schema needs a json_schema object")
+        if self.type == "json_schema" and self.json_schema.schema_ is None:
+            raise ParamError("json_schema.schema", "json_schema needs a schema (for any JSON object use "
+                             '{"type": "json_object"})')
         return self
 
 

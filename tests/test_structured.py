@@ -280,6 +280,9 @@ def test_json_object_regex_and_choice(tiny_server, tiny):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "foo"}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "json_schema"}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}},
+     "response_format.json_schema.schema"),  # (a keyword llguidance does not enforce: refused, not ignored)
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
@@ -297,6 +300,7 @@ def test_bad_output_formats(tiny_server, extra, param):
         r = post(tiny_server, "/v1/chat/completions", {"messages": MSGS, **extra})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param and len(r.json()["error"]["message"]) < 700
+        assert "NoExtensionBias" not in r.json()["error"]["message"]
     assert post(tiny_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2}).status_code == 200
 
 
@@ -348,6 +352,26 @@ def test_a_failed_later_row_is_deferred(tiny):
     assert c.failed_row == 2 and "failed" in c.failure
     assert (masks[:2] == reference[:2]).all() and (masks[2:] == masks[1]).all()
     assert c.valid_prefix(draft) == len(draft)  # the committed state was restored
+
+
+def test_strict_schemas_close_their_objects(tiny_server):
+    from engine.constraint import closed_schema
+
+    schema = {"type": "object", "properties": {"v": {"type": "integer"}, "w": {
+        "type": "array", "items": {"type": "object", "properties": {"x": {"type": "boolean"}}}}},
+        "$defs": {"d": {"type": "object"}}, "anyOf": [{"properties": {"v": {"minimum": 0}}}]}
+    closed = closed_schema(schema)
+    assert closed["additionalProperties"] is False and closed["properties"]["w"]["items"]["additionalProperties"] is False
+    assert closed["$defs"]["d"]["additionalProperties"] is False and closed["anyOf"][0]["additionalProperties"] is False
+    assert "additionalProperties" not in closed["properties"]["v"] and "additionalProperties" not in schema
+    assert closed_schema({"type": "object", "additionalProperties": True}) == {"type": "object", "additionalProperties": True}
+    for seed in range(3):  # sampled, so the model tries other keys; strict leaves it only "v"
+        r = post(tiny_server, "/v1/chat/completions", {
+            "messages": MSGS, "temperature": 1.0, "seed": seed, "max_tokens": 60, "response_format": {
+                "type": "json_schema", "json_schema": {"name": "v", "strict": True, "schema": {
+                    "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}}}}}}).json()
+        choice = r["choices"][0]
+        assert choice["finish_reason"] == "stop" and set(json.loads(choice["message"]["content"])) <= {"v"}
 
 
 def test_regex_classes_are_ascii(tiny_server):
