@@ -209,6 +209,16 @@ class GrammarConstraint:
     def consumed(self) -> int:
         return len(self.committed)
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The next tokens the grammar forces, at most ``limit`` (llguidance's fast-forward
+        tokens: a key a schema requires next, its quotes and separators). The engine drafts them
+        (drafter ``grammar``): the target still verifies each one, so the output is unchanged,
+        where "jump-forward" decoding would append them unverified and can tokenize differently
+        from the model."""
+        if limit <= 0 or self.matcher.is_error():
+            return []
+        return list(self.matcher.compute_ff_tokens())[:limit]
+
     def valid_prefix(self, draft: Sequence[int]) -> int:
         """How many leading tokens of ``draft`` the grammar allows after the committed output."""
         return self.matcher.validate_tokens(list(draft)) if draft else 0

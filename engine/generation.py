@@ -34,6 +34,9 @@ DSPARK_PROBE_EVERY = 32  # cycles before the first re-probe of a DSpark drafter 
 DSPARK_PROBE_MAX = 512  # the probe interval doubles after every losing probe, up to this
 PENDING_HIDDEN_MAX = 16  # committed hidden-state slices held before they are folded into one
 MAX_VERIFY_ROWS = 64  # the widest verify pass any setting allows (sizes static caches)
+# acceptance estimate of a token the request's grammar forces: only a different tokenization of
+# the forced text (the model's choice among tokens the mask allows) rejects it
+GRAMMAR_SURVIVAL = 0.95
 
 
 @dataclass
@@ -196,7 +199,8 @@ class Sequence:
     def propose(self, cost: CostModel, max_rows: int | None = None) -> Draft:
         """Choose this cycle's drafter and draft length (issue #6's rule, engine/scheduler.py).
 
-        Prompt lookup proposes for free; DSpark costs a draft forward, so it runs only when its
+        Prompt lookup proposes for free, and so does a request's grammar (the tokens it forces
+        next, drafter ``grammar``); DSpark costs a draft forward, so it runs only when its
         recent yield (tokens per second, draft cost included) beats the best option so far (plain
         decoding included, also when DSpark is the only drafter), or as a probe on a request's
         first cycle and then after ``DSPARK_PROBE_EVERY`` cycles, an interval that doubles after
@@ -223,6 +227,12 @@ class Sequence:
                            seed=self.pipeline.seed)
         options = []  # (rate, length, proposal, conditional)
         forced = self.request.speculative.min_draft_tokens > 0
+        if self.constraint is not None:  # tokens the request's grammar forces next, for free
+            tokens = self.constraint.forced_tokens(budget)
+            if tokens:
+                conditional = [GRAMMAR_SURVIVAL] * len(tokens)
+                length, rate = choose_length(conditional, cost, context=len(self.tokens))
+                options.append((rate, length, Draft(tokens=tokens, drafter="grammar"), conditional))
         lookup = self.drafters.get("prompt_lookup")
         if lookup is not None:
             proposal = self._grammar_cut(lookup.propose(ctx, budget))

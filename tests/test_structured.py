@@ -185,8 +185,18 @@ def _json_prompts(tok, n, seed=0):
     return out
 
 
+def test_forced_tokens(tiny):
+    c = _constraint(tiny)
+    for t in tiny.tokenizer.encode('{"answer":"yes"', add_special_tokens=False):
+        c.commit(t)
+    forced = tiny.token_table.decode(c.forced_tokens(16))
+    assert forced and ',"count":'.startswith(forced)
+    assert len(c.forced_tokens(2)) == min(2, len(c.forced_tokens(16))) and c.forced_tokens(0) == []
+    assert c.consumed == len(tiny.tokenizer.encode('{"answer":"yes"', add_special_tokens=False))
+
+
 def test_greedy_and_seeded_speculation_are_identical_under_a_grammar(tiny_engine, tiny):
-    drafted = 0
+    drafted = forced = 0
     for i, prompt in enumerate(_json_prompts(tiny.tokenizer, 24)):
         for temperature in (0.0, 0.9):
             plain, plain_text, last = run(tiny_engine, prompt, "off", max_tokens=64, temperature=temperature,
@@ -198,7 +208,10 @@ def test_greedy_and_seeded_speculation_are_identical_under_a_grammar(tiny_engine
             if last.finish_reason is FinishReason.STOP:
                 _conforms(plain_text)
             drafted += spec_last.stats.total.num_draft_tokens
+            grammar = spec_last.stats.by_drafter.get("grammar")
+            forced += grammar.num_draft_tokens if grammar else 0
     assert drafted > 100  # the drafts were verified under the masks, not skipped
+    assert forced > 20  # the grammar drafted the keys it forces (and they changed nothing)
 
 
 def test_batched_requests_under_grammars(tiny_engine, tiny):
