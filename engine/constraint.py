@@ -203,6 +203,8 @@ class GrammarConstraint:
         self._ignore_eos = ignore_eos and len(self._eos) > 0
         self._shifts = mx.arange(32, dtype=mx.uint32)
         self.failed_row: int | None = None  # the last masks() call's first failed row (> 0), if any
+        self._eos_set = {int(t) for t in self._eos}
+        self._ff_seconds = 0.0  # forced_tokens' share of the next step's time
         self.failure: str | None = None
 
     @property
@@ -217,7 +219,12 @@ class GrammarConstraint:
         from the model."""
         if limit <= 0 or self.matcher.is_error():
             return []
-        return list(self.matcher.compute_ff_tokens())[:limit]
+        # (this does the expensive part of the next step, which llguidance keeps for the next
+        # mask: its time counts against that step's limit in masks())
+        started = time.thread_time()
+        tokens = list(self.matcher.compute_ff_tokens())[:limit]
+        self._ff_seconds += time.thread_time() - started
+        return tokens
 
     def valid_prefix(self, draft: Sequence[int]) -> int:
         """How many leading tokens of ``draft`` the grammar allows after the committed output."""
@@ -240,6 +247,9 @@ class GrammarConstraint:
         then the engine raises, as plain decoding would have at that step."""
         self.failed_row, self.failure = None, None
         n = self.valid_prefix(draft)
+        # an EOS in the draft ends it: llguidance does not count a consumed EOS, so a rollback
+        # would undo one token too many (rows after it are never reached: EOS ends the output)
+        n = next((i for i, t in enumerate(draft[:n]) if t in self._eos_set), n)
         words = (self.vocab_size + 31) // 32
         packed = np.zeros((len(draft) + 1, words), dtype=np.uint32)
         consumed = good = 0
@@ -253,6 +263,8 @@ class GrammarConstraint:
                 started = time.thread_time()
                 row = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint32)[:words]
                 elapsed = time.thread_time() - started
+                if r == 0:
+                    elapsed, self._ff_seconds = elapsed + self._ff_seconds, 0.0
                 failure = (f"the grammar failed: {self.matcher.get_error()}" if self.matcher.is_error() else
                            f"the grammar is too expensive to enforce here (a step took {elapsed * 1e3:.0f} ms of "
                            f"CPU time; limit {MAX_MASK_SECONDS * 1e3:.0f} ms)" if elapsed > MAX_MASK_SECONDS else None)
@@ -308,6 +320,7 @@ class GrammarConstraint:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"the output left its grammar at token {token}: {self.matcher.get_error()}")
         self.committed.append(token)
+        self._ff_seconds = 0.0
 
     @property
     def done(self) -> bool:

@@ -34,9 +34,9 @@ DSPARK_PROBE_EVERY = 32  # cycles before the first re-probe of a DSpark drafter 
 DSPARK_PROBE_MAX = 512  # the probe interval doubles after every losing probe, up to this
 PENDING_HIDDEN_MAX = 16  # committed hidden-state slices held before they are folded into one
 MAX_VERIFY_ROWS = 64  # the widest verify pass any setting allows (sizes static caches)
-# acceptance estimate of a token the request's grammar forces: only a different tokenization of
-# the forced text (the model's choice among tokens the mask allows) rejects it
-GRAMMAR_SURVIVAL = 0.95
+# acceptance estimate of a token the request's grammar forces: llguidance's mask then allows that
+# token alone, so it is accepted (10,700 of 10,700 in a review's runs); kept under 1 for safety
+GRAMMAR_SURVIVAL = 0.99
 
 
 @dataclass

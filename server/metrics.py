@@ -109,7 +109,7 @@ class Metrics:
                                         "scheduler, or another option won); counted when a request ends.",
                                         ["drafter"], registry=r)
         self.decisions = Counter(PREFIX + "scheduler_decisions",
-                                 "Scheduler choices per verify step: prompt_lookup, dspark or plain.",
+                                 "Scheduler choices per verify step: prompt_lookup, dspark, grammar or plain.",
                                  ["outcome"], registry=r)
         self.expected_accepted = Counter(PREFIX + "spec_decode_expected_accepted_tokens",
                                          "Accepted draft tokens the scheduler predicted (calibration).",

@@ -195,6 +195,34 @@ def test_forced_tokens(tiny):
     assert c.consumed == len(tiny.tokenizer.encode('{"answer":"yes"', add_special_tokens=False))
 
 
+def test_an_eos_inside_a_draft_is_not_consumed(tiny):
+    """llguidance does not count a consumed EOS, so rolling one back undid a token too many."""
+    c = _constraint(tiny, json_grammar(None))
+    tok = tiny.tokenizer
+    draft = tok.encode('{"a":1}', add_special_tokens=False) + [2] + tok.encode("x", add_special_tokens=False)
+    before = np.array(c.masks([]))
+    masks = np.array(c.masks(draft))
+    assert masks.shape[0] == len(draft) + 1 and masks[draft.index(2)][2]  # EOS allowed where it stands
+    assert c.consumed == 0 and (np.array(c.masks([])) == before).all() and c.valid_prefix(draft[:7]) == 7
+
+
+def test_forced_tokens_count_against_the_step_limit(tiny_engine, tiny):
+    """compute_ff_tokens does the costly part of the next step (llguidance keeps it for the next
+    mask): drafting forced tokens must not let a request past the per-step limit that plain
+    decoding meets, nor the other way round."""
+    rng = random.Random(0)
+    text = " ".join("".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 9))) for _ in range(13000))
+    grammar = json_grammar({"type": "object", "additionalProperties": False, "required": ["a", "b"],
+                            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"const": text}}})
+    outcomes = []
+    for method in ("off", "prompt_lookup"):
+        events = list(tiny_engine.generate(GenerationRequest(
+            prompt_tokens=tiny.tokenizer.encode("hi"), max_tokens=40, grammar=grammar,
+            sampling=SamplingParams(temperature=0.0), speculative=SpeculativeParams(method)), timeout=600))
+        outcomes.append(([t for e in events for t in e.token_ids], events[-1].error is not None))
+    assert outcomes[0] == outcomes[1]
+
+
 def test_greedy_and_seeded_speculation_are_identical_under_a_grammar(tiny_engine, tiny):
     drafted = forced = 0
     for i, prompt in enumerate(_json_prompts(tiny.tokenizer, 24)):
