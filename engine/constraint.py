@@ -156,8 +156,8 @@ def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> object:
 
 
 def compile_grammar(grammar: str, tokenizer):
-    """A matcher for ``grammar`` at the start of an output, to ``deep_copy`` per request. Its
-    first mask is computed here, so a grammar that fails there (a schema nothing satisfies,
+    """A matcher for ``grammar`` at the start of one request's output. Its first mask is
+    computed here, so a grammar that fails there (a schema nothing satisfies,
     a ``$ref`` loop, a regex past llguidance's lexer limits) or whose first mask takes longer
     than ``MAX_MASK_SECONDS`` is refused before it runs.
 
@@ -166,10 +166,9 @@ def compile_grammar(grammar: str, tokenizer):
     """
     from llguidance import LLMatcher
 
-    error = LLMatcher.validate_grammar(grammar, tokenizer, limits=_limits())
-    if error:
-        raise GrammarError(error)
     matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
+    if matcher.is_error():  # (a grammar that does not compile: the matcher says why)
+        raise GrammarError(matcher.get_error())
     started = time.thread_time()
     matcher.compute_bitmask()
     elapsed = time.thread_time() - started
@@ -188,7 +187,8 @@ class GrammarConstraint:
     """One request's grammar state over its output tokens.
 
     Args:
-        matcher: this request's own llguidance matcher (``compile_grammar(...).deep_copy()``).
+        matcher: this request's own llguidance matcher (from :func:`compile_grammar`; never
+            shared: copies of one matcher share a lexer cache that grows with every copy).
         vocab_size: width ``V`` of the logits rows.
         eos_token_ids: the ids that end an output (forbidden while the grammar can go on when
             ``ignore_eos`` is set).
@@ -200,11 +200,11 @@ class GrammarConstraint:
         self.vocab_size = vocab_size
         self.committed: list[int] = []  # the output tokens consumed
         self._eos = np.array(sorted(t for t in eos_token_ids if 0 <= t < vocab_size), dtype=np.int64)
+        self._eos_set = {int(t) for t in self._eos}
         self._ignore_eos = ignore_eos and len(self._eos) > 0
         self._shifts = mx.arange(32, dtype=mx.uint32)
-        self.failed_row: int | None = None  # the last masks() call's first failed row (> 0), if any
-        self._eos_set = {int(t) for t in self._eos}
         self._ff_seconds = 0.0  # forced_tokens' share of the next step's time
+        self.failed_row: int | None = None  # the last masks() call's first failed row (> 0), if any
         self.failure: str | None = None
 
     @property

@@ -44,7 +44,7 @@ def _constraint(tiny, grammar=GRAMMAR, **kw):
     vocab = tiny.config["vocab_size"]
     if id(tiny) not in _LL:
         _LL[id(tiny)] = ll_tokenizer(tiny.tokenizer, vocab, tiny.eos_token_ids)
-    matcher = compile_grammar(grammar, _LL[id(tiny)]).deep_copy()
+    matcher = compile_grammar(grammar, _LL[id(tiny)])
     return GrammarConstraint(matcher, vocab, tiny.eos_token_ids, **kw)
 
 
