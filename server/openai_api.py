@@ -287,8 +287,13 @@ async def prepare_grammars(request: Request, jobs: list[Job]) -> None:
     loop would stall every stream) after the cheap ones (so a draining server still answers
     503 at once) and keeps it on the request, for the submit that follows."""
     grammar_jobs = [job for job in jobs if job.request.grammar is not None]
+
+    def validate_all():
+        for job in grammar_jobs:
+            validate(request, job)
+
     if grammar_jobs:
-        await asyncio.to_thread(lambda: [validate(request, job) for job in grammar_jobs])
+        await asyncio.to_thread(validate_all)
 
 
 def validate(request: Request, job: Job) -> None:
