@@ -206,6 +206,7 @@ class GrammarConstraint:
         self._ff_seconds = 0.0  # forced_tokens' share of the next step's time
         self.failed_row: int | None = None  # the last masks() call's first failed row (> 0), if any
         self.failure: str | None = None
+        self.emitted_before_failure = 0  # drafts plain decoding emits before failed_row's step fails
 
     @property
     def consumed(self) -> int:
@@ -244,7 +245,8 @@ class GrammarConstraint:
         CPU time raises GrammarError at row 0, as a one-token step there would. At a later row
         it is only recorded (``failed_row``, ``failure``) and the rows from it on repeat the
         last good mask: they matter only if the pass accepts the drafts before that row, and
-        then the engine raises, as plain decoding would have at that step."""
+        then the engine emits the tokens plain decoding would have (``emitted_before_failure``
+        of the drafts) and fails the next step, as plain decoding does."""
         self.failed_row, self.failure = None, None
         n = self.valid_prefix(draft)
         # an EOS in the draft ends it: llguidance does not count a consumed EOS, so a rollback
@@ -256,8 +258,9 @@ class GrammarConstraint:
         try:
             for r in range(n + 1):
                 if r:
-                    if not self.matcher.consume_token(draft[r - 1]):
-                        self.failed_row, self.failure = r, f"the grammar failed: {self.matcher.get_error()}"
+                    if not self.matcher.consume_token(draft[r - 1]):  # (plain decoding: its commit fails)
+                        self.failed_row, self.failure = r, self._left_grammar(draft[r - 1])
+                        self.emitted_before_failure = r - 1
                         break
                     consumed += 1
                 started = time.thread_time()
@@ -271,7 +274,7 @@ class GrammarConstraint:
                 if failure is not None:
                     if r == 0:
                         raise GrammarError(failure)
-                    self.failed_row, self.failure = r, failure
+                    self.failed_row, self.failure, self.emitted_before_failure = r, failure, r
                     break
                 packed[r] = row
                 self._forbid_early_eos(packed[r])
@@ -318,9 +321,12 @@ class GrammarConstraint:
                 grammar did not accept.
         """
         if not self.matcher.consume_token(token):
-            raise GrammarError(f"the output left its grammar at token {token}: {self.matcher.get_error()}")
+            raise GrammarError(self._left_grammar(token))
         self.committed.append(token)
         self._ff_seconds = 0.0
+
+    def _left_grammar(self, token: int) -> str:
+        return f"the output left its grammar at token {token}: {self.matcher.get_error()}"
 
     @property
     def done(self) -> bool:

@@ -98,6 +98,7 @@ class Sequence:
         self.max_draft = max_draft
         self.stats = SpecStats()
         self.finish_reason: FinishReason | None = None
+        self.pending_error: Exception | None = None  # raised at the next step (commit's docstring)
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs else None
@@ -133,7 +134,13 @@ class Sequence:
 
     def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None) -> CommitResult:
         """Append generated tokens, cutting at EOS, a stop string, the end of the request's
-        grammar, max_tokens or the context."""
+        grammar, max_tokens or the context.
+
+        Raises:
+            GrammarError: the grammar refused the first token (an llguidance limit). At a later
+                token the tokens before it are returned and the error is kept in
+                ``pending_error`` for the next step, as plain decoding would emit and fail them.
+        """
         ids, parts, stopped = [], [], False
         for token in tokens:
             self.tokens.append(token)
@@ -148,7 +155,18 @@ class Sequence:
                 self.finish_reason = FinishReason.STOP
                 break
             if self.constraint is not None:
-                self.constraint.commit(token)
+                try:
+                    self.constraint.commit(token)
+                except GrammarError as exc:
+                    if len(ids) == 1:
+                        raise
+                    # plain decoding emits the tokens before this one, then fails at its step
+                    self.tokens.pop()
+                    self.num_generated -= 1
+                    ids.pop()
+                    parts.pop()  # (and any text held back for a stop string: never emitted there)
+                    self.pending_error = exc
+                    break
                 if self.constraint.done:  # only EOS could follow
                     self.finish_reason = FinishReason.STOP
                     break
@@ -213,6 +231,8 @@ class Sequence:
         ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding when
         none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched pass).
         """
+        if self.pending_error is not None:  # the last cycle committed the tokens before it
+            raise self.pending_error
         budget = self.draft_budget(min(cost.max_rows, max_rows or cost.max_rows))
         if budget == 0 or not self.drafters:
             return Draft()
@@ -497,11 +517,17 @@ def _accept(seq: Sequence, draft: Draft, verdict: tuple, hidden: mx.array | Laye
     row_tokens, passed, *lp = verdict
     # 3. Accept the drafts up to the first rejection, plus the bonus/recovered token.
     num_accepted = next((i for i, ok in enumerate(passed.tolist()) if not ok), len(draft.tokens))
-    if seq.constraint is not None and seq.constraint.failed_row is not None \
-            and num_accepted >= seq.constraint.failed_row:  # a row whose mask failed was reached
-        raise GrammarError(seq.constraint.failure)
     row_tokens = row_tokens.tolist()
     committed = draft.tokens[:num_accepted] + [row_tokens[num_accepted]]
+    constraint = seq.constraint
+    if constraint is not None and constraint.failed_row is not None and num_accepted >= constraint.failed_row:
+        # A row whose grammar step failed was reached: commit what plain decoding emits before
+        # that step (the drafts before it, no bonus token); the next step raises its error.
+        if constraint.emitted_before_failure == 0:
+            raise GrammarError(constraint.failure)
+        seq.pending_error = GrammarError(constraint.failure)
+        num_accepted = constraint.emitted_before_failure - 1  # the last kept draft is the next anchor
+        committed = draft.tokens[: num_accepted + 1]
 
     # 4. Roll back the KV cache: keep the anchor and the accepted drafts.
     seq.runner.trim(seq.cache, len(draft.tokens) - num_accepted)

@@ -206,21 +206,82 @@ def test_an_eos_inside_a_draft_is_not_consumed(tiny):
     assert c.consumed == 0 and (np.array(c.masks([])) == before).all() and c.valid_prefix(draft[:7]) == 7
 
 
-def test_forced_tokens_count_against_the_step_limit(tiny_engine, tiny):
-    """compute_ff_tokens does the costly part of the next step (llguidance keeps it for the next
-    mask): drafting forced tokens must not let a request past the per-step limit that plain
-    decoding meets, nor the other way round."""
-    rng = random.Random(0)
-    text = " ".join("".join(rng.choice("abcdefghij") for _ in range(rng.randint(2, 9))) for _ in range(13000))
+class _FailingStep:
+    """An LLMatcher whose step at output position ``at`` fails: ``"slow"``, it costs 1 s of a
+    fake CPU clock, as llguidance's costly steps do (``compute_ff_tokens`` does the work and
+    keeps it for the next ``compute_bitmask`` at the same state, free then; any other mask there
+    pays); ``"refuse"``, consuming the token there fails (an llguidance limit)."""
+
+    def __init__(self, matcher, clock, at, how):
+        self._m, self._clock, self._at, self._how = matcher, clock, at, how
+        self._pos, self._kept = 0, None
+        self.forced_at_the_slow_step = False
+
+    def __getattr__(self, name):
+        return getattr(self._m, name)
+
+    def _moved(self, ok, by):
+        if ok:
+            self._pos, self._kept = self._pos + by, None
+        return ok
+
+    def consume_token(self, token):
+        if self._how == "refuse" and self._pos == self._at:
+            return False
+        return self._moved(self._m.consume_token(token), 1)
+
+    def consume_tokens(self, tokens):
+        return self._moved(self._m.consume_tokens(tokens), len(tokens))
+
+    def rollback(self, n):
+        return self._moved(self._m.rollback(n), -n)
+
+    def reset(self):
+        self._m.reset()
+        self._pos, self._kept = 0, None
+
+    def compute_ff_tokens(self):
+        if self._how == "slow" and self._pos == self._at:
+            self._clock[0] += 1.0
+            self._kept, self.forced_at_the_slow_step = self._pos, True
+        return self._m.compute_ff_tokens()
+
+    def compute_bitmask(self):
+        if self._how == "slow" and self._pos == self._at and self._kept != self._pos:
+            self._clock[0] += 1.0
+        return self._m.compute_bitmask()
+
+
+@pytest.mark.parametrize("how", ["slow", "refuse"])
+def test_a_failing_grammar_step_ends_speculation_where_it_ends_plain_decoding(tiny_engine, tiny, monkeypatch, how):
+    """A grammar step that fails at a draft row ends the request after the same tokens, with
+    the same error, as plain decoding: the drafts before that step are emitted, then the error.
+    For a slow step: compute_ff_tokens does the costly part of the next step (llguidance keeps it
+    for the next mask), so drafting forced tokens must not let a request past the per-step limit
+    that plain decoding meets. A fake CPU clock puts the costly step on the same output position
+    whatever the machine's speed or load (a real slow grammar flipped near the limit on CI)."""
+    clock = [0.0]
+    monkeypatch.setattr("engine.constraint.time", SimpleNamespace(thread_time=lambda: clock[0]))
     grammar = json_grammar({"type": "object", "additionalProperties": False, "required": ["a", "b"],
-                            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}, "b": {"const": text}}})
-    outcomes = []
-    for method in ("off", "prompt_lookup"):
-        events = list(tiny_engine.generate(GenerationRequest(
-            prompt_tokens=tiny.tokenizer.encode("hi"), max_tokens=40, grammar=grammar,
-            sampling=SamplingParams(temperature=0.0), speculative=SpeculativeParams(method)), timeout=600))
-        outcomes.append(([t for e in events for t in e.token_ids], events[-1].error is not None))
-    assert outcomes[0] == outcomes[1]
+                            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "b": {"const": "abc def ghi jkl mno pqr stu vwx"}}})
+    prompt = tiny.tokenizer.encode("hi")
+    forced_at_a_slow_step = 0
+    for at in range(1, 14):
+        outcomes = []
+        for method in ("off", "prompt_lookup"):
+            request = GenerationRequest(prompt_tokens=prompt, max_tokens=40, grammar=grammar,
+                                        sampling=SamplingParams(temperature=0.0),
+                                        speculative=SpeculativeParams(method))
+            request.grammar_matcher = matcher = _FailingStep(tiny_engine.prepare_grammar(grammar), clock, at, how)
+            events = list(tiny_engine.generate(request, timeout=600))
+            outcomes.append(([t for e in events for t in e.token_ids], str(events[-1].error)))
+            forced_at_a_slow_step += matcher.forced_at_the_slow_step
+        assert outcomes[0] == outcomes[1], at
+        # plain decoding emits the tokens before the failing step, then its error
+        assert len(outcomes[0][0]) == at and outcomes[0][1] != "None", (at, outcomes[0])
+    if how == "slow":
+        assert forced_at_a_slow_step > 0  # the grammar drafted at the slow step (its cost came first)
 
 
 def test_greedy_and_seeded_speculation_are_identical_under_a_grammar(tiny_engine, tiny):
