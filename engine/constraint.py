@@ -206,7 +206,6 @@ class GrammarConstraint:
         self._ff_seconds = 0.0  # forced_tokens' share of the next step's time
         self.failed_row: int | None = None  # the last masks() call's first failed row (> 0), if any
         self.failure: str | None = None
-        self.emitted_before_failure = 0  # drafts plain decoding emits before failed_row's step fails
 
     @property
     def consumed(self) -> int:
@@ -245,8 +244,8 @@ class GrammarConstraint:
         CPU time raises GrammarError at row 0, as a one-token step there would. At a later row
         it is only recorded (``failed_row``, ``failure``) and the rows from it on repeat the
         last good mask: they matter only if the pass accepts the drafts before that row, and
-        then the engine emits the tokens plain decoding would have (``emitted_before_failure``
-        of the drafts) and fails the next step, as plain decoding does."""
+        then the engine emits the drafts before that row and fails the next step, as plain
+        decoding does."""
         self.failed_row, self.failure = None, None
         n = self.valid_prefix(draft)
         # an EOS in the draft ends it: llguidance does not count a consumed EOS, so a rollback
@@ -258,9 +257,8 @@ class GrammarConstraint:
         try:
             for r in range(n + 1):
                 if r:
-                    if not self.matcher.consume_token(draft[r - 1]):  # (plain decoding: its commit fails)
+                    if not self.matcher.consume_token(draft[r - 1]):  # (its commit fails: Sequence.commit)
                         self.failed_row, self.failure = r, self._left_grammar(draft[r - 1])
-                        self.emitted_before_failure = r - 1
                         break
                     consumed += 1
                 started = time.thread_time()
@@ -274,7 +272,7 @@ class GrammarConstraint:
                 if failure is not None:
                     if r == 0:
                         raise GrammarError(failure)
-                    self.failed_row, self.failure, self.emitted_before_failure = r, failure, r
+                    self.failed_row, self.failure = r, failure
                     break
                 packed[r] = row
                 self._forbid_early_eos(packed[r])

@@ -98,7 +98,7 @@ class Sequence:
         self.max_draft = max_draft
         self.stats = SpecStats()
         self.finish_reason: FinishReason | None = None
-        self.pending_error: Exception | None = None  # raised at the next step (commit's docstring)
+        self.pending_error: Exception | None = None  # a grammar failure after committed tokens: raised by the next propose()
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
         self.prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs else None
@@ -139,7 +139,7 @@ class Sequence:
         Raises:
             GrammarError: the grammar refused the first token (an llguidance limit). At a later
                 token the tokens before it are returned and the error is kept in
-                ``pending_error`` for the next step, as plain decoding would emit and fail them.
+                ``pending_error`` for the next step: plain decoding emits them, then fails.
         """
         ids, parts, stopped = [], [], False
         for token in tokens:
@@ -157,15 +157,14 @@ class Sequence:
             if self.constraint is not None:
                 try:
                     self.constraint.commit(token)
-                except GrammarError as exc:
-                    if len(ids) == 1:
-                        raise
-                    # plain decoding emits the tokens before this one, then fails at its step
+                except GrammarError as exc:  # the refused token is not output (nor counted)
                     self.tokens.pop()
                     self.num_generated -= 1
                     ids.pop()
-                    parts.pop()  # (and any text held back for a stop string: never emitted there)
-                    self.pending_error = exc
+                    parts.pop()  # (and any text held back for a stop string: never emitted)
+                    if not ids:
+                        raise
+                    self.pending_error = exc  # plain decoding emits the tokens before it, then fails
                     break
                 if self.constraint.done:  # only EOS could follow
                     self.finish_reason = FinishReason.STOP
@@ -519,22 +518,23 @@ def _accept(seq: Sequence, draft: Draft, verdict: tuple, hidden: mx.array | Laye
     num_accepted = next((i for i, ok in enumerate(passed.tolist()) if not ok), len(draft.tokens))
     row_tokens = row_tokens.tolist()
     committed = draft.tokens[:num_accepted] + [row_tokens[num_accepted]]
-    constraint = seq.constraint
+    constraint, failure = seq.constraint, None
     if constraint is not None and constraint.failed_row is not None and num_accepted >= constraint.failed_row:
-        # A row whose grammar step failed was reached: commit what plain decoding emits before
-        # that step (the drafts before it, no bonus token); the next step raises its error.
-        if constraint.emitted_before_failure == 0:
-            raise GrammarError(constraint.failure)
-        seq.pending_error = GrammarError(constraint.failure)
-        num_accepted = constraint.emitted_before_failure - 1  # the last kept draft is the next anchor
-        committed = draft.tokens[: num_accepted + 1]
+        # A row whose grammar step failed was reached: plain decoding emits the drafts before
+        # that row (no bonus token), then fails there (the next propose() raises).
+        committed = draft.tokens[: constraint.failed_row]
+        failure = GrammarError(constraint.failure)
 
-    # 4. Roll back the KV cache: keep the anchor and the accepted drafts.
-    seq.runner.trim(seq.cache, len(draft.tokens) - num_accepted)
-
-    # 5. Statistics, then commit (cut at EOS / stop string / max_tokens).
-    drafter = seq.observe(draft, num_accepted, hidden)
-    logprobs = _logprob_rows(*lp, row_tokens)[: num_accepted + 1] if lp else None
+    # 4. Commit (cut at EOS, a stop string, the grammar's end or refusal, max_tokens).
+    logprobs = _logprob_rows(*lp, row_tokens)[: len(committed)] if lp else None
     result = seq.commit(committed, logprobs)
+    if failure is not None and seq.pending_error is None:
+        seq.pending_error = failure
+    kept = len(result.token_ids) if seq.pending_error is not None else len(committed)
+
+    # 5. Roll back the KV cache to the anchor and the kept drafts (the last token kept is the
+    # next anchor), then statistics: the target's verdict, whatever the grammar cut.
+    seq.runner.trim(seq.cache, len(draft.tokens) + 1 - kept)
+    drafter = seq.observe(draft, num_accepted, hidden if seq.pending_error is None else None)
     result.verify_step = (drafter, len(draft.tokens), num_accepted, draft.expected_accepted)
     return result

@@ -18,6 +18,7 @@ from engine import (
     GenerationRequest,
     SamplingParams,
     SpeculativeParams,
+    generation,
     json_grammar,
     regex_grammar,
 )
@@ -262,6 +263,19 @@ def test_a_failing_grammar_step_ends_speculation_where_it_ends_plain_decoding(ti
     whatever the machine's speed or load (a real slow grammar flipped near the limit on CI)."""
     clock = [0.0]
     monkeypatch.setattr("engine.constraint.time", SimpleNamespace(thread_time=lambda: clock[0]))
+    accept, cache_lengths = generation._accept, []
+
+    def checked_accept(seq, *args):
+        assert seq.pending_error is None  # a failure the last cycle reached ended the request
+        result = accept(seq, *args)
+        # the KV cache holds every output token but the next anchor
+        cache_lengths.append((seq.runner.cache_length(seq.cache), len(seq.tokens) - 1))
+        failed_row = seq.constraint.failed_row
+        if failed_row is not None and result.verify_step[2] >= failed_row and not seq.finished:
+            assert seq.pending_error is not None  # (not recomputed: that step costs as much again)
+        return result
+
+    monkeypatch.setattr(generation, "_accept", checked_accept)
     grammar = json_grammar({"type": "object", "additionalProperties": False, "required": ["a", "b"],
                             "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                            "b": {"const": "abc def ghi jkl mno pqr stu vwx"}}})
@@ -270,16 +284,20 @@ def test_a_failing_grammar_step_ends_speculation_where_it_ends_plain_decoding(ti
     for at in range(1, 14):
         outcomes = []
         for method in ("off", "prompt_lookup"):
-            request = GenerationRequest(prompt_tokens=prompt, max_tokens=40, grammar=grammar,
+            request = GenerationRequest(prompt_tokens=prompt, max_tokens=40, grammar=grammar, logprobs=1,
                                         sampling=SamplingParams(temperature=0.0),
                                         speculative=SpeculativeParams(method))
             request.grammar_matcher = matcher = _FailingStep(tiny_engine.prepare_grammar(grammar), clock, at, how)
             events = list(tiny_engine.generate(request, timeout=600))
-            outcomes.append(([t for e in events for t in e.token_ids], str(events[-1].error)))
+            outcomes.append(([t for e in events for t in e.token_ids], "".join(e.text for e in events),
+                             [(lp.token, lp.logprob) for e in events for lp in e.logprobs or []],
+                             events[-1].completion_tokens, str(events[-1].error)))
             forced_at_a_slow_step += matcher.forced_at_the_slow_step
         assert outcomes[0] == outcomes[1], at
-        # plain decoding emits the tokens before the failing step, then its error
-        assert len(outcomes[0][0]) == at and outcomes[0][1] != "None", (at, outcomes[0])
+        # plain decoding emits the tokens before the failing step (and counts only them), then its error
+        ids, text, logprobs, completion_tokens, error = outcomes[0]
+        assert len(ids) == completion_tokens == len(logprobs) == at and text and error != "None", (at, outcomes[0])
+    assert cache_lengths and all(a == b for a, b in cache_lengths), cache_lengths
     if how == "slow":
         assert forced_at_a_slow_step > 0  # the grammar drafted at the slow step (its cost came first)
 
@@ -429,7 +447,8 @@ def test_a_grammar_failing_mid_output_fails_only_its_request(tiny_server):
 
 def test_a_failed_later_row_is_deferred(tiny):
     """A step that fails at a draft row (r > 0) is recorded, not raised: plain decoding only
-    meets it if the pass accepts the drafts before that row (the engine then raises)."""
+    meets it if the pass accepts the drafts before that row (the engine then emits the drafts
+    before the failed step and fails the next one)."""
     tok = tiny.tokenizer
     c = _constraint(tiny)
     draft = tok.encode('{"answer":"yes"', add_special_tokens=False)
