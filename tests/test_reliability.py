@@ -52,7 +52,7 @@ def guarded_server(tiny):
 
 @pytest.fixture(scope="module")
 def timeout_server(tiny):
-    live = tiny_live_server(tiny, request_timeout=0.5)
+    live = tiny_live_server(tiny, request_timeout=1.5)  # (room for a first token on a loaded CI machine)
     yield live
     live.stop()
 
@@ -312,9 +312,9 @@ def test_timeout_stops_generation_with_a_clear_error(timeout_server):
     before = metric(timeout_server, "request_success_total", 'finished_reason="timeout"')
     started = time.time()
     r = httpx.post(url, json=LONG, timeout=30)
-    assert time.time() - started < 10
+    assert time.time() - started < 15
     err = assert_envelope(r, 408, "timeout_error", "request_timeout")
-    assert "0.5 s" in err["message"]
+    assert "1.5 s" in err["message"]
     r = httpx.post(url, json={**LONG, "stream": True}, timeout=30)
     events = sse_events(r)
     assert "error" in events[-1] and events[-1]["error"]["type"] == "timeout_error"

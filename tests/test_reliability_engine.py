@@ -50,11 +50,11 @@ def test_cancel_takes_effect_before_the_next_step(tiny_engine):
         tiny_engine._enqueue(req, rec)
         while sum(1 for e in rec.events if e.token_ids) < 3:
             time.sleep(0.001)
-        cancelled_at = time.monotonic()
         tiny_engine.cancel(req.request_id)
+        seen = len(rec.events)  # (counted once cancel() returned: the test thread may be preempted)
         assert rec.done.wait(30)
-        after = [e for e, t in zip(rec.events, rec.times) if t > cancelled_at and e.token_ids]
-        assert len(after) <= 1, f"{len(after)} steps ran after cancel ({method})"
+        after = [e for e in rec.events[seen:] if e.token_ids]
+        assert len(after) <= 1, f"{len(after)} steps ran after cancel ({method})"  # the one in flight
         last = rec.events[-1]
         assert last.finish_reason is FinishReason.CANCELLED and last.error is None
         assert last.completion_tokens < 1900
@@ -97,7 +97,7 @@ def test_cancels_interleaved_with_other_requests_do_not_change_their_outputs(tin
 @pytest.fixture(scope="module")
 def timeout_engine(tiny):
     eng = Engine(EngineConfig(speculation="auto", calibration_contexts=(40, 300), max_active=1,
-                              request_timeout=0.5), loaded=tiny).start(wait=True, timeout=300)
+                              request_timeout=1.5), loaded=tiny).start(wait=True, timeout=300)
     yield eng
     eng.stop()
 
@@ -116,7 +116,7 @@ def test_request_timeout_stops_running_and_queued_requests(timeout_engine):
     assert 0 < running.events[-1].completion_tokens < 1900
     assert sum(len(e.token_ids) for e in running.events) == running.events[-1].completion_tokens
     assert queued.events == [queued.events[-1]] and queued.events[-1].completion_tokens == 0
-    assert 0.5 <= elapsed < 5.0
+    assert 1.5 <= elapsed < 15.0
     assert_no_leaks(timeout_engine)
     # a short request inside the limit is unaffected
     ids, _, last = run(timeout_engine, [3, 4, 5], max_tokens=8, ignore_eos=True)
@@ -127,12 +127,17 @@ def test_drain_finishes_short_requests_and_aborts_long_ones(tiny):
     eng = Engine(EngineConfig(speculation="auto", calibration_contexts=(40, 300)),
                  loaded=tiny).start(wait=True, timeout=300)
     try:
+        # the deadline from this machine's speed now: ~10 of the short request's time, under a
+        # tenth of the long one's (a fixed 1 s deadline failed under load)
+        started = time.monotonic()
+        run(eng, [3, 4, 5], max_tokens=16)
+        deadline = max(1.0, 10 * (time.monotonic() - started))
         short, long_ = Recorder(), Recorder()
         eng._enqueue(greedy([3, 4, 5], max_tokens=16), short)
         eng._enqueue(greedy([6, 7, 8], method="off", max_tokens=1900), long_)
         started = time.monotonic()
-        assert eng.drain(timeout=1.0) is False
-        assert time.monotonic() - started < 5.0
+        assert eng.drain(timeout=deadline) is False
+        assert time.monotonic() - started < deadline + 10.0
         assert short.events[-1].finish_reason is FinishReason.LENGTH and short.events[-1].error is None
         assert short.events[-1].completion_tokens == 16
         last = long_.events[-1]
