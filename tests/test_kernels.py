@@ -479,14 +479,17 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
                 assert p.const("MR") == (mb - 1 if opts.get("fixed_rows") else 0), p
                 assert p.const("LP") == opts.get("l2_prefetch", 0), p
                 qmv.clear_mma_config()
-        # one row's activations shuffled: K 4096, 576, 544 (VW 4/2/1 at 4 bits, 4/4/2 at 8)
+        # one row's activations shuffled: K 4096, 576, 544 (VW 4/2/1 at 4 bits, 4/4/2 at 8), two
+        # chunks in flight under launch bounds, and one without (the H200's fastest one-row
+        # launch on 4096x4096, twenty-seventh session)
         for bits in (4, 8):
             for k in (4096, 576, 544):
-                qmv.set_mma_config(4096, k, bits, nt_u={8: (1, 2)},
-                                   path={8: {"x_shuffle": True, "min_blocks": 2, "exact": True}})
-                cases.append((plan(1, 4096, k, bits, 32, mx.float16, "cuda"), mx.float16, mx.float16))
-                assert cases[-1][0].const("XS") == 1, cases[-1][0]
-                qmv.clear_mma_config()
+                for ntu, opts in (((1, 2), {"x_shuffle": True, "min_blocks": 2, "exact": True}),
+                                  ((1, 1), {"x_shuffle": True})):
+                    qmv.set_mma_config(4096, k, bits, nt_u={8: ntu}, path={8: opts})
+                    cases.append((plan(1, 4096, k, bits, 32, mx.float16, "cuda"), mx.float16, mx.float16))
+                    assert cases[-1][0].const("XS") == 1 and cases[-1][0].const("U") == ntu[1], cases[-1][0]
+                    qmv.clear_mma_config()
         for kc in (True, False):  # one warp on K (no shared-memory sum) with the row count fixed
             qmv.set_mma_config(256, 1024, 4, wk=1, path={8: {"const_shape": kc}, 16: {"fixed_rows": True}})
             for m in (1, 13):
@@ -621,7 +624,8 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
     read from x (NaN-filled outputs catch unwritten elements). Each case runs the default
     launch, three of the next five combinations in rotation over the ten cases (each in six of
     them; on the H200 a case took ~78 s, mostly NVRTC compiles, when it ran every combination)
-    and the shuffled activations at one row (every case: VW 1/2/4, 4 and 8 bits, both dtypes)."""
+    and the shuffled activations at one row, with U = 2 under launch bounds and with U = 1
+    (every case: VW 1/2/4, 4 and 8 bits, both dtypes)."""
     dt = DTYPES[dtype]
     # ("exact": the plan keeps NT and U as given instead of fitting them to its register rule)
     # (NT, U) per row bucket (8, 16): (2, 2) without XL takes 128 registers at 16 rows, which
@@ -634,10 +638,12 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
                (1, 2), (2, 1)),
               ({"const_shape": True, "l2_prefetch": 128}, (1, 1), (1, 1)),
               # one row's activations held two registers per lane and shuffled (one-row launches):
-              # every case (all VW, bits, groups and dtypes), one row only
-              ({"const_shape": True, "x_shuffle": True, "min_blocks": 2, "exact": True}, (1, 2), (1, 1))]
+              # every case (all VW, bits, groups and dtypes), one row only; two chunks in flight
+              # under launch bounds, and one chunk without them
+              ({"const_shape": True, "x_shuffle": True, "min_blocks": 2, "exact": True}, (1, 2), (1, 1)),
+              ({"const_shape": True, "x_shuffle": True}, (1, 1), (1, 1))]
     case = 2 * CONST_SHAPE_CASES.index((bits, gs)) + (dtype == "bfloat16")
-    combos = [combos[0]] + [combos[1 + (case + i) % 5] for i in (0, 1, 2)] + [combos[6]]
+    combos = [combos[0]] + [combos[1 + (case + i) % 5] for i in (0, 1, 2)] + combos[6:]
     rows = (1, 3, 8, 9, 16)  # both row buckets, full and partial
     # K = 1024 / 4096: 4 words per thread and row per chunk (VW 4); 576: VW 2 at 4 bits;
     # 544: VW 1 at 4 bits, 2 at 8 bits
