@@ -17,6 +17,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine import (
     ContextLengthExceeded,
     EngineError,
+    EngineOverloaded,
+    EngineUnavailable,
     FinishReason,
     GenerationRequest,
     GrammarError,
@@ -74,6 +76,18 @@ def check_model(request: Request, model: str | None) -> str:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{served}`.",
                        param="model", code="model_not_found")
     return served or (model or "")
+
+
+def check_ready(request: Request) -> None:
+    """503 until the engine is ready: the prompt is built with the loaded model's tokenizer.
+
+    Raises:
+        EngineUnavailable: still loading (or the load failed: its error).
+    """
+    engine = _state(request).engine
+    if not engine.ready:
+        _state(request).metrics.request_rejected("EngineUnavailable")
+        raise EngineUnavailable(engine.health().get("error") or "the model is still loading")
 
 
 def sampling_params(body: SamplingFields, seed_offset: int = 0) -> SamplingParams:
@@ -310,9 +324,25 @@ def validate(request: Request, job: Job) -> None:
 
 
 def submit_all(request: Request, jobs: list[Job]) -> list[AsyncIterator[TokenEvent]]:
+    """Queue every job (one call's prompts x n generations) or none.
+
+    Raises:
+        APIError: 400 ``too_many_generations`` for more jobs than the queue can ever hold (a
+            429 would have clients retry it for ever).
+        EngineOverloaded: 429 when they do not fit the queue now (checked before any is queued,
+            so none has to be withdrawn and counted as cancelled).
+        EngineError: the engine's checks of any job.
+    """
     engine = _state(request).engine
+    capacity = engine.config.max_queue
+    if len(jobs) > capacity:
+        raise APIError(400, f"This request asks for {len(jobs)} generations at once (prompts x n); this "
+                       f"server queues at most {capacity}.", param="n", code="too_many_generations")
     for job in jobs:  # validate every job before any runs
         validate(request, job)
+    if engine.queue_depth() + len(jobs) > capacity:
+        _state(request).metrics.request_rejected("EngineOverloaded")
+        raise EngineOverloaded(f"the request queue is full ({capacity})")
     streams = []
     try:
         for job in jobs:
@@ -558,6 +588,7 @@ async def _run(request: Request, body, jobs: list[Job], rid: str, model: str, st
 async def completions(request: Request, body: CompletionRequest):
     request.state.started = time.perf_counter()
     model = check_model(request, body.model)
+    check_ready(request)
     rid = f"cmpl-{uuid.uuid4().hex}"
     jobs = completion_jobs(request, body, rid)
     response, created, table = await _run(request, body, jobs, rid, model, stream_completions)
@@ -615,6 +646,7 @@ async def stream_completions(request, jobs, streams, rid, model, created, table,
 async def chat_completions(request: Request, body: ChatCompletionRequest):
     request.state.started = time.perf_counter()
     model = check_model(request, body.model)
+    check_ready(request)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     jobs = chat_jobs(request, body, rid)
     response, created, table = await _run(request, body, jobs, rid, model, stream_chat)

@@ -96,18 +96,30 @@ def test_full_queue_gets_429_with_retry_after_and_metrics(queue_server):
     assert r.status_code == 200
 
 
-def test_request_refused_part_way_withdraws_its_queued_choices(queue_server):
-    """n=3 with one slot busy: choices 0 and 1 fill the queue, choice 2 gets 429, and 0 and 1
-    must leave the queue at once instead of running for nobody."""
+def test_a_request_that_does_not_fit_the_queue_queues_none_of_its_choices(queue_server):
+    """One slot busy and one request waiting: n=2 does not fit the queue (2) now, so it gets a
+    429 before any choice is queued (none runs for nobody or counts as cancelled); n=3 can never
+    fit, so it gets a 400 a client will not retry."""
     url = queue_server.url + "/v1/completions"
-    with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as held:
+    cancelled = metric(queue_server, "request_success_total", 'finished_reason="cancelled"')
+    rejected = metric(queue_server, "requests_rejected_total", 'reason="EngineOverloaded"')
+    with httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as held, \
+            httpx.stream("POST", url, json={**LONG, "stream": True}, timeout=60) as waiting:
         _wait_metric(queue_server, "num_requests_running", 1)
-        r = httpx.post(url, json={"prompt": "x", "max_tokens": 5, "n": 3}, timeout=30)
+        _wait_metric(queue_server, "num_requests_waiting", 1)
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 5, "n": 2}, timeout=30)
         assert_envelope(r, 429, "rate_limit_error", "queue_full")
-        _wait_metric(queue_server, "num_requests_waiting", 0, timeout=2)
-        assert len(queue_server.engine._live) == 1  # only the held stream
-        assert held.status_code == 200
+        r = httpx.post(url, json={"prompt": ["x", "y", "z"], "max_tokens": 5}, timeout=30)
+        err = assert_envelope(r, 400, "invalid_request_error", "too_many_generations")
+        assert err["param"] == "n" and "3 generations" in err["message"] and "at most 2" in err["message"]
+        assert len(queue_server.engine._live) == 2  # only the held streams
+        assert metric(queue_server, "num_requests_waiting") == 1
+        assert held.status_code == waiting.status_code == 200
     assert_no_leaks(queue_server.engine)
+    assert metric(queue_server, "requests_rejected_total", 'reason="EngineOverloaded"') == rejected + 1
+    # (the two held streams were cancelled by their clients; the refused choices were not counted)
+    _wait_metric(queue_server, "num_requests_running", 0)
+    assert metric(queue_server, "request_success_total", 'finished_reason="cancelled"') == cancelled + 2
 
 
 # ---- 2. cancellation --------------------------------------------------------------------------
@@ -206,6 +218,15 @@ def _guard_app(**settings):
 
     state = types.SimpleNamespace(settings=Settings(**settings), metrics=Metrics(), draining=False)
     return Guard(ok, state), state
+
+
+def _post(app, path, body) -> httpx.Response:
+    async def go():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post(path, json=body)
+
+    return asyncio.run(go())
 
 
 def _get(app, path, headers=None) -> httpx.Response:
@@ -390,3 +411,11 @@ def test_probe_answers_are_not_counted_as_errors():
     assert 'specserve:requests_total{endpoint="/ready",status="503"} 3.0' in scrape
     assert 'specserve:engine_ready 0.0' in scrape
     assert "specserve:errors_total{" not in scrape  # (no error response yet)
+    # the API answers 503 while loading (the prompt needs the model's tokenizer), not a 500
+    for path, body in (("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        err = assert_envelope(_post(app, path, body), 503, "unavailable_error")
+        assert "still loading" in err["message"]
+    scrape = _get(app, "/metrics").text
+    assert 'specserve:errors_total{type="unavailable_error"} 2.0' in scrape
+    assert 'specserve:requests_rejected_total{reason="EngineUnavailable"} 2.0' in scrape
