@@ -14,7 +14,7 @@ Tokenizers of neither family fall back to re-decoding a growing window with the 
 from __future__ import annotations
 
 import codecs
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -36,6 +36,7 @@ class TokenTable:
 
     token_bytes: list[bytes] | None
     tokenizer: object  # the Hugging Face tokenizer, for the fallback path
+    special_text: dict[int, str] = field(default_factory=dict)  # hidden special ids -> their spelling
 
     @classmethod
     def from_tokenizer(cls, tokenizer, visible=()) -> TokenTable:
@@ -45,6 +46,7 @@ class TokenTable:
         vocab_size = len(hf)
         pieces = hf.convert_ids_to_tokens(list(range(vocab_size)))
         special = set(getattr(hf, "all_special_ids", []) or []) - set(visible)
+        spelled = {i: pieces[i] for i in special if 0 <= i < vocab_size and pieces[i]}
         decoder = None
         backend = getattr(hf, "backend_tokenizer", None)
         if backend is not None and backend.decoder is not None:
@@ -59,7 +61,7 @@ class TokenTable:
                     table.append(bytes(bmap[c] for c in piece))
                 else:  # an added token spelled in plain text
                     table.append(piece.encode("utf-8"))
-            return cls(table, hf)
+            return cls(table, hf, spelled)
         if decoder and ("Metaspace" in decoder or "\u2581" in decoder or "ByteFallback" in decoder):
             for i, piece in enumerate(pieces):
                 if i in special or piece is None:
@@ -68,8 +70,8 @@ class TokenTable:
                     table.append(bytes([int(piece[3:5], 16)]))
                 else:
                     table.append(piece.replace("\u2581", " ").encode("utf-8"))
-            return cls(table, hf)
-        return cls(None, hf)
+            return cls(table, hf, spelled)
+        return cls(None, hf, spelled)
 
     def decode(self, ids: list[int]) -> str:
         """Whole-sequence decode with the same rules (invalid bytes become U+FFFD)."""

@@ -505,17 +505,23 @@ class LegacyLogprobs:
     choice's text, in characters: the length of what the tokens before it decode to, through
     the same streaming UTF-8 decoder as the text (a token holding part of a character adds
     nothing until the token that completes it; ``tokens`` shows such a token as
-    ``bytes:\\x..``, whose length is no position in the text)."""
+    ``bytes:\\x..``, whose length is no position in the text). A special token the echoed
+    prompt ``echo`` spells out where it stands (``<|im_start|>`` typed in a text prompt) shows
+    as that spelling and spans it; elsewhere (a BOS the tokenizer added, an EOS generated) it
+    shows as "" and spans nothing, as in the text."""
 
-    def __init__(self, table, offset: int = 0):
+    def __init__(self, table, offset: int = 0, echo: str | None = None):
         self.table = table
         self.offset = offset
+        self.echo = echo
         self._detok = StreamingDetokenizer(table)
 
     def render(self, items: list[TokenLogprob]) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for item in items:
-            text = self.table.token_text(item.token)
+            spelled = self.table.special_text.get(item.token)
+            typed = bool(spelled) and self.echo is not None and self.echo.startswith(spelled, self.offset)
+            text = spelled if typed else self.table.token_text(item.token)
             out["tokens"].append(text)
             out["token_logprobs"].append(item.logprob)
             top = None
@@ -525,7 +531,7 @@ class LegacyLogprobs:
                 top.setdefault(text, item.logprob)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
-            self.offset += len(self._detok.add(item.token))
+            self.offset += len(spelled) if typed else len(self._detok.add(item.token))
         return out
 
 
@@ -601,7 +607,7 @@ async def completions(request: Request, body: CompletionRequest):
         if job.request.logprobs is not None:
             items = [x for e in job.events for x in (e.prompt_logprobs or [])]
             items += [x for e in job.events for x in (e.logprobs or [])]
-            lp = LegacyLogprobs(table).render(items)
+            lp = LegacyLogprobs(table, echo=job.prompt_text).render(items)
         if job.prompt_text is not None:
             text = job.prompt_text + text
         choices.append({"index": job.index, "text": text, "logprobs": lp,
@@ -616,7 +622,7 @@ async def completions(request: Request, body: CompletionRequest):
 async def stream_completions(request, jobs, streams, rid, model, created, table, include_usage):
     base = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": _state(request).fingerprint}
-    logs = {job.index: LegacyLogprobs(table) for job in jobs}
+    logs = {job.index: LegacyLogprobs(table, echo=job.prompt_text) for job in jobs}
     echoed = set()
     async with contextlib.aclosing(merged(request, jobs, streams)) as events:
         async for job, event in events:

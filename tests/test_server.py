@@ -141,6 +141,22 @@ def test_text_offset_counts_characters_of_the_text_not_token_spellings(tiny_serv
     assert lp["text_offset"][len(offsets)] == len(prompt)
 
 
+def test_text_offset_places_special_tokens_typed_in_an_echoed_prompt(tiny_server):
+    """Special tokens spelled out in a text prompt are in the echoed text: they show by name
+    and span their spelling, so every offset indexes the text (streamed the same)."""
+    prompt = "<|im_start|>user\nhi<|im_end|>\n"
+    body = {"prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0, "ignore_eos": True}
+    choice = post(tiny_server, "/v1/completions", body).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert text.startswith(prompt) and lp["tokens"][0] == "<|im_start|>" and "<|im_end|>" in lp["tokens"]
+    for token, offset, top in zip(lp["tokens"], lp["text_offset"], lp["top_logprobs"]):
+        assert text[offset:offset + len(token)] == token, (token, offset)
+        assert top is None or token in top
+    events = sse_events(post(tiny_server, "/v1/completions", {**body, "stream": True}))
+    streamed = {k: [x for e in events for x in e["choices"][0]["logprobs"][k]] for k in ("tokens", "text_offset")}
+    assert streamed == {k: lp[k] for k in ("tokens", "text_offset")}
+
+
 def test_chat_logprobs(tiny_server):
     r = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                    "max_tokens": 4, "logprobs": True, "top_logprobs": 3,
