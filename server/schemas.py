@@ -126,7 +126,7 @@ class SamplingFields(BaseModel):
     top_p: Annotated[float, Field(strict=True, gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(strict=True, ge=-1, le=1_000_000)] | None = None
     min_p: Annotated[float, Field(strict=True, ge=0.0, le=1.0)] | None = None
-    n: Annotated[int, Field(strict=True, ge=1, le=128)] = 1
+    n: Annotated[int, Field(strict=True, ge=1)] = 1  # (at most SPECSERVE_MAX_N: one message for it)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=16)] | None = None
@@ -281,6 +281,13 @@ class ChatMessage(_Part):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this result answers
+
+    @model_validator(mode="after")
+    def _content(self):  # (as OpenAI's: only an assistant message's calls stand in for content)
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            what = "an assistant message without tool_calls" if self.role == "assistant" else f"a {self.role} message"
+            raise ParamError("content", f"{what} needs content")
+        return self
 
     def text(self) -> str:
         if self.content is None:

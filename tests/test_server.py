@@ -205,6 +205,7 @@ def test_chat_logprobs(tiny_server):
         ({"prompt": "a\ud800"}, 400, "prompt"),
         ({"prompt": "x", "stop": ["ok", "\udfff"]}, 400, "stop.1"),
         ({"prompt": "x", "top_p": float("inf")}, 400, "top_p"),
+        ({"prompt": "x", "n": 1000}, 400, "n"),  # (the server's max_n: one message, "at most 4")
     ],
 )
 def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
@@ -217,6 +218,23 @@ def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
     if param is not None:
         assert err["param"] == param
     assert "Value error" not in err["message"] and err["message"].count(";") < 2, err["message"]
+
+
+@pytest.mark.parametrize("message, ok", [
+    ({"role": "user"}, False), ({"role": "system", "content": None}, False), ({"role": "tool"}, False),
+    ({"role": "assistant"}, False), ({"role": "user", "content": ""}, True),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}, True)])
+def test_chat_messages_need_content_unless_an_assistant_calls_tools(tiny_server, message, ok):
+    messages = [message] if message["role"] in ("user", "system") else [{"role": "user", "content": "hi"}, message]
+    r = post(tiny_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    if ok:
+        assert r.status_code == 200, r.text
+    else:
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == f"messages.{len(messages) - 1}.content", r.text
+        assert "needs content" in err["message"]
+    if message == {"role": "user"}:
+        assert "n must be at most 4" in post(tiny_server, "/v1/completions", {"prompt": "x", "n": 1000}).text
 
 
 def test_malformed_json_and_unknown_paths(tiny_server):
