@@ -51,6 +51,7 @@ class Job:
     index: int
     request: GenerationRequest
     prompt_text: str | None = None  # echo text for completions
+    typed_specials: dict[int, str] = field(default_factory=dict)  # echo: see LegacyLogprobs
     events: list[TokenEvent] = field(default_factory=list)
     prompt_param: str = "prompt"  # the request field errors about the prompt name ("messages" for chat)
     max_tokens_param: str = "max_tokens"
@@ -161,6 +162,22 @@ def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int],
     return out
 
 
+def typed_specials(tokenizer, hidden, text: str, ids: list[int]) -> dict[int, str]:
+    """Positions of ``ids`` (``text`` tokenized) holding a hidden special token (one of
+    ``hidden``) that ``text`` spells out (``<|im_start|>`` typed in a text prompt), to that
+    spelling, from the fast tokenizer's character offsets: a special token the tokenizer added
+    (a BOS) spans nothing there. Empty when the tokenizer gives no offsets or other ids."""
+    if not any(t in hidden for t in ids):
+        return {}
+    try:
+        enc = getattr(tokenizer, "_tokenizer", tokenizer)(text, return_offsets_mapping=True)
+    except Exception:  # (a slow tokenizer has no offsets)
+        return {}
+    if list(enc["input_ids"]) != list(ids):
+        return {}
+    return {i: text[a:b] for i, (t, (a, b)) in enumerate(zip(ids, enc["offset_mapping"])) if t in hidden and b > a}
+
+
 def capped_max_tokens(settings, requested: int | None, default: int, param: str) -> int:
     """``requested``, or ``default`` when omitted, under the server's ``max_tokens_limit``.
 
@@ -196,7 +213,7 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
     jobs = []
     for p_index, (tokens, text) in enumerate(_prompts(request, body)):
         check_prompt_length(settings, tokens, "prompt")
-        echo = None
+        echo, specials = None, {}
         for i in range(body.n):
             req = GenerationRequest(
                 prompt_tokens=tokens,
@@ -212,10 +229,13 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
                 cache_salt=body.cache_salt,
                 grammar=grammar,
             )
-            job = Job(len(jobs), req, echo, grammar_param=grammar_param)
+            job = Job(len(jobs), req, echo, specials, grammar_param=grammar_param)
             if body.echo and echo is None:
                 validate(request, job)  # token ids in range before decoding them
                 echo = job.prompt_text = text if text is not None else table.decode(tokens)
+                if text is not None and body.logprobs is not None:
+                    loaded = _state(request).engine.loaded
+                    specials = job.typed_specials = typed_specials(loaded.tokenizer, table.special_text, text, tokens)
             jobs.append(job)
     return jobs
 
@@ -323,6 +343,19 @@ def validate(request: Request, job: Job) -> None:
         raise _name_grammar_field(job, exc) from None
 
 
+def check_capacity(request: Request, jobs: list[Job], param: str = "n") -> None:
+    """Raise unless all of ``jobs`` fit the engine's queue now (see :func:`submit_all`);
+    ``param`` names the field that multiplied them."""
+    engine = _state(request).engine
+    capacity = engine.config.max_queue
+    if len(jobs) > capacity:
+        raise APIError(400, f"This request asks for {len(jobs)} generations at once (prompts x n); this "
+                       f"server queues at most {capacity}.", param=param, code="too_many_generations")
+    if engine.queue_depth() + len(jobs) > capacity:
+        _state(request).metrics.request_rejected("EngineOverloaded")
+        raise EngineOverloaded(f"the request queue is full ({capacity})")
+
+
 def submit_all(request: Request, jobs: list[Job]) -> list[AsyncIterator[TokenEvent]]:
     """Queue every job (one call's prompts x n generations) or none.
 
@@ -334,15 +367,9 @@ def submit_all(request: Request, jobs: list[Job]) -> list[AsyncIterator[TokenEve
         EngineError: the engine's checks of any job.
     """
     engine = _state(request).engine
-    capacity = engine.config.max_queue
-    if len(jobs) > capacity:
-        raise APIError(400, f"This request asks for {len(jobs)} generations at once (prompts x n); this "
-                       f"server queues at most {capacity}.", param="n", code="too_many_generations")
     for job in jobs:  # validate every job before any runs
         validate(request, job)
-    if engine.queue_depth() + len(jobs) > capacity:
-        _state(request).metrics.request_rejected("EngineOverloaded")
-        raise EngineOverloaded(f"the request queue is full ({capacity})")
+    check_capacity(request, jobs)  # (again: the queue may have filled while grammars compiled)
     streams = []
     try:
         for job in jobs:
@@ -505,33 +532,34 @@ class LegacyLogprobs:
     choice's text, in characters: the length of what the tokens before it decode to, through
     the same streaming UTF-8 decoder as the text (a token holding part of a character adds
     nothing until the token that completes it; ``tokens`` shows such a token as
-    ``bytes:\\x..``, whose length is no position in the text). A special token the echoed
-    prompt ``echo`` spells out where it stands (``<|im_start|>`` typed in a text prompt) shows
-    as that spelling and spans it; elsewhere (a BOS the tokenizer added, an EOS generated) it
-    shows as "" and spans nothing, as in the text."""
+    ``bytes:\\x..``, whose length is no position in the text). ``typed``: echoed prompt
+    positions whose hidden special token the prompt text spells out (:func:`typed_specials`):
+    those show as that spelling and span it, as the echoed text does; other hidden special
+    tokens (a BOS the tokenizer added, an EOS generated) show as "" and span nothing."""
 
-    def __init__(self, table, offset: int = 0, echo: str | None = None):
+    def __init__(self, table, offset: int = 0, typed: dict[int, str] | None = None):
         self.table = table
         self.offset = offset
-        self.echo = echo
+        self.typed = typed or {}
+        self._index = 0  # items rendered so far (the echoed prompt's come first)
         self._detok = StreamingDetokenizer(table)
 
     def render(self, items: list[TokenLogprob]) -> dict:
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for item in items:
-            spelled = self.table.special_text.get(item.token)
-            typed = bool(spelled) and self.echo is not None and self.echo.startswith(spelled, self.offset)
-            text = spelled if typed else self.table.token_text(item.token)
+            spelled = self.typed.get(self._index)
+            self._index += 1
+            text = spelled if spelled is not None else self.table.token_text(item.token)
             out["tokens"].append(text)
             out["token_logprobs"].append(item.logprob)
             top = None
             if item.logprob is not None:
                 # (as OpenAI's: the chosen token is always in it, so up to logprobs + 1 entries)
-                top = {self.table.token_text(t): lp for t, lp in item.top}
+                top = {text if t == item.token else self.table.token_text(t): lp for t, lp in item.top}
                 top.setdefault(text, item.logprob)
             out["top_logprobs"].append(top)
             out["text_offset"].append(self.offset)
-            self.offset += len(spelled) if typed else len(self._detok.add(item.token))
+            self.offset += len(spelled) if spelled is not None else len(self._detok.add(item.token))
         return out
 
 
@@ -568,6 +596,8 @@ async def _run(request: Request, body, jobs: list[Job], rid: str, model: str, st
 
     Returns ``(streaming response or None, created, token table)``.
     """
+    # (before compiling grammars for a request that cannot run)
+    check_capacity(request, jobs, "n" if body.n > 1 else "prompt")
     await prepare_grammars(request, jobs)
     streams = submit_all(request, jobs)
     created = int(time.time())
@@ -607,7 +637,7 @@ async def completions(request: Request, body: CompletionRequest):
         if job.request.logprobs is not None:
             items = [x for e in job.events for x in (e.prompt_logprobs or [])]
             items += [x for e in job.events for x in (e.logprobs or [])]
-            lp = LegacyLogprobs(table, echo=job.prompt_text).render(items)
+            lp = LegacyLogprobs(table, typed=job.typed_specials).render(items)
         if job.prompt_text is not None:
             text = job.prompt_text + text
         choices.append({"index": job.index, "text": text, "logprobs": lp,
@@ -622,7 +652,7 @@ async def completions(request: Request, body: CompletionRequest):
 async def stream_completions(request, jobs, streams, rid, model, created, table, include_usage):
     base = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": _state(request).fingerprint}
-    logs = {job.index: LegacyLogprobs(table, echo=job.prompt_text) for job in jobs}
+    logs = {job.index: LegacyLogprobs(table, typed=job.typed_specials) for job in jobs}
     echoed = set()
     async with contextlib.aclosing(merged(request, jobs, streams)) as events:
         async for job, event in events:

@@ -281,17 +281,18 @@ class ChatMessage(_Part):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call this result answers
+    refusal: str | None = None  # assistant messages (the openai SDK sends a refusal back as it came)
 
     @model_validator(mode="after")
-    def _content(self):  # (as OpenAI's: only an assistant message's calls stand in for content)
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+    def _content(self):  # (as OpenAI's: only an assistant message's calls or refusal stand in for it)
+        if self.content is None and not (self.role == "assistant" and (self.tool_calls or self.refusal is not None)):
             what = "an assistant message without tool_calls" if self.role == "assistant" else f"a {self.role} message"
             raise ParamError("content", f"{what} needs content")
         return self
 
     def text(self) -> str:
         if self.content is None:
-            return ""
+            return self.refusal or ""
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)

@@ -131,7 +131,8 @@ class Settings(BaseSettings):
     max_queue: int = Field(
         256, ge=1,
         description="Requests waiting for a free slot (beyond `max_active`) before new ones get HTTP 429 "
-        "`rate_limit_error` with `Retry-After`.",
+        "`rate_limit_error` with `Retry-After`; also the most generations (prompts x `n`) one request may "
+        "ask for (HTTP 400 `too_many_generations` above it).",
     )
     max_n: int = Field(16, ge=1, le=128, description="Largest `n` (choices per prompt) accepted.")
     default_max_tokens: int = Field(16, ge=1, description="`max_tokens` for /v1/completions when the request omits it (OpenAI: 16).")

@@ -111,7 +111,10 @@ def test_a_request_that_does_not_fit_the_queue_queues_none_of_its_choices(queue_
         assert_envelope(r, 429, "rate_limit_error", "queue_full")
         r = httpx.post(url, json={"prompt": ["x", "y", "z"], "max_tokens": 5}, timeout=30)
         err = assert_envelope(r, 400, "invalid_request_error", "too_many_generations")
-        assert err["param"] == "n" and "3 generations" in err["message"] and "at most 2" in err["message"]
+        assert err["param"] == "prompt" and "3 generations" in err["message"] and "at most 2" in err["message"]
+        r = httpx.post(url, json={"prompt": "x", "max_tokens": 5, "n": 3,
+                                  "response_format": {"type": "json_object"}}, timeout=30)
+        assert assert_envelope(r, 400, "invalid_request_error", "too_many_generations")["param"] == "n"
         assert len(queue_server.engine._live) == 2  # only the held streams
         assert metric(queue_server, "num_requests_waiting") == 1
         assert held.status_code == waiting.status_code == 200

@@ -4,6 +4,7 @@ import json
 import re
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -157,6 +158,38 @@ def test_text_offset_places_special_tokens_typed_in_an_echoed_prompt(tiny_server
     assert streamed == {k: lp[k] for k in ("tokens", "text_offset")}
 
 
+@pytest.mark.parametrize("split", [False, True])
+def test_typed_specials_come_from_the_tokenizers_offsets(split):
+    """A BOS the tokenizer adds spans nothing even where the text starts with its spelling; a
+    spelling tokenized as ordinary text (split_special_tokens) is no special token; the offsets
+    then index the text and no top_logprobs key repeats."""
+    from tiny import byte_tokenizer
+    from tokenizers import processors
+
+    from engine import TokenLogprob
+    from engine.detokenizer import TokenTable
+    from server.openai_api import LegacyLogprobs, typed_specials
+
+    tok = byte_tokenizer()
+    bos = tok.convert_tokens_to_ids("<|im_start|>")
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)])
+    tok.split_special_tokens = split
+    wrapper = SimpleNamespace(_tokenizer=tok)  # (as mlx-lm's TokenizerWrapper holds it)
+    table = TokenTable.from_tokenizer(wrapper)
+    text = "<|im_start|>hi<|im_end|>"
+    ids = tok.encode(text)
+    assert ids[0] == bos and (ids.count(bos) == 1) == split
+    typed = typed_specials(wrapper, table.special_text, text, ids)
+    assert typed == ({} if split else {1: "<|im_start|>", 4: "<|im_end|>"})
+    items = [TokenLogprob(t, -1.0, [(t, -1.0), (5, -2.0)]) for t in ids]
+    lp = LegacyLogprobs(table, typed=typed).render(items)
+    assert lp["tokens"][0] == "" and lp["text_offset"][0] == 0  # the added BOS
+    for token, offset, top in zip(lp["tokens"], lp["text_offset"], lp["top_logprobs"]):
+        assert text[offset:offset + len(token)] == token and token in top and len(top) == 2
+    assert lp["text_offset"][-1] + len(lp["tokens"][-1]) == len(text)
+
+
 def test_chat_logprobs(tiny_server):
     r = post(tiny_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                    "max_tokens": 4, "logprobs": True, "top_logprobs": 3,
@@ -223,7 +256,8 @@ def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
 @pytest.mark.parametrize("message, ok", [
     ({"role": "user"}, False), ({"role": "system", "content": None}, False), ({"role": "tool"}, False),
     ({"role": "assistant"}, False), ({"role": "user", "content": ""}, True),
-    ({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}, True)])
+    ({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": "{}"}}]}, True),
+    ({"role": "assistant", "content": None, "refusal": "I can't help with that."}, True)])
 def test_chat_messages_need_content_unless_an_assistant_calls_tools(tiny_server, message, ok):
     messages = [message] if message["role"] in ("user", "system") else [{"role": "user", "content": "hi"}, message]
     r = post(tiny_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
