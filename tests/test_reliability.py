@@ -223,22 +223,22 @@ def _guard_app(**settings):
     return Guard(ok, state), state
 
 
-def _post(app, path, body) -> httpx.Response:
+def _call(app, method, path, **kw) -> httpx.Response:
+    """One request to ``app`` in process (no lifespan: the engine is not started)."""
     async def go():
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            return await client.post(path, json=body)
+            return await client.request(method, path, **kw)
 
     return asyncio.run(go())
 
 
 def _get(app, path, headers=None) -> httpx.Response:
-    async def go():
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
-            return await client.get(path, headers=headers)
+    return _call(app, "GET", path, headers=headers)
 
-    return asyncio.run(go())
+
+def _post(app, path, body) -> httpx.Response:
+    return _call(app, "POST", path, json=body)
 
 
 def test_protect_metrics_and_draining_gates():

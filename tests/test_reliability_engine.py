@@ -31,13 +31,12 @@ def greedy(prompt, method="auto", max_tokens=48, rid=None, **kw):
 
 
 class Recorder:
-    """An emit callback that timestamps every event (worker-thread time)."""
+    """An emit callback that keeps every event and signals the last."""
 
     def __init__(self):
-        self.events, self.times, self.done = [], [], threading.Event()
+        self.events, self.done = [], threading.Event()
 
     def __call__(self, event):
-        self.times.append(time.monotonic())
         self.events.append(event)
         if event.finish_reason is not None or event.error is not None:
             self.done.set()
