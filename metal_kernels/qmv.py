@@ -130,7 +130,9 @@ def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
     True for every row count, False for none, default one-row launches only; ``unroll``: the
     compile-time-shape loop unrolled; ``l2_prefetch``: an L2 prefetch-size hint in bytes on
     the weight loads; ``x_shuffle``: for one fixed row, the activations held two registers per
-    lane and passed by shuffles), none of which changes any row's arithmetic.
+    lane and passed by shuffles), none of which changes any row's arithmetic. Any ``nt_u`` or
+    ``path`` for the 8-row bucket also replaces the one-row launch form of
+    :func:`_one_row_launch`.
     """
     for mb, opts in (path or {}).items():
         _PATH_OVERRIDE[(n, k, bits, mb)] = dict(opts)
@@ -197,6 +199,29 @@ CONST_SHAPE = True
 # session") has the measurements.
 FIXED_ONE_ROW = True
 UNROLL = False
+# One-row launches of 4-bit weights over K >= 4096 (N <= 16384) get their own launch form
+# unless a benchmark set one (_one_row_launch). None of them changes a row's arithmetic.
+ONE_ROW_FORMS = True
+
+
+def _one_row_launch(n: int, k: int) -> tuple[int, dict]:
+    """(U, path options) of a one-row launch of a 4-bit ``n x k`` weight, K >= 4096.
+
+    Nsight Compute on the H200, bf16 activations, groups of 64, medians of 5 launches
+    (twenty-seventh session, docs/benchmarks.md; against the plain compile-time-shape launch):
+    4096x4096 6.62 against 6.82 us with one row's activations shuffled between lanes
+    (``x_shuffle``, one chunk in flight); 4096x14336 13.82 against 15.07 with two chunks in
+    flight under launch bounds and the activations loaded just before their products;
+    14336x4096 14.21 against 15.65 with two chunks in flight under launch bounds, shuffled
+    activations and a 256-byte L2 prefetch hint. N between 4096 and 8192 (the 8B stack's q/k/v
+    sibling launch, 6144) was not timed and keeps the plain launch."""
+    if k >= 8192:
+        return 2, {"xl": True, "min_blocks": 2}
+    if n >= 8192:
+        return 2, {"x_shuffle": True, "min_blocks": 2, "l2_prefetch": 256}
+    if n <= 4096:
+        return 1, {"x_shuffle": True}
+    return 1, {}
 
 
 def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
@@ -215,7 +240,9 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     # (7.87 against 7.62, 7.68 against 6.69 on 4096x4096). N = 6144 (the 8B stack's q/k/v
     # launch) follows N = 4096 untimed.
     nt, u = (2 if n % 32 == 0 and (n >= 8192 or (mb == 16 and n >= 4096)) else 1), 1
-    if m == 1 and bits == 4 and k >= 4096 and n <= 16384:
+    path = {}
+    one_row = m == 1 and bits == 4 and k >= 4096 and n <= 16384
+    if one_row:
         # One row over a long K: twice the blocks of one tile each keep more loads in flight.
         # Nsight Compute on the H200 (twenty-first session), 14336x4096: 16.6-16.9 us at
         # (WK, NT, U) = (8, 1, 1) against 19.6-20.4 at (8, 2, 1); at 8 rows two tiles win
@@ -223,8 +250,11 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
         # launch) and 8-bit weights were not timed at NT = 1 and keep two tiles. NT changes no
         # row's arithmetic, so rows stay bit-identical across M.
         nt = 1
+        tuned = (n, k, bits, mb) in _NTU_OVERRIDE or (n, k, bits, mb) in _PATH_OVERRIDE
+        if ONE_ROW_FORMS and not tuned:
+            u, path = _one_row_launch(n, k)
     nt, u = _NTU_OVERRIDE.get((n, k, bits, mb), (nt, u))
-    path = _PATH_OVERRIDE.get((n, k, bits, mb), {})
+    path = _PATH_OVERRIDE.get((n, k, bits, mb), path)
     # K as a compile-time constant (addresses as immediates): where a chunk holds whole groups.
     const_shape = bool(path.get("const_shape", CONST_SHAPE) and sc % gs == 0)
     xl = bool(const_shape and path.get("xl", False))

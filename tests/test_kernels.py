@@ -171,7 +171,9 @@ def test_row_count_is_a_compile_time_constant_for_one_row_launches():
     plans = {m: plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda") for m in (1, 2, 8, 9, 16)}
     assert {m: p.const("MR") for m, p in plans.items()} == {1: 1, 2: 0, 8: 0, 9: 0, 16: 0}
     assert len({p.k_split for p in plans.values()}) == 1
-    assert all(p.const("FU") == int(qmv.UNROLL) and p.const("LP") == p.const("XS") == 0 for p in plans.values())
+    assert all(p.const("FU") == int(qmv.UNROLL) and p.const("LP") == 0 for p in plans.values())
+    # (one row's default launch shuffles its activations on this shape: _one_row_launch)
+    assert {m: p.const("XS") for m, p in plans.items()} == {1: 1, 2: 0, 8: 0, 9: 0, 16: 0}
     try:
         qmv.set_mma_config(4096, 4096, 4, path={8: {"fixed_rows": True, "unroll": True},
                                                 16: {"fixed_rows": False, "const_shape": False,
@@ -193,6 +195,38 @@ def test_row_count_is_a_compile_time_constant_for_one_row_launches():
             plan(16, 4096, 4096, 4, 64, mx.bfloat16, "cuda")
     finally:
         qmv.clear_mma_config()
+
+
+def test_one_row_launch_forms_follow_the_shape():
+    """One-row launches of 4-bit weights over K >= 4096 take the launch form measured fastest
+    for their shape (shuffled activations; two chunks in flight under launch bounds, with late
+    activations or shuffled ones and an L2 hint); other row counts, 8 bits, short K, untimed
+    widths and benchmark overrides keep theirs, and no form moves the K split."""
+    def form(m, n, k, bits=4):
+        p = plan(m, n, k, bits, 64, mx.bfloat16, "cuda")
+        return (p.const("U"), p.const("XS"), p.const("XL"), p.const("LP"), p.min_blocks, p.const("NT"))
+
+    assert form(1, 4096, 4096) == (1, 1, 0, 0, 0, 1)
+    assert form(1, 4096, 14336) == (2, 0, 1, 0, 2, 1)
+    assert form(1, 14336, 4096) == (2, 1, 0, 256, 2, 1)
+    plain = (1, 0, 0, 0, 0, 1)
+    assert form(1, 6144, 4096) == form(1, 2048, 2048) == form(1, 4096, 576) == plain
+    assert form(1, 4096, 4096, 8) == plain
+    assert form(1, 28672, 4096)[:5] == (1, 0, 0, 0, 0)  # wider than 16384: two tiles, as before
+    assert form(2, 4096, 4096) == form(8, 14336, 4096)[:5] + (1,) == plain
+    for n, k in ((4096, 4096), (4096, 14336), (14336, 4096)):
+        assert len({plan(m, n, k, 4, 64, mx.bfloat16, "cuda").k_split for m in (1, 2, 16)}) == 1
+    try:  # a benchmark's override replaces the form, and the switch turns the forms off
+        qmv.set_mma_config(4096, 4096, 4, nt_u={8: (1, 1)})
+        assert form(1, 4096, 4096) == plain
+        qmv.clear_mma_config()
+        qmv.ONE_ROW_FORMS = False
+        qmv.set_mma_config(14336, 4096, 4)  # (clears the plan cache)
+        assert form(1, 14336, 4096) == plain
+    finally:
+        qmv.ONE_ROW_FORMS = True
+        qmv.clear_mma_config()
+    assert form(1, 14336, 4096) == (2, 1, 0, 256, 2, 1)
 
 
 def test_run_plan_refuses_a_fixed_row_count_with_other_rows():
@@ -461,7 +495,8 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
     for xdt, sdt in ((mx.float16, mx.float16), (mx.bfloat16, mx.bfloat16), (mx.float16, mx.float32),
                      (mx.float32, mx.float32), (mx.float32, mx.bfloat16)):
         for bits in (4, 8):
-            for m, n, k in ((1, 4096, 4096), (16, 14336, 4096), (12, 6144, 4096), (9, 576, 576), (4, 208, 640)):
+            for m, n, k in ((1, 4096, 4096), (16, 14336, 4096), (12, 6144, 4096), (9, 576, 576), (4, 208, 640),
+                            (1, 14336, 4096), (1, 4096, 14336)):  # (one-row launch forms)
                 cases.append((plan(m, n, k, bits, 32, xdt, "cuda"), xdt, sdt))
     try:  # the compile-time-shape loop: both row buckets, 4/8 bits, XL, launch bounds
         for bits in (4, 8):
@@ -682,17 +717,24 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_one_row_split_equals_rows_of_wider_calls_at_8b_width():
-    """14336x4096: one row launches one tile per warp, 2..16 rows two (NT 1 against 2); row 0
-    of every wider call equals the one-row call bit for bit."""
-    n, k, gs = 14336, 4096, 64
-    for dt in (mx.float16, mx.bfloat16):
-        wq, s, b = _quantized(n, k, gs, 4, dt, seed=11)
+@pytest.mark.parametrize("n,k", [(14336, 4096), (4096, 4096), (4096, 14336)])
+def test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width(n, k):
+    """The 8B stack's shapes, where one-row launches take their own form (_one_row_launch:
+    one tile per warp, shuffled activations, two chunks in flight under launch bounds): row i
+    of every wider call equals the one-row call on x[i] bit for bit, groups 64 and 32."""
+    assert plan(1, n, k, 4, 64, mx.bfloat16).const("NT") == 1
+    for dt, gs in ((mx.float16, 64), (mx.bfloat16, 64), (mx.bfloat16, 32)):
+        wq, s, b = _quantized(n, k, gs, 4, dt, seed=11 + n + k)
         x = mx.random.normal((16, k)).astype(dt)
-        one = quantized_matmul(x[:1], wq, s, b, group_size=gs, bits=4)
-        for m in (2, 8, 16):
-            wide = quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=4)
-            assert mx.array_equal(wide[:1], one).item(), (dt, m)
+        wide = {m: quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=4) for m in (2, 8, 16)}
+        ref = _reference(x, wq, s, b, gs, 4)
+        for i in (0, 1, 7, 15):
+            one = qmv.run_plan(plan(1, n, k, 4, gs, dt), x[i:i + 1], wq, s, b, init_value=float("nan"))
+            err = np.abs(np.array(one.astype(mx.float32), dtype=np.float64) - ref[i:i + 1]).max()
+            assert err < TOL[dt] * np.abs(ref).max(), (dt, gs, i, err)  # (NaN: an unwritten output)
+            for m, y in wide.items():
+                if i < m:
+                    assert mx.array_equal(y[i:i + 1], one).item(), (dt, gs, m, i)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])

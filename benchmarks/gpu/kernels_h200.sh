@@ -8,6 +8,9 @@
 #                            # activations with the matmul kernels
 #   kernels_h200.sh verify   # benchmarks/verify_cost.py: matrices, 8B-shaped stack, default model
 #   kernels_h200.sh check    # benchmarks/kernel_check.py: the GPU correctness tests
+#   kernels_h200.sh checkpar # the same tests in 10 parallel processes (NVRTC compiles dominate:
+#                            # 431 s serially in the twenty-seventh session, without the ten
+#                            # compile-time-shape cases at ~80 s each), merged into one JSON
 #   kernels_h200.sh attn     # the row-attention kernel: its GPU tests, then
 #                            # benchmarks/gpu/attention_cost.py against MLX's attention
 #   kernels_h200.sh overhead # benchmarks/gpu/kernel_overhead.py (+ ncu device times)
@@ -52,6 +55,39 @@ case "$1" in
     done ;;
   verify) python3 benchmarks/verify_cost.py --out "$out/verify_cost_h200.json" --parts "${PARTS:-matrices,llama8b,smollm}" \
             --reps "${REPS:-9}" 2>&1 | tail -60 ;;
+  checkpar)
+    groups=("matches_reference and not mixed" "patched_model_logits_close[float16]"
+            "patched_model_logits_close[bfloat16]" "patched_model_logits_close[float32] or mixed"
+            "not matches_reference and not patched_model and not const_shape_paths")
+    for c in 4-32 4-64 4-128 8-32 8-64; do groups+=("const_shape_paths and $c-"); done
+    i=0
+    for g in "${groups[@]}"; do
+      timeout -k 5 "${CHECK_LIMIT:-400}" python3 benchmarks/kernel_check.py --out "/tmp/kc_part$i.json" -k "$g" \
+        > "/tmp/kc_part$i.log" 2>&1 &
+      i=$((i + 1))
+    done
+    wait || true
+    python3 - "$out/kernel_check_h200.json" "${#groups[@]}" <<'EOF'
+import json, pathlib, sys
+rows, wall = [], 0.0
+for i in range(int(sys.argv[2])):
+    f = pathlib.Path(f"/tmp/kc_part{i}.json")
+    if not f.exists():  # (killed by the time limit, or crashed: its log's end says which)
+        tail = pathlib.Path(f"/tmp/kc_part{i}.log").read_text().splitlines()[-5:]
+        rows.append({"test": f"part {i}", "outcome": "failed", "seconds": 0, "message": " | ".join(tail)[-300:]})
+        continue
+    d = json.loads(f.read_text())
+    rows += d["tests"]
+    wall = max(wall, d["wall_s"])
+counts = {o: sum(r["outcome"] == o for r in rows) for o in ("passed", "failed", "skipped")}
+for r in rows:
+    if r["outcome"] != "passed":
+        print(r["outcome"].upper(), r["test"], r["message"])
+print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped; slowest part {wall:.0f} s")
+json.dump({"counts": counts, "wall_s": wall, "parallel_parts": int(sys.argv[2]), "tests": rows},
+          open(sys.argv[1], "w"), indent=1)
+EOF
+    ;;
   attn)
     python3 benchmarks/kernel_check.py --out "$out/kernel_check_attention_h200.json" -k row_attention 2>&1 | tail -12
     python3 benchmarks/gpu/attention_cost.py --out "$out/attention_cost_h200.json" 2>&1 | tail -60 ;;
@@ -93,5 +129,5 @@ case "$1" in
       python3 benchmarks/gpu/mma_sweep.py --ncu --launches "${LAUNCHES:-6}" "${sweep[@]}" > "$out/mma_order.txt" 2>&1 || true
     python3 benchmarks/gpu/mma_sweep.py --parse "$out/mma_ncu.csv" --order "$out/mma_order.txt" \
       --out "$out/mma_ncu.json" 2>&1 | tail -40 ;;
-  *) echo "usage: $0 cal|spec|verify|check|attn|overhead|probe|fused|draft|mma" >&2; exit 2 ;;
+  *) echo "usage: $0 cal|spec|verify|check|checkpar|attn|overhead|probe|fused|draft|mma" >&2; exit 2 ;;
 esac
