@@ -87,7 +87,7 @@ class Metrics:
                               ["type"], registry=r)
         self.finished = Counter(PREFIX + "request_success", "Finished generations by finish reason.",
                                 ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens processed.", registry=r)
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished sequences (n choices: n times).", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Tokens generated (emitted).", registry=r)
         self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.",
                               buckets=_TTFT_BUCKETS, registry=r)

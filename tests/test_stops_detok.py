@@ -26,6 +26,8 @@ def feed_all(matcher, pieces):
         (["ab", "c"], ("abd",), ("abc", False)),  # a held-back prefix that never completes
         (["<", "|end", "|>tail"], ("<|end|>",), ("", True)),
         (["no stops"], (), ("no stops", False)),
+        (["an empty ", "stop"], ("",), ("an empty stop", False)),  # matches nothing
+        (["ab", "cd"], ("", "cd"), ("ab", True)),
     ],
 )
 def test_stop_matcher(pieces, stops, expected):
