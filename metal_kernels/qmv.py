@@ -199,28 +199,43 @@ CONST_SHAPE = True
 # session") has the measurements.
 FIXED_ONE_ROW = True
 UNROLL = False
-# One-row launches of 4-bit weights over K >= 4096 (N <= 16384) get their own launch form
-# unless a benchmark set one (_one_row_launch). None of them changes a row's arithmetic.
+# One-row launches of 4-bit weights of the shapes timed on the H200 get their own launch form
+# unless a benchmark set one (_one_row_launch). None of them changes a row's arithmetic. Switch
+# with set_one_row_forms.
 ONE_ROW_FORMS = True
 
 
+def set_one_row_forms(enabled: bool) -> None:
+    """Turn the one-row launch forms of :func:`_one_row_launch` on or off (every cached launch
+    decision is dropped, as by :func:`clear_mma_config`)."""
+    global ONE_ROW_FORMS
+    ONE_ROW_FORMS = bool(enabled)
+    _plan_cached.cache_clear()
+    _launcher.cache_clear()
+    sibling_launcher.cache_clear()
+    _CONFIG_GENERATION[0] += 1
+
+
 def _one_row_launch(n: int, k: int) -> tuple[int, dict]:
-    """(U, path options) of a one-row launch of a 4-bit ``n x k`` weight, K >= 4096.
+    """(U, path options) of a one-row launch of a 4-bit ``n x k`` weight with the
+    compile-time-shape loop, for the shape regimes that were timed; ``(1, {})`` elsewhere.
 
     Nsight Compute on the H200, bf16 activations, groups of 64, medians of 5 launches
     (twenty-seventh session, docs/benchmarks.md; against the plain compile-time-shape launch):
-    4096x4096 6.62 against 6.82 us with one row's activations shuffled between lanes
-    (``x_shuffle``, one chunk in flight); 4096x14336 13.82 against 15.07 with two chunks in
-    flight under launch bounds and the activations loaded just before their products;
-    14336x4096 14.21 against 15.65 with two chunks in flight under launch bounds, shuffled
-    activations and a 256-byte L2 prefetch hint. N between 4096 and 8192 (the 8B stack's q/k/v
-    sibling launch, 6144) was not timed and keeps the plain launch."""
-    if k >= 8192:
-        return 2, {"xl": True, "min_blocks": 2}
-    if n >= 8192:
-        return 2, {"x_shuffle": True, "min_blocks": 2, "l2_prefetch": 256}
-    if n <= 4096:
+    - N = 4096, 4096 <= K < 8192 (timed: 4096x4096): 6.62 against 6.82 us with one row's
+      activations shuffled between lanes (``x_shuffle``), one chunk in flight;
+    - N = 4096, K >= 8192 (timed: 4096x14336): 13.82 against 15.07 with two chunks in flight
+      under launch bounds and the activations loaded just before their products;
+    - 8192 <= N <= 16384, 4096 <= K < 8192 (timed: 14336x4096): 14.21 against 15.65 with two
+      chunks in flight under launch bounds, shuffled activations and a 256-byte L2 hint.
+    Other widths (the 8B stack's 6144-wide q/k/v sibling launch, N < 4096, ...) keep the plain
+    launch."""
+    if n == 4096 and 4096 <= k < 8192:
         return 1, {"x_shuffle": True}
+    if n == 4096 and k >= 8192:
+        return 2, {"xl": True, "min_blocks": 2}
+    if 8192 <= n <= 16384 and 4096 <= k < 8192:
+        return 2, {"x_shuffle": True, "min_blocks": 2, "l2_prefetch": 256}
     return 1, {}
 
 
@@ -251,7 +266,7 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
         # row's arithmetic, so rows stay bit-identical across M.
         nt = 1
         tuned = (n, k, bits, mb) in _NTU_OVERRIDE or (n, k, bits, mb) in _PATH_OVERRIDE
-        if ONE_ROW_FORMS and not tuned:
+        if ONE_ROW_FORMS and CONST_SHAPE and sc % gs == 0 and not tuned:
             u, path = _one_row_launch(n, k)
     nt, u = _NTU_OVERRIDE.get((n, k, bits, mb), (nt, u))
     path = _PATH_OVERRIDE.get((n, k, bits, mb), path)

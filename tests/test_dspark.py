@@ -49,6 +49,7 @@ from drafters.dspark.train import (
     dspark_loss,
     evaluate_acceptance,
     generate_examples,
+    init_from_target,
     latest_checkpoint,
     make_batch,
     restore,
@@ -438,6 +439,54 @@ def test_target_taps_match_the_model(tiny_target):
     assert mx.array_equal(hidden[..., :64], model.model.embed_tokens(ids))
     h0 = model.model.layers[0](model.model.embed_tokens(ids), "causal")
     assert mx.allclose(hidden[..., 64:128], h0, atol=1e-6)
+
+
+def test_init_from_target_starts_from_the_last_layers(tiny_target):
+    """``init="target"``: draft layer i is target layer n - L + i (projections, both norms; a
+    quantized target's dequantized), the final norm is the target's, ``fc`` passes the deepest
+    tap through, and the Markov head keeps its fresh weights."""
+    model, tok = tiny_target
+    arch = DraftArch(layers=2, target_layer_ids=[0, 1], block_size=4, markov_rank=16, mask_token_id=0,
+                     init="target")
+    quantized, _ = tiny_model(layers=3, hidden=64, seed=1)
+    nn.quantize(quantized, group_size=32, bits=4, class_predicate=lambda _, m: isinstance(m, nn.Linear))
+    for target in (model, quantized):
+        net = train_dspark_new_model(target, tok, arch)
+        inner = target.model
+        for i, j in ((0, 1), (1, 2)):
+            src, dst = inner.layers[j], net.layers[i]
+            for group, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                                 ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+                for name in names:
+                    s_mod, d_mod = getattr(getattr(src, group), name), getattr(getattr(dst, group), name)
+                    want = (mx.dequantize(s_mod.weight, s_mod.scales, s_mod.biases, group_size=32, bits=4)
+                            if isinstance(s_mod, nn.QuantizedLinear) else s_mod.weight)
+                    assert d_mod.weight.dtype == mx.float32 and mx.array_equal(d_mod.weight, want), (i, name)
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                assert mx.array_equal(getattr(dst, norm).weight, getattr(src, norm).weight)
+        assert mx.array_equal(net.norm.weight, inner.norm.weight)
+        c = mx.random.normal((3, 2 * 64))
+        assert mx.allclose(net.fc(c), c[:, 64:], atol=1e-6)
+    copied = train_dspark_new_model(model, tok, arch)
+    fresh = train_dspark_new_model(model, tok, DraftArch(layers=2, target_layer_ids=[0, 1], block_size=4,
+                                                        markov_rank=16, mask_token_id=0))
+    assert not mx.array_equal(fresh.layers[0].mlp.up_proj.weight, copied.layers[0].mlp.up_proj.weight)
+    assert mx.array_equal(fresh.markov_head.markov_w1.weight, copied.markov_head.markov_w1.weight)
+    with pytest.raises(ValueError, match="4 draft layers from a target of 3"):
+        train_dspark_new_model(model, tok, DraftArch(layers=4, target_layer_ids=[0, 1], mask_token_id=0,
+                                                     init="target"))
+    with pytest.raises(ValueError, match="init='copy'"):
+        train_dspark_new_model(model, tok, DraftArch(layers=2, target_layer_ids=[0, 1], mask_token_id=0, init="copy"))
+    wide = train_dspark_new_model(model, tok, DraftArch(layers=1, target_layer_ids=[0, 1], mask_token_id=0))
+    wide.layers[0].mlp.up_proj.weight = mx.zeros((7, 64))  # a shape the target's layer lacks
+    with pytest.raises(ValueError, match="up_proj"):
+        init_from_target(wide, model)
+
+
+def train_dspark_new_model(target, tok, arch):
+    from drafters.dspark.train import _new_model
+
+    return _new_model(target, tok, arch, seed=0)
 
 
 def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target):

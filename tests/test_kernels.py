@@ -201,7 +201,7 @@ def test_one_row_launch_forms_follow_the_shape():
     """One-row launches of 4-bit weights over K >= 4096 take the launch form measured fastest
     for their shape (shuffled activations; two chunks in flight under launch bounds, with late
     activations or shuffled ones and an L2 hint); other row counts, 8 bits, short K, untimed
-    widths and benchmark overrides keep theirs, and no form moves the K split."""
+    widths and benchmark overrides keep theirs."""
     def form(m, n, k, bits=4):
         p = plan(m, n, k, bits, 64, mx.bfloat16, "cuda")
         return (p.const("U"), p.const("XS"), p.const("XL"), p.const("LP"), p.min_blocks, p.const("NT"))
@@ -214,17 +214,17 @@ def test_one_row_launch_forms_follow_the_shape():
     assert form(1, 4096, 4096, 8) == plain
     assert form(1, 28672, 4096)[:5] == (1, 0, 0, 0, 0)  # wider than 16384: two tiles, as before
     assert form(2, 4096, 4096) == form(8, 14336, 4096)[:5] + (1,) == plain
-    for n, k in ((4096, 4096), (4096, 14336), (14336, 4096)):
-        assert len({plan(m, n, k, 4, 64, mx.bfloat16, "cuda").k_split for m in (1, 2, 16)}) == 1
+    assert form(1, 2048, 4096) == form(1, 6144, 14336) == form(1, 8192, 14336) == plain  # (untimed)
+    assert form(1, 8192, 4096) == form(1, 16384, 4096) == (2, 1, 0, 256, 2, 1)
+    generation = qmv.config_generation()
     try:  # a benchmark's override replaces the form, and the switch turns the forms off
         qmv.set_mma_config(4096, 4096, 4, nt_u={8: (1, 1)})
         assert form(1, 4096, 4096) == plain
         qmv.clear_mma_config()
-        qmv.ONE_ROW_FORMS = False
-        qmv.set_mma_config(14336, 4096, 4)  # (clears the plan cache)
-        assert form(1, 14336, 4096) == plain
+        qmv.set_one_row_forms(False)
+        assert form(1, 14336, 4096) == plain and qmv.config_generation() > generation
     finally:
-        qmv.ONE_ROW_FORMS = True
+        qmv.set_one_row_forms(True)
         qmv.clear_mma_config()
     assert form(1, 14336, 4096) == (2, 1, 0, 256, 2, 1)
 
@@ -716,13 +716,15 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
 
 
 @pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("n,k", [(14336, 4096), (4096, 4096), (4096, 14336)])
-def test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width(n, k):
+@pytest.mark.skipif(backend() != "cuda", reason="the one-row launch forms are the CUDA mma kernel's")
+@pytest.mark.parametrize("n,k,form", [(14336, 4096, (1, 2, 1, 256, 2)), (4096, 4096, (1, 1, 1, 0, 0)),
+                                      (4096, 14336, (1, 2, 0, 0, 2))])
+def test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width(n, k, form):
     """The 8B stack's shapes, where one-row launches take their own form (_one_row_launch:
     one tile per warp, shuffled activations, two chunks in flight under launch bounds): row i
     of every wider call equals the one-row call on x[i] bit for bit, groups 64 and 32."""
-    assert plan(1, n, k, 4, 64, mx.bfloat16).const("NT") == 1
+    p = plan(1, n, k, 4, 64, mx.bfloat16)
+    assert (p.const("NT"), p.const("U"), p.const("XS"), p.const("LP"), p.min_blocks) == form
     for dt, gs in ((mx.float16, 64), (mx.bfloat16, 64), (mx.bfloat16, 32)):
         wq, s, b = _quantized(n, k, gs, 4, dt, seed=11 + n + k)
         x = mx.random.normal((16, k)).astype(dt)
@@ -746,7 +748,8 @@ def test_sibling_matmul_matches_reference_and_rows_are_exact(dtype):
     dt = DTYPES[dtype]
     nan = float("nan")
     # q/k/v-like (NT = 1; a cut inside a 16-row block) and gate/up at 8B width (NT = 2)
-    for k, gs, ns in ((512, 64, (256, 120, 136)), (4096, 64, (14336, 14336))):
+    # (and a 12288-wide one: one row takes the launch form of 8192 <= N <= 16384, _one_row_launch)
+    for k, gs, ns in ((512, 64, (256, 120, 136)), (4096, 64, (14336, 14336)), (4096, 64, (8192, 2048, 2048))):
         parts = [_quantized(n, k, gs, 4, dt, seed=101 * i + n) for i, n in enumerate(ns)]
         w, s_, b = (mx.concatenate([p[i] for p in parts]) for i in range(3))
         cuts = tuple(sum(ns[:i + 1]) for i in range(len(ns) - 1))

@@ -60,6 +60,7 @@ case "$1" in
             "patched_model_logits_close[bfloat16]" "patched_model_logits_close[float32] or mixed"
             "not matches_reference and not patched_model and not const_shape_paths")
     for c in 4-32 4-64 4-128 8-32 8-64; do groups+=("const_shape_paths and $c-"); done
+    rm -f /tmp/kc_part*.json /tmp/kc_part*.log
     i=0
     for g in "${groups[@]}"; do
       timeout -k 5 "${CHECK_LIMIT:-400}" python3 benchmarks/kernel_check.py --out "/tmp/kc_part$i.json" -k "$g" \
@@ -77,6 +78,8 @@ for i in range(int(sys.argv[2])):
         rows.append({"test": f"part {i}", "outcome": "failed", "seconds": 0, "message": " | ".join(tail)[-300:]})
         continue
     d = json.loads(f.read_text())
+    if not d["tests"]:  # (a -k group that selected nothing, or a collection error)
+        rows.append({"test": f"part {i}", "outcome": "failed", "seconds": 0, "message": "no test ran"})
     rows += d["tests"]
     wall = max(wall, d["wall_s"])
 counts = {o: sum(r["outcome"] == o for r in rows) for o in ("passed", "failed", "skipped")}
@@ -86,6 +89,7 @@ for r in rows:
 print(f"{counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped; slowest part {wall:.0f} s")
 json.dump({"counts": counts, "wall_s": wall, "parallel_parts": int(sys.argv[2]), "tests": rows},
           open(sys.argv[1], "w"), indent=1)
+sys.exit(0 if counts["passed"] and not counts["failed"] and not counts["skipped"] else 1)
 EOF
     ;;
   attn)

@@ -63,6 +63,9 @@ class DraftArch:
     markov_rank: int = 128
     mask_token_id: int | None = None
     confidence_head: bool = True
+    # "random" (DeepSpec's N(0, 0.02)) or "target": the draft layers start as copies of the
+    # target's last decoder layers and ``fc`` passes the deepest tap through (init_from_target)
+    init: str = "random"
 
 
 @dataclass
@@ -623,7 +626,69 @@ def _new_model(target: nn.Module, tokenizer, arch: DraftArch, seed: int) -> DSpa
         markov_rank=arch.markov_rank, enable_confidence_head=arch.confidence_head)
     model = DSparkModel(cfg)
     init_weights(model, seed=seed)
+    if arch.init == "target":
+        init_from_target(model, target)
+    elif arch.init != "random":
+        raise ValueError(f"init={arch.init!r}: 'random' or 'target'")
     return model
+
+
+def _float_weight(module: nn.Module) -> mx.array:
+    """A Linear's weight ``[out, in]`` in float32, dequantized if the module is quantized."""
+    if isinstance(module, nn.QuantizedLinear):
+        return mx.dequantize(module.weight, module.scales, module.get("biases"), group_size=module.group_size,
+                             bits=module.bits, mode=getattr(module, "mode", "affine")).astype(mx.float32)
+    return module.weight.astype(mx.float32)
+
+
+def init_from_target(model: DSparkModel, target: nn.Module) -> None:
+    """Start a new drafter from the target's own weights: draft layer ``i`` of ``L`` takes the
+    attention and MLP projections and both RMSNorms of target layer ``n - L + i`` (the last
+    ``L`` layers; q/k norms too where the target has them, as Qwen3 does), the final norm is
+    the target's, and ``fc`` ``[d, m*d]`` passes the deepest tap through unchanged (identity on
+    its block, zeros elsewhere). The Markov and confidence heads keep their fresh weights.
+
+    Self-speculative decoding reuses a target's own layers as its drafter (LayerSkip,
+    arXiv:2404.16710); here they are only a starting point for training.
+
+    Raises:
+        ValueError: the draft has more layers than the target, the target's layers lack
+            Llama-style module names, shapes differ, or the target has projection biases the
+            draft lacks (Qwen2).
+    """
+    inner = target.model
+    n, layers = len(inner.layers), model.layers
+    if len(layers) > n:
+        raise ValueError(f"{len(layers)} draft layers from a target of {n}")
+    d = model.config.hidden_size
+    names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+             "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    for i, layer in enumerate(layers):
+        src = inner.layers[n - len(layers) + i]
+        for name in names:
+            dst_mod, src_mod = layer, src
+            for part in name.split("."):
+                dst_mod, src_mod = getattr(dst_mod, part, None), getattr(src_mod, part, None)
+            if src_mod is None or dst_mod is None:
+                raise ValueError(f"target layer {n - len(layers) + i} has no {name}")
+            w = _float_weight(src_mod)
+            if w.shape != dst_mod.weight.shape:
+                raise ValueError(f"{name}: target {tuple(w.shape)} against draft {tuple(dst_mod.weight.shape)}")
+            dst_mod.weight = w
+            if "bias" in src_mod and "bias" not in dst_mod:
+                raise ValueError(f"{name}: the target has a bias the draft layer lacks")
+            if "bias" in dst_mod:
+                dst_mod.bias = (src_mod.bias.astype(mx.float32) if "bias" in src_mod
+                                else mx.zeros_like(dst_mod.bias))
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            getattr(layer, norm).weight = getattr(src, norm).weight.astype(mx.float32)
+        for norm in ("q_norm", "k_norm"):  # (Qwen3; Llama has none and the draft's stay at 1)
+            if hasattr(src.self_attn, norm):
+                getattr(layer.self_attn, norm).weight = getattr(src.self_attn, norm).weight.astype(mx.float32)
+    model.norm.weight = inner.norm.weight.astype(mx.float32)
+    m = model.fc.weight.shape[1] // d
+    model.fc.weight = mx.concatenate([mx.zeros((d, (m - 1) * d)), mx.eye(d)], axis=1)
+    mx.eval(model.parameters())
 
 
 def _load_or_generate(target, tokenizer, out_dir: Path, data_cfg: DataConfig, records, progress,
@@ -791,6 +856,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--markov-rank", type=int, default=a.markov_rank)
     g.add_argument("--mask-token-id", type=int, default=None)
     g.add_argument("--no-confidence-head", action="store_true")
+    g.add_argument("--init", choices=("random", "target"), default=a.init,
+                   help="a new drafter's weights: random (DeepSpec's), or the target's last layers")
     g = p.add_argument_group("data")
     g.add_argument("--n-code", type=int, default=d.n_code)
     g.add_argument("--n-instruct", type=int, default=d.n_instruct)
@@ -830,7 +897,7 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model, tokenizer = (load_target or _mlx_lm_loader)(args.target, args.target_weights)
     arch = DraftArch(args.layers, args.num_taps, args.target_layer_ids, args.block_size, args.markov_rank,
-                     args.mask_token_id, not args.no_confidence_head)
+                     args.mask_token_id, not args.no_confidence_head, args.init)
     data = DataConfig(n_code=args.n_code, n_instruct=args.n_instruct, n_self_instruct=args.n_self_instruct,
                       code_per_file=args.code_per_file, code_roots=tuple(args.code_root),
                       humaneval=not args.no_humaneval,
