@@ -32,6 +32,7 @@ run=$root/dspark-run
 # defaults are v3's run (docs/benchmarks.md): a bfloat16 target for generation and training,
 # self-instruct questions, package code from the staged site directory (CODE_ROOTS); HumanEval
 # is not staged (HUMANEVAL=1 if it is; evaluate on a CPU with dspark_eval.py --run-prompts).
+# INIT=target starts a new drafter from the target's last layers (docs/dspark.md, Initialisation).
 recipe=(--target default --layers 3 --block-size 7 --markov-rank 128
         --n-code "${N_CODE:-10000}" --n-instruct "${N_INSTRUCT:-4000}" --max-new-tokens "${MAX_NEW:-256}"
         --n-self-instruct "${N_SELF:-12000}" --code-per-file "${CODE_PER_FILE:-8}"
@@ -39,7 +40,8 @@ recipe=(--target default --layers 3 --block-size 7 --markov-rank 128
         --target-weights "${TARGET_WEIGHTS:-bfloat16}" $([ "${HUMANEVAL:-0}" = 1 ] || echo --no-humaneval)
         --gen-batch-size "${GEN_BATCH:-1024}" --gen-shard-size "${GEN_SHARD:-1024}"
         --batch-size "${BATCH:-64}" --num-anchors "${ANCHORS:-64}" --max-seq-len 1024 --lr 6e-4 --save-every 200
-        --eval-per-source "${EVAL_N:-0}" --eval-max-new-tokens 128 --seed "${SEED:-0}" --no-progress)
+        --eval-per-source "${EVAL_N:-0}" --eval-max-new-tokens 128 --seed "${SEED:-0}" --no-progress
+        --init "${INIT:-random}")
 train_dspark() {
   python3 -c "import sys; from server.cli import train_dspark; sys.exit(train_dspark(sys.argv[1:]))" "${recipe[@]}" "$@"
 }
