@@ -140,6 +140,12 @@ def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
         _WK_OVERRIDE[(n, k, bits)] = wk
     for mb, ntu in (nt_u or {}).items():
         _NTU_OVERRIDE[(n, k, bits, mb)] = ntu
+    _forget_launch_decisions()
+
+
+def _forget_launch_decisions() -> None:
+    """Drop every cached plan and launcher and bump :func:`config_generation`, so every row
+    count of a layer switches to the new launch decisions together."""
     _plan_cached.cache_clear()
     _launcher.cache_clear()
     sibling_launcher.cache_clear()
@@ -151,10 +157,7 @@ def clear_mma_config() -> None:
     _WK_OVERRIDE.clear()
     _NTU_OVERRIDE.clear()
     _PATH_OVERRIDE.clear()
-    _plan_cached.cache_clear()
-    _launcher.cache_clear()
-    sibling_launcher.cache_clear()
-    _CONFIG_GENERATION[0] += 1
+    _forget_launch_decisions()
 
 
 def mma_config_fits(nt: int, u: int, mb: int, wk: int, xl: bool = False) -> bool:
@@ -210,10 +213,7 @@ def set_one_row_forms(enabled: bool) -> None:
     decision is dropped, as by :func:`clear_mma_config`)."""
     global ONE_ROW_FORMS
     ONE_ROW_FORMS = bool(enabled)
-    _plan_cached.cache_clear()
-    _launcher.cache_clear()
-    sibling_launcher.cache_clear()
-    _CONFIG_GENERATION[0] += 1
+    _forget_launch_decisions()
 
 
 def _one_row_launch(n: int, k: int) -> tuple[int, dict]:
