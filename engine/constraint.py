@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import time
 from collections.abc import Sequence
 
@@ -111,29 +112,172 @@ def choice_grammar(choices: Sequence[str]) -> str:
     return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
 
 
-def tool_call_grammar(tokenizer, ll_tok, start: str, end: str, call_schemas: Sequence[dict],
+TOOL_CALL_STYLES = ("json_block", "xml_function", "mistral_list", "mistral_args")
+
+
+def tool_call_grammar(tokenizer, ll_tok, style: str, start: str, end: str, functions: Sequence[dict],
                       parallel: bool = True) -> str:
-    """The grammar of a reply that is only tool calls in the JSON-block format
-    (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, mlx-lm's ``json_tools``):
-    one block, or with ``parallel`` one or more separated by newlines, each holding a JSON
-    object valid under one of ``call_schemas``. A marker that is one special token is matched
-    as that token (llguidance's ``<[id]>``), else as text. For ``tool_choice`` ``required`` or a
-    named function (OpenAI), as vLLM forces them."""
+    """The grammar of a reply that is only tool calls, in the model's own call syntax, each
+    calling one of ``functions`` with arguments valid under its ``parameters``. For
+    ``tool_choice`` ``required`` or a named function (OpenAI), as vLLM forces them; the reply
+    is then parsed by the same mlx-lm parser as an unforced one.
+
+    Args:
+        style: the call syntax, after mlx-lm's parsers (``mlx_lm.tool_parsers``):
+
+            * ``json_block`` (``json_tools``; Hermes, Qwen2.5, Qwen3):
+              ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
+            * ``xml_function`` (``qwen3_coder``): ``<tool_call>\n<function=NAME>\n<parameter=P>\n
+              VALUE\n</parameter>\n</function>\n</tool_call>``, string values as raw text, other
+              values as JSON (the parser converts by the parameter's ``type``);
+            * ``mistral_list`` (``mistral``, older templates): ``[TOOL_CALLS][{"name": ...,
+              "arguments": {...}}, ...]``;
+            * ``mistral_args`` (``mistral``, templates with ``[ARGS]``):
+              ``[TOOL_CALLS]NAME[ARGS]{...}``, one per call.
+        start, end: the format's markers (``end`` empty for Mistral's, whose calls run to the
+            end of the output). A marker that is one special token is matched as that token
+            (llguidance's ``<[id]>``), else as text.
+        functions: ``[{"name": str, "parameters": JSON Schema of an object}]``.
+        parallel: one call, or one or more (blocks separated by a newline).
+
+    Raises:
+        GrammarError: ``style`` is unknown, or a name or parameter schema cannot be written in
+            that syntax (names the parser would not read back; in ``xml_function`` a parameter
+            whose schema is not one ``type``, or a string parameter with a ``pattern`` or
+            ``format``).
+    """
+    from llguidance import LLMatcher
+
     def marker(text: str) -> str:
         ids = tokenizer.encode(text, add_special_tokens=False)
         if len(ids) == 1 and ll_tok.is_special_token(ids[0]):
             return f"<[{ids[0]}]>"
         return json.dumps(text)
 
-    schema = call_schemas[0] if len(call_schemas) == 1 else {"anyOf": list(call_schemas)}
-    schema = {**schema, "x-guidance": {"whitespace_flexible": False}}
-    from llguidance import LLMatcher
+    many = "+" if parallel else ""
+    if style in ("json_block", "mistral_list"):
+        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                  "properties": {"name": {"const": f["name"]}, "arguments": f.get("parameters") or {"type": "object"}}}
+                 for f in functions]
+        call = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        if style == "json_block":
+            lines = ['start: block ("\\n" block)*' if parallel else "start: block",
+                     f'block: {marker(start)} "\\n"? call "\\n"? {marker(end)}',
+                     f"call: %json {json.dumps(_json_schema(call))}"]
+        else:
+            array = _json_schema({"type": "array", "items": call, "minItems": 1, **({} if parallel else {"maxItems": 1})})
+            lines = [f'start: {marker(start)} " "? %json {json.dumps(array)}']
+    elif style == "mistral_args":
+        for f in functions:
+            if not re.fullmatch(r"[\w-]+", f["name"]):
+                raise GrammarError(f"tool name {f['name']!r} cannot be written in this model's tool-call format "
+                                   "(letters, digits, '_' and '-' only)")
+        lines = [f"start: call{many}", f"call: {marker(start)} ({' | '.join(f'fn{i}' for i in range(len(functions)))})"]
+        lines += [f"fn{i}: {json.dumps(f['name'])} {marker('[ARGS]')} "
+                  f"%json {json.dumps(_json_schema(f.get('parameters') or {'type': 'object'}))}"
+                  for i, f in enumerate(functions)]
+    elif style == "xml_function":
+        lines = ['start: block ("\\n" block)*' if parallel else "start: block",
+                 f'block: {marker(start)} "\\n" call "\\n" {marker(end)}',
+                 "call: " + " | ".join(f"fn{i}" for i in range(len(functions)))]
+        for i, f in enumerate(functions):
+            lines += _xml_function_rules(i, f["name"], f.get("parameters") or {"type": "object"}, end)
+    else:
+        raise GrammarError(f"unknown tool-call style {style!r} (one of {', '.join(TOOL_CALL_STYLES)})")
+    try:
+        return LLMatcher.grammar_from_lark("\n".join(lines))
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise GrammarError(str(exc)) from None
 
-    return LLMatcher.grammar_from_lark("\n".join([
-        'start: block ("\\n" block)*' if parallel else "start: block",
-        f'block: {marker(start)} "\\n"? call "\\n"? {marker(end)}',
-        f"call: %json {json.dumps(schema)}",
-    ]))
+
+def _json_schema(schema: dict) -> dict:
+    """``schema`` with JSON written without free whitespace (as :func:`json_grammar`; llguidance
+    reads ``x-guidance`` at a schema's top level only)."""
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}
+
+
+_XML_NAME = re.compile(r"[^\s<>]+")  # what mlx-lm's qwen3_coder parser reads as a function or parameter name
+_XML_TYPES = {"string", "integer", "number", "boolean", "object", "array", "null"}
+_XML_MAX_LENGTH = 4096  # the longest maxLength a string parameter's bounded lexeme takes
+
+
+def _xml_function_rules(i: int, name: str, parameters: dict, end: str) -> list[str]:
+    """Lark rules ``fn{i}`` (and its parameters') for one function in the ``xml_function``
+    syntax: every property of ``parameters`` in its order, the required ones always, each
+    ``<parameter=P>\n`` VALUE ``\n</parameter>\n``. Raises GrammarError for what this syntax
+    cannot carry (see :func:`tool_call_grammar`)."""
+    if not _XML_NAME.fullmatch(name):
+        raise GrammarError(f"tool name {name!r} cannot be written in this model's tool-call format (no spaces, '<' or '>')")
+    properties, required = parameters.get("properties") or {}, parameters.get("required") or []
+    if not isinstance(properties, dict) or not isinstance(required, list) \
+            or not all(isinstance(p, str) for p in required):
+        raise GrammarError(f"tool {name!r}: properties must be an object and required a list of names")
+    missing = [p for p in required if p not in properties]
+    if missing:
+        raise GrammarError(f"tool {name!r}: required parameters {missing} are not among its properties")
+    defs = {k: parameters[k] for k in ("$defs", "definitions") if k in parameters}
+    rules, parts = [], []
+    for j, (pname, schema) in enumerate(properties.items()):
+        if not _XML_NAME.fullmatch(pname):
+            raise GrammarError(f"tool {name!r}: parameter name {pname!r} cannot be written in this model's "
+                               "tool-call format (no spaces, '<' or '>')")
+        rule = f"p{i}_{j}"
+        value, terminals = _xml_value(rule, name, pname, schema if isinstance(schema, dict) else {}, defs, end)
+        rules += [f"{rule}: {json.dumps(f'<parameter={pname}>' + chr(10))} {value}", *terminals]
+        parts.append(rule if pname in required else f"{rule}?")
+    head = json.dumps(f"<function={name}>\n")
+    return [f"fn{i}: {head} {' '.join(parts)} \"</function>\"", *rules]
+
+
+def _xml_value(rule: str, name: str, pname: str, schema: dict, defs: dict, end: str) -> tuple[str, list[str]]:
+    """The Lark expression of one parameter's value and its closing ``\n</parameter>\n``, and
+    the terminal definitions it uses.
+
+    The parser reads a value by the parameter's ``type``: ``string`` (or no type, with
+    ``enum``/``const`` strings) as the raw text, anything reading ``null`` in any case as None;
+    other types as JSON. A string value is one lexeme that holds neither ``</parameter>`` nor
+    the end marker before its own closing tag (either would end it early for the parser or the
+    stream's splitter) and is not ``null``."""
+    where = f"tool {name!r}, parameter {pname!r}"
+    kind = schema.get("type")
+    if isinstance(kind, list) and len(kind) == 1:
+        kind = kind[0]
+    close = json.dumps("\n</parameter>\n")
+    literals = [schema["const"]] if "const" in schema else schema.get("enum")
+    if kind in (None, "string") and literals is not None:
+        if not literals or not all(isinstance(v, str) for v in literals):
+            raise GrammarError(f"{where}: only string enum/const values can be written in this model's tool-call format")
+        bad = [v for v in literals if "</parameter>" in v or (end and end in v) or v.lower() == "null"]
+        if bad:
+            raise GrammarError(f"{where}: enum values {bad} cannot be written in this model's tool-call format")
+        return "(" + " | ".join(json.dumps(v + "\n</parameter>\n") for v in literals) + ")", []
+    if not isinstance(kind, str) or kind not in _XML_TYPES:
+        raise GrammarError(f"{where}: a parameter needs one JSON Schema type (one of {sorted(_XML_TYPES)}) "
+                           f"in this model's tool-call format, got {schema.get('type')!r}")
+    if kind != "string":
+        return f"%json {json.dumps(_json_schema({**schema, **defs}))} {close}", []
+    unsupported = [k for k in ("pattern", "format") if k in schema]
+    if unsupported:
+        raise GrammarError(f"{where}: string {unsupported[0]} cannot be enforced in this model's tool-call format")
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if not isinstance(low, int) or not (high is None or isinstance(high, int)) or (high is not None and high < low):
+        raise GrammarError(f"{where}: minLength/maxLength must be integers with minLength <= maxLength")
+    if max(low, high or 0) > _XML_MAX_LENGTH:
+        raise GrammarError(f"{where}: string lengths above {_XML_MAX_LENGTH} cannot be enforced in this model's "
+                           "tool-call format")
+    any_char, tag = r"(.|\n)", _regex_literal("</parameter>")
+    body = f"{any_char}*" if (low, high) == (0, None) else f"{any_char}{{{low},{high if high is not None else ''}}}"
+    lexeme = [f"/{body}\\n{tag}/", f"~/{any_char}*{tag}{any_char}+/", f"~/[nN][uU][lL][lL]\\n{tag}/"]
+    if end:
+        lexeme.append(f"~/{any_char}*{_regex_literal(end)}{any_char}*/")
+    token = f"VALUE_{rule.upper()}"
+    return f'{token} "\\n"', [f"{token}: {' & '.join(lexeme)}"]
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex inside a Lark ``/.../`` literal: every character but letters and
+    digits as a ``\\x{..}`` escape (so no regex or Lark syntax can leak in)."""
+    return "".join(c if c.isascii() and c.isalnum() else f"\\x{{{ord(c):x}}}" for c in text)
 
 
 def ll_tokenizer(tokenizer, vocab_size: int, eos_token_ids) -> object:

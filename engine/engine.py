@@ -290,13 +290,17 @@ class Engine:
         if request.grammar is not None and request.grammar_matcher is None:  # (last: the costly check)
             request.grammar_matcher = self.prepare_grammar(request.grammar)
 
-    def tool_call_grammar(self, start: str, end: str, call_schemas: list[dict], parallel: bool = True) -> str:
-        """A grammar forcing a reply of tool calls in the JSON-block format (engine.constraint.tool_call_grammar).
+    def tool_call_grammar(self, style: str, start: str, end: str, functions: list[dict], parallel: bool = True) -> str:
+        """A grammar forcing a reply of tool calls in the model's call syntax
+        (engine.constraint.tool_call_grammar: ``style``, the markers, ``functions`` as
+        ``[{"name", "parameters"}]``).
 
         Raises:
-            GrammarError: the model's tokenizer cannot be used for grammars.
+            GrammarError: a function the syntax cannot carry, or the model's tokenizer cannot be
+                used for grammars.
         """
-        return tool_call_grammar(self.loaded.tokenizer, self._grammar_tokenizer(), start, end, call_schemas, parallel)
+        return tool_call_grammar(self.loaded.tokenizer, self._grammar_tokenizer(), style, start, end, functions,
+                                 parallel)
 
     def _grammar_tokenizer(self):
         """llguidance's tokenizer for structured output, built at first use (~0.3 s).

@@ -110,12 +110,16 @@ def tokenizer_wrapper(hf_tokenizer, eos_token_ids) -> TokenizerWrapper:
 
 
 def tool_marker_ids(tokenizer) -> list[int]:
-    """The ids of tool-call markers that are special tokens (decoded to nothing otherwise)."""
+    """The ids of tool-call markers that are special tokens (decoded to nothing otherwise):
+    the start and end markers, and Mistral's ``[ARGS]``."""
     if not getattr(tokenizer, "has_tool_calling", False):
         return []
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    markers = [tokenizer.tool_call_start, tokenizer.tool_call_end]
+    if (getattr(tokenizer.tool_parser, "__module__", "") or "").endswith(".mistral"):
+        markers.append("[ARGS]")  # (between a call's name and its arguments: NAME[ARGS]{...})
     ids = []
-    for marker in (tokenizer.tool_call_start, tokenizer.tool_call_end):
+    for marker in markers:
         encoded = tokenizer.encode(marker, add_special_tokens=False) if marker else []
         if len(encoded) == 1 and encoded[0] in special:
             ids.append(encoded[0])

@@ -35,7 +35,7 @@ from engine import (
 
 from .errors import APIError, error_body
 from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
-from .tools import ToolCallSplitter, ToolFormat, call_schema, split_tool_calls
+from .tools import ToolCallSplitter, ToolFormat, split_tool_calls
 
 router = APIRouter()
 MAX_PROMPTS = 64
@@ -262,16 +262,16 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
         extra["tools"] = tools
         forced = body.forced_tools()
         if forced is not None:  # tool_choice required or a named function: a grammar of calls
-            if not fmt.json_blocks:
+            if fmt.style is None:
                 choice = "'required'" if body.tool_choice == "required" else "naming a function"
-                raise APIError(400, f"tool_choice {choice} needs a model whose tool calls are JSON "
-                               f"blocks ({fmt.start}{{...}}{fmt.end} is not); use 'auto'", param="tool_choice")
+                raise APIError(400, f"tool_choice {choice} cannot be enforced in this model's tool-call format "
+                               f"({fmt.start}...{fmt.end}); use 'auto'", param="tool_choice")
+            functions = [t.for_template()["function"] for t in forced]
             try:
                 grammar = _state(request).engine.tool_call_grammar(
-                    fmt.start, fmt.end, [call_schema(t.for_template()) for t in forced],
-                    parallel=body.parallel_tool_calls is not False)
+                    fmt.style, fmt.start, fmt.end, functions, parallel=body.parallel_tool_calls is not False)
             except (GrammarError, ValueError, RuntimeError) as exc:
-                raise APIError(400, f"the tools' parameters do not compile: {exc}", param="tools") from None
+                raise APIError(400, f"the tools cannot be forced: {exc}", param="tools") from None
             grammar_param = "tools"
     messages = [m.for_template() for m in body.messages]
     try:

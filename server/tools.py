@@ -35,14 +35,15 @@ class ToolFormat:
     them. It is third-party code fed model output, so any exception it raises means "not a
     call". ``end`` is empty for formats whose block runs to the end of the output.
     ``short_ids``: call ids of 9 letters and digits (Mistral's templates refuse others in the
-    history), else ``call_`` and 24 hex digits.
+    history), else ``call_`` and 24 hex digits. ``style``: the call syntax a grammar can force
+    (``engine.constraint.TOOL_CALL_STYLES``), None for formats calls cannot be forced in.
     """
 
     start: str
     end: str
     parse: Callable[[str, Any], Any]
     short_ids: bool = False
-    json_blocks: bool = False  # blocks hold {"name", "arguments"} JSON (json_tools): calls can be forced
+    style: str | None = None
 
     @classmethod
     def of(cls, tokenizer) -> ToolFormat | None:
@@ -50,17 +51,13 @@ class ToolFormat:
         if not getattr(tokenizer, "has_tool_calling", False):
             return None
         parser = tokenizer.tool_parser
-        module = getattr(parser, "__module__", "") or ""
+        module = (getattr(parser, "__module__", "") or "").rsplit(".", 1)[-1]
+        style = {"json_tools": "json_block", "qwen3_coder": "xml_function"}.get(module)
+        if module == "mistral":  # (templates since v11 write NAME[ARGS]{...}, older ones a JSON list)
+            template = getattr(tokenizer, "chat_template", None)
+            style = "mistral_args" if isinstance(template, str) and "[ARGS]" in template else "mistral_list"
         return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "", parser,
-                   short_ids=module.endswith(".mistral"), json_blocks=module.endswith(".json_tools"))
-
-
-def call_schema(tool: dict) -> dict:
-    """JSON Schema of one call of ``tool`` (an OpenAI tool dict) as a JSON block holds it."""
-    function = tool["function"]
-    return {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-            "properties": {"name": {"const": function["name"]},
-                           "arguments": function.get("parameters") or {"type": "object"}}}
+                   short_ids=module == "mistral", style=style)
 
 
 @dataclass

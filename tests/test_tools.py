@@ -337,10 +337,83 @@ def test_forced_tool_choice_calls_a_tool_with_valid_arguments(tool_server, choic
     assert len(one["choices"][0]["message"]["tool_calls"]) == 1
 
 
-def test_forced_tool_choice_needs_json_blocks(tool_server, monkeypatch):
-    monkeypatch.setattr(tool_server.engine.loaded.tokenizer, "_tool_parser", qwen3_coder.parse_tool_call)
+def test_forced_tool_choice_needs_a_format_with_a_grammar(tool_server, monkeypatch):
+    monkeypatch.setattr(tool_server.engine.loaded.tokenizer, "_tool_parser", kimi_k2.parse_tool_call)
     r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS, "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS}).status_code == 200
+
+
+MODE = {"type": "function", "function": {"name": "set_mode", "parameters": {
+    "type": "object", "required": ["mode"],
+    "properties": {"mode": {"enum": ["eco", "fast"]}, "loud": {"type": "boolean"},
+                   "zones": {"type": "array", "items": {"enum": [1, 2]}, "maxItems": 2}}}}}
+
+
+def _valid_call(name, args):
+    """Whether ``args`` satisfy ALARM's or MODE's parameters (the bounded tools these tests force)."""
+    if name == "set_alarm":
+        return set(args) == {"hour", "label"} and type(args["hour"]) is int and 0 <= args["hour"] <= 23 \
+            and isinstance(args["label"], str) and len(args["label"]) <= 8 and args["label"].lower() != "null"
+    return name == "set_mode" and "mode" in args and set(args) <= {"mode", "loud", "zones"} \
+        and args["mode"] in ("eco", "fast") and isinstance(args.get("loud", True), bool) \
+        and set(args.get("zones", [])) <= {1, 2} and len(args.get("zones", [])) <= 2
+
+
+@pytest.mark.parametrize("style", ["xml_function", "mistral_args", "mistral_list"])
+def test_forced_tool_calls_in_other_formats(tool_server, monkeypatch, style):
+    """Forced calls in Qwen3-Coder's XML and Mistral's two syntaxes: the constrained reply of the
+    tiny model (left to itself it writes JSON blocks) parses, with mlx-lm's parser, into calls
+    whose arguments satisfy the tools' schemas, whole and streamed alike."""
+    tokenizer = tool_server.engine.loaded.tokenizer
+    parser = qwen3_coder if style == "xml_function" else mistral
+    monkeypatch.setattr(tokenizer, "_tool_parser", parser.parse_tool_call)
+    monkeypatch.setattr(tokenizer, "_tool_call_start", parser.tool_call_start)
+    monkeypatch.setattr(tokenizer, "_tool_call_end", parser.tool_call_end)
+    if style == "mistral_args":  # (mistral_list otherwise: the template decides)
+        monkeypatch.setattr(tokenizer._tokenizer, "chat_template", tokenizer._tokenizer.chat_template + "{# [ARGS] #}")
+    from server.tools import ToolFormat as Format
+
+    assert Format.of(tokenizer).style == style
+    for choice, parallel in (("required", False), ({"type": "function", "function": {"name": "set_mode"}}, False),
+                             ("required", True)):
+        body = {"messages": MSGS, "tools": [ALARM, MODE], "tool_choice": choice, "temperature": 0,
+                "max_tokens": 300, "parallel_tool_calls": parallel}
+        out = post(tool_server, "/v1/chat/completions", body).json()["choices"][0]
+        calls = _calls(out["message"]["tool_calls"])
+        assert calls and all(_valid_call(name, args) for name, args in calls), calls
+        if not parallel:  # one call, then the grammar ends the reply
+            assert out["finish_reason"] == "tool_calls" and out["message"]["content"] is None, out
+            assert len(calls) == 1
+        else:  # (Mistral's calls have no end marker: the tiny model may call until max_tokens)
+            assert out["finish_reason"] in ("tool_calls", "length")
+        if choice != "required":
+            assert {name for name, _ in calls} == {"set_mode"}
+        events = sse_events(post(tool_server, "/v1/chat/completions", {**body, "stream": True}))
+        deltas = [d for e in events if e["choices"] for d in e["choices"][0]["delta"].get("tool_calls", [])]
+        assert _calls(deltas) == calls and events[-1]["choices"][0]["finish_reason"] == out["finish_reason"]
+
+
+def test_forced_xml_calls_refuse_what_the_format_cannot_carry(tool_server, monkeypatch):
+    monkeypatch.setattr(tool_server.engine.loaded.tokenizer, "_tool_parser", qwen3_coder.parse_tool_call)
+    for parameters in ({"type": "object", "properties": {"a": {"type": "string", "pattern": "^x$"}}},
+                       {"type": "object", "properties": {"a": {"type": ["string", "null"]}}},
+                       {"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}]}}},
+                       {"type": "object", "properties": {"a b": {"type": "string"}}},
+                       {"type": "object", "required": ["b"], "properties": {"a": {"type": "string"}}},
+                       {"type": "object", "properties": {"a": {"enum": ["Null"]}}},
+                       {"type": "object", "properties": [{"a": {"type": "string"}}]},
+                       {"type": "object", "required": [{"a": 1}], "properties": {"a": {"type": "string"}}},
+                       {"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
+        r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": tools, "tool_choice": "required"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", (parameters, r.text)
+    monkeypatch.setattr(tool_server.engine.loaded.tokenizer, "_tool_parser", mistral.parse_tool_call)
+    monkeypatch.setattr(tool_server.engine.loaded.tokenizer._tokenizer, "chat_template",
+                        tool_server.engine.loaded.tokenizer._tokenizer.chat_template + "{# [ARGS] #}")
+    tools = [{"type": "function", "function": {"name": "a.b", "parameters": {"type": "object"}}}]
+    r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": tools, "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS}).status_code == 200
 
 
@@ -363,3 +436,77 @@ def test_history_arguments_with_an_escaped_lone_surrogate(tool_server):
         {"role": "tool", "tool_call_id": "c1", "content": "18 C"}]
     r = post(tool_server, "/v1/chat/completions", {"messages": history, "tools": TOOLS, "max_tokens": 1})
     assert r.status_code == 200, r.text
+
+
+@pytest.fixture(scope="module")
+def byte_grammar():
+    """A function checking texts against a forced-call grammar on the byte tokenizer."""
+    import llguidance.hf
+    from llguidance import LLMatcher
+    from tiny import byte_tokenizer
+
+    from engine.constraint import tool_call_grammar
+
+    hf = byte_tokenizer()
+    ll_tok = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf), eos_token=[2])
+
+    def accepts(style, start, end, functions, texts, parallel=True):
+        grammar = tool_call_grammar(hf, ll_tok, style, start, end, functions, parallel)
+        out = []
+        for text in texts:
+            matcher = LLMatcher(ll_tok, grammar, log_level=0)
+            out.append(matcher.consume_tokens(hf.encode(text, add_special_tokens=False)) and matcher.is_accepting())
+        return out
+
+    return accepts
+
+
+def test_xml_call_grammar_accepts_what_the_parser_reads_back(byte_grammar):
+    alarm = ALARM["function"]
+    call = ("<tool_call>\n<function=set_alarm>\n<parameter=hour>\n7\n</parameter>\n<parameter=label>\n{}\n"
+            "</parameter>\n</function>\n</tool_call>")
+    labels = ["a<b>\nc", "", "\nx", "null", "NuLl", "123456789", "x</parameter>", "a</tool_call>"]
+    texts = [call.format(label) for label in labels]
+    texts += [call.format("ok").replace(">\n7\n", ">\n24\n"), call.format("ok") + "\n" + call.format("two"),
+              call.format("ok").replace("<parameter=hour>\n7\n</parameter>\n", "")]
+    got = byte_grammar("xml_function", "<tool_call>", "</tool_call>", [alarm], texts)
+    assert got == [True, True, True, False, False, False, False, False, False, True, False]
+    for label in labels[:3]:  # what the grammar lets through, mlx-lm's parser reads back as written
+        assert qwen3_coder.parse_tool_call(call.format(label)[11:-12], [ALARM]) == \
+            {"name": "set_alarm", "arguments": {"hour": 7, "label": label}}
+    assert byte_grammar("xml_function", "<tool_call>", "</tool_call>", [alarm],
+                        [call.format("ok") + "\n" + call.format("two")], parallel=False) == [False]
+
+
+def test_mistral_call_grammars(byte_grammar):
+    fns = [ALARM["function"], MODE["function"]]
+    args = ['[TOOL_CALLS]set_mode[ARGS]{"mode":"eco"}',
+            '[TOOL_CALLS]set_mode[ARGS]{"mode":"eco"}[TOOL_CALLS]set_alarm[ARGS]{"hour":7,"label":"x"}',
+            '[TOOL_CALLS]set_alarm[ARGS]{"hour":7}', '[TOOL_CALLS]set_mode[ARGS]{"mode":"slow"}',
+            '[TOOL_CALLS]other[ARGS]{}']
+    assert byte_grammar("mistral_args", "[TOOL_CALLS]", "", fns, args) == [True, True, False, False, False]
+    assert byte_grammar("mistral_args", "[TOOL_CALLS]", "", fns, args[:2], parallel=False) == [True, False]
+    lists = ['[TOOL_CALLS][{"name":"set_mode","arguments":{"mode":"eco"}}]',
+             '[TOOL_CALLS] [{"name":"set_mode","arguments":{"mode":"eco"}},{"name":"set_alarm","arguments":'
+             '{"hour":7,"label":"x"}}]', "[TOOL_CALLS][]", '[TOOL_CALLS][{"name":"set_mode","arguments":{}}]']
+    assert byte_grammar("mistral_list", "[TOOL_CALLS]", "", fns, lists) == [True, True, False, False]
+    assert byte_grammar("mistral_list", "[TOOL_CALLS]", "", fns, lists[:2], parallel=False) == [True, False]
+    for text in (args[1], lists[1]):  # both read back by mlx-lm's parser
+        assert [c["name"] for c in mistral.parse_tool_call(text[len("[TOOL_CALLS]"):])] == ["set_mode", "set_alarm"]
+
+
+def test_mistral_args_marker_stays_visible():
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tiny import byte_tokenizer
+
+    from engine.loader import tool_marker_ids
+
+    hf = byte_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]", "[ARGS]"]})
+    ids = [hf.convert_tokens_to_ids(t) for t in ("[TOOL_CALLS]", "[ARGS]")]
+    wrapper = TokenizerWrapper(hf, eos_token_ids=[2], tool_parser=mistral.parse_tool_call,
+                               tool_call_start=mistral.tool_call_start, tool_call_end=mistral.tool_call_end)
+    assert tool_marker_ids(wrapper) == ids
+    json_wrapper = TokenizerWrapper(hf, eos_token_ids=[2], tool_parser=json_tools.parse_tool_call,
+                                    tool_call_start="[TOOL_CALLS]", tool_call_end="")
+    assert tool_marker_ids(json_wrapper) == ids[:1]
