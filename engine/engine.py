@@ -86,6 +86,7 @@ class EngineConfig:
     exact_verify: str = "auto"  # auto (= row) | row | batched | kernel (see TargetRunner.calibrate)
     calibration_contexts: tuple[int, ...] = (48, 1100)
     prefill_step: int = 256  # prompt tokens per chunk; also the prefix cache's block
+    prefill_slice_ms: float = 100.0  # with other sequences active: prefill slices of about this long, where chunks split exactly; 0: whole chunks
     prefix_cache_bytes: int = 1 << 30  # prefix cache budget (KV + DSpark taps); 0: off
     batching: str = "auto"  # continuous batching of decoding sequences: auto (calibrated exact size) | off
     max_active: int = 8
@@ -797,13 +798,28 @@ class Engine:
         """Advance one sequence by a prefill chunk or one speculative cycle and emit its event."""
         result = None
         if not seq.prefilled:
-            result = prefill_step(seq)
+            result = prefill_step(seq, self._prefill_slice(seq))
             if seq.prefilled:
                 self._store_prefix(seq)
         if seq.prefilled and result is None:  # the first cycle may follow the last chunk at once
             result = speculative_step(seq, self.cost)
         if result is not None:
             self._emit(handle, seq, result)
+
+    def _prefill_slice(self, seq: Sequence) -> int | None:
+        """Rows of ``seq``'s next prefill step: None (the whole chunk) when it is the only
+        active sequence or the runner cannot split chunks exactly; else whole fused passes worth
+        about ``prefill_slice_ms`` at its last measured seconds per row (one pass before any
+        measurement), so a long prompt holds the other sequences' steps up by about that much
+        at a time instead of a whole chunk (a 256-token chunk at a few thousand tokens of context
+        takes ~1 s on 2 CPU cores). A chunk is never exceeded."""
+        rows = self.runner.prefill_slice_rows
+        budget = self.config.prefill_slice_ms / 1e3
+        if rows is None or budget <= 0 or len(self._active) < 2:
+            return None
+        if seq.prefill_row_seconds is None:
+            return rows
+        return max(rows, int(budget / seq.prefill_row_seconds) // rows * rows)
 
     def _step_batch(self, decoding: list[tuple[_Handle, Sequence]]) -> None:
         """One batched cycle for up to ``batch_rows`` decoding sequences (round-robin when more

@@ -101,6 +101,7 @@ class Sequence:
         self.pending_error: Exception | None = None  # a grammar failure after committed tokens: raised by the next propose()
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
+        self.prefill_row_seconds: float | None = None  # wall seconds per row of the last prefill chunk or slice
         self.prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs else None
 
     def reuse_prefix(self, cache: list, hidden: mx.array | None, num_tokens: int) -> None:
@@ -372,12 +373,19 @@ def _logprob_rows(chosen_lp, top_ids, top_lp, tokens: list[int]) -> list[TokenLo
     ]
 
 
-def prefill_step(seq: Sequence) -> CommitResult | None:
-    """Feed the next prompt chunk into the KV cache.
+def prefill_step(seq: Sequence, max_rows: int | None = None) -> CommitResult | None:
+    """Feed the next prompt chunk (or a slice of it) into the KV cache.
 
     Chunks are ``[j*S, (j+1)*S)`` for ``S = runner.prefill_step`` (absolute positions), the last
     one ending before the anchor: the prefix cache reuses whole chunks, so a warm start computes
-    exactly the chunks a cold one would.
+    exactly the chunks a cold one would. ``max_rows`` (a multiple of
+    ``runner.prefill_slice_rows``; only for runners that have one) feeds at most that many
+    tokens of the current chunk, so other sequences can step sooner; the cache holds the same
+    bits either way.
+
+    Raises:
+        ValueError: ``max_rows`` on a runner whose chunks must run whole, or not a positive
+            multiple of its slice.
 
     The last prompt token is not prefilled: it is the first anchor, and the first output token
     comes from the first verify pass, computed exactly as a one-token decode step would (as
@@ -386,9 +394,15 @@ def prefill_step(seq: Sequence) -> CommitResult | None:
     """
     runner, start = seq.runner, seq.num_prefilled
     end = min((start // runner.prefill_step + 1) * runner.prefill_step, seq.prompt_len - 1)
+    if max_rows is not None:
+        slice_rows = runner.prefill_slice_rows
+        if slice_rows is None or max_rows <= 0 or max_rows % slice_rows:
+            raise ValueError(f"prefill slices of {max_rows} rows on a runner with slices of {slice_rows}")
+        end = min(end, start + max_rows)
     if seq.prompt_logprobs is not None and start == 0:
         seq.prompt_logprobs.append(TokenLogprob(seq.tokens[0], None))
     if end > start:
+        started = time.perf_counter()
         logits, hidden = runner.prefill(seq.tokens[start:end], seq.cache, seq.taps,
                                         logits=seq.prompt_logprobs is not None)
         if hidden is not None:
@@ -400,6 +414,7 @@ def prefill_step(seq: Sequence) -> CommitResult | None:
             seq.prompt_logprobs += _logprob_rows(*lp, targets)
         else:  # only the KV (and taps) are needed: the LM head rows stay unevaluated
             mx.eval(runner.cache_arrays(seq.cache), *(() if hidden is None else (hidden,)))
+        seq.prefill_row_seconds = (time.perf_counter() - started) / (end - start)
     seq.num_prefilled = end if end < seq.prompt_len - 1 else seq.prompt_len
     if seq.prefilled and seq.request.max_tokens == 0:  # echo + logprobs scoring: prompt only
         seq.finish_reason = FinishReason.LENGTH

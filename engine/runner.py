@@ -204,6 +204,16 @@ class TargetRunner:
             self._taps_alive[key] = taps  # keeps id(taps) unique while its passes live
         return self._passes[key]
 
+    @property
+    def prefill_slice_rows(self) -> int | None:
+        """The rows a prompt chunk may be split into without changing a bit of the cache: a
+        fused pass that prefills takes a chunk this many rows at a time, each row with the decode
+        step's arithmetic. None where a chunk must run whole (mlx-lm's modules: another split
+        would change the matmul shapes, hence bits, and the prefix cache relies on them)."""
+        if self.fused is None or not getattr(self.fused, "prefills", False):
+            return None
+        return self.fused.max_rows
+
     def prefill(self, tokens: list[int], cache, taps=None, logits: bool = True):
         """Run ``tokens`` (a prompt chunk) through the target (never compiled: chunk sizes vary).
 

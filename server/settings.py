@@ -114,6 +114,13 @@ class Settings(BaseSettings):
         "at multiples of it, and the prefix cache stores and reuses whole chunks, so warm and cold "
         "prefills compute the same bits.",
     )
+    prefill_slice_ms: float = Field(
+        100.0, ge=0, le=60000,
+        description="While other sequences are active, a prompt is prefilled in slices of about this many "
+        "milliseconds (whole passes of the fused pass, measured per sequence) instead of whole chunks, so "
+        "a long prompt holds running streams up by about this much per step. Only where a chunk splits "
+        "without changing a bit of the cache (the CPU fused pass); 0: whole chunks.",
+    )
     prefix_cache_bytes: int = Field(
         1 << 30, ge=0,
         description="Byte budget of the prefix cache: prompt KV (and DSpark's tapped hidden states) kept "
@@ -250,6 +257,7 @@ class Settings(BaseSettings):
             max_verify_rows=self.max_verify_rows,
             exact_verify=self.exact_verify,
             prefill_step=self.prefill_step,
+            prefill_slice_ms=self.prefill_slice_ms,
             prefix_cache_bytes=self.prefix_cache_bytes,
             max_active=self.max_active,
             batching=self.batching,

@@ -486,3 +486,87 @@ def test_layer_rows_join_to_the_laid_out_taps():
     assert np.array_equal(np.array(joined), np.concatenate(want))
     with pytest.raises(ValueError):
         join_rows([])
+
+
+def test_prefill_slices_stay_in_their_chunk_and_need_a_pass_that_splits():
+    """``prefill_step(seq, max_rows)`` feeds at most ``max_rows`` tokens and never crosses a
+    chunk boundary; a runner whose chunks must run whole (mlx-lm's modules) refuses slices."""
+    from engine import GenerationRequest
+    from engine.generation import Sequence, prefill_step
+
+    model, stored = _models(4, 64, seed=8)
+    prompt = mx.random.randint(3, 259, (90,), key=mx.random.key(5)).tolist()
+    runner = TargetRunner(model, prefill_step=40, fused=CpuFusedPass(model, stored))
+    assert runner.prefill_slice_rows == 16
+    def sequence(runner):  # (prefill reads no token table)
+        return Sequence(GenerationRequest(prompt_tokens=prompt, max_tokens=4), runner, table=None,
+                        eos_token_ids=frozenset(), context_length=512, seed=0)
+
+    seq = sequence(runner)
+    ends = []
+    while not seq.prefilled:
+        prefill_step(seq, 32)
+        ends.append(seq.num_prefilled)
+        assert seq.prefill_row_seconds > 0
+    assert ends == [32, 40, 72, 80, 90]  # (slices of <= 32 inside chunks of 40; the last prompt token is the anchor)
+    whole = sequence(runner)
+    while not whole.prefilled:
+        prefill_step(whole)
+    for a, b in zip(seq.cache, whole.cache):
+        assert np.array_equal(np.array(a.keys[..., :89, :]), np.array(b.keys[..., :89, :]))
+    with pytest.raises(ValueError, match="prefill slices"):
+        prefill_step(sequence(runner), 20)
+    plain = TargetRunner(model, prefill_step=40)
+    assert plain.prefill_slice_rows is None
+    with pytest.raises(ValueError, match="prefill slices"):
+        prefill_step(sequence(plain), 16)
+
+
+def test_a_long_prefill_runs_in_slices_while_another_stream_decodes(monkeypatch):
+    """With another sequence active, a prompt is prefilled in slices of whole passes (here one:
+    the budget is tiny), so the other stream keeps stepping; alone, in whole chunks. Outputs
+    equal those of an engine that always prefills whole chunks."""
+    import threading
+
+    from test_batching import collect
+
+    import engine.engine as engine_module
+    from engine import GenerationRequest, SamplingParams
+
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4, dequantize=True)
+    rng = np.random.default_rng(7)
+    long_req = GenerationRequest(prompt_tokens=[int(t) for t in rng.integers(3, 259, 700)], max_tokens=8,
+                                 sampling=SamplingParams(temperature=0.0))
+    short_req = GenerationRequest(prompt_tokens=[5, 6, 7, 8, 9, 10] * 3, max_tokens=200,
+                                  sampling=SamplingParams(temperature=0.0), ignore_eos=True,
+                                  speculative=SpeculativeParams("off"))
+    whole = _engine(loaded, speculation="auto", prefill_slice_ms=0)
+    try:
+        want = [collect(whole, long_req), collect(whole, short_req)]
+    finally:
+        whole.stop()
+    calls = []
+    original = engine_module.prefill_step
+
+    def recording(seq, max_rows=None):
+        calls.append((len(seq.tokens), max_rows))
+        return original(seq, max_rows)
+
+    monkeypatch.setattr(engine_module, "prefill_step", recording)
+    sliced = _engine(loaded, speculation="auto", prefill_slice_ms=1e-3)
+    try:
+        assert sliced.runner.prefill_slice_rows == 16
+        first = sliced.generate(short_req, timeout=600)
+        short_out = [next(first)]  # the short stream is decoding
+        got_long = {}
+        thread = threading.Thread(target=lambda: got_long.update(out=collect(sliced, long_req)))
+        thread.start()
+        short_out += list(first)
+        thread.join()
+        assert got_long["out"] == want[0]
+        assert [t for e in short_out for t in e.token_ids] == want[1][0]
+        long_calls = [rows for n, rows in calls if n == 700]
+        assert 16 in long_calls, long_calls  # sliced while the short stream ran
+        assert set(long_calls) <= {16, None}
+    finally:
+        sliced.stop()
