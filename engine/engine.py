@@ -40,7 +40,6 @@ from .constraint import (
     GrammarError,
     compile_grammar,
     ll_tokenizer,
-    tool_call_grammar,
 )
 from .generation import Sequence, prefill_step, speculative_batch_step, speculative_step
 from .loader import LoadedModel, load_target
@@ -61,6 +60,7 @@ from .request import (
 from .runner import Calibration, TargetRunner, cost_model
 from .scheduler import AcceptanceModel, CostModel, DsparkStats, RequestAcceptance
 from .stats import NullSink, StatsSink
+from .tool_grammar import tool_call_grammar
 
 log = logging.getLogger("specserve.engine")
 
@@ -293,7 +293,7 @@ class Engine:
 
     def tool_call_grammar(self, style: str, start: str, end: str, functions: list[dict], parallel: bool = True) -> str:
         """A grammar forcing a reply of tool calls in the model's call syntax
-        (engine.constraint.tool_call_grammar: ``style``, the markers, ``functions`` as
+        (engine.tool_grammar.tool_call_grammar: ``style``, the markers, ``functions`` as
         ``[{"name", "parameters"}]``).
 
         Raises:

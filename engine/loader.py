@@ -116,7 +116,9 @@ def tool_marker_ids(tokenizer) -> list[int]:
         return []
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     markers = [tokenizer.tool_call_start, tokenizer.tool_call_end]
-    if (getattr(tokenizer.tool_parser, "__module__", "") or "").endswith(".mistral"):
+    from .tool_grammar import parser_module
+
+    if parser_module(tokenizer.tool_parser) == "mistral":
         markers.append("[ARGS]")  # (between a call's name and its arguments: NAME[ARGS]{...})
     ids = []
     for marker in markers:

@@ -8,8 +8,9 @@ stream into assistant content and tool-call blocks as tokens arrive, holding bac
 could still be the start of a marker, so a streamed response and a whole one agree: the
 content deltas add up to the whole response's ``content`` and the tool calls are the same.
 Nothing generated is dropped: a block the parser rejects, or one that ``max_tokens`` cut off
-before its end marker, is returned as content, markers included. A format without an end
-marker (Mistral's ``[TOOL_CALLS]``) runs its block to the end of the output, as mlx-lm does.
+before its end marker, is returned as content, markers included. In a format without an end
+marker (Mistral's ``[TOOL_CALLS]``) a block runs to the next start marker or to the end of the
+output, so a call that ``max_tokens`` cut short leaves the calls before it intact.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from engine.tool_grammar import ToolCallStyle, parser_module, tool_call_style
 
 log = logging.getLogger(__name__)
 
@@ -36,14 +39,14 @@ class ToolFormat:
     call". ``end`` is empty for formats whose block runs to the end of the output.
     ``short_ids``: call ids of 9 letters and digits (Mistral's templates refuse others in the
     history), else ``call_`` and 24 hex digits. ``style``: the call syntax a grammar can force
-    (``engine.constraint.TOOL_CALL_STYLES``), None for formats calls cannot be forced in.
+    (``engine.tool_grammar.ToolCallStyle``), None for formats calls cannot be forced in.
     """
 
     start: str
     end: str
     parse: Callable[[str, Any], Any]
     short_ids: bool = False
-    style: str | None = None
+    style: ToolCallStyle | None = None
 
     @classmethod
     def of(cls, tokenizer) -> ToolFormat | None:
@@ -51,13 +54,9 @@ class ToolFormat:
         if not getattr(tokenizer, "has_tool_calling", False):
             return None
         parser = tokenizer.tool_parser
-        module = (getattr(parser, "__module__", "") or "").rsplit(".", 1)[-1]
-        style = {"json_tools": "json_block", "qwen3_coder": "xml_function"}.get(module)
-        if module == "mistral":  # (templates since v11 write NAME[ARGS]{...}, older ones a JSON list)
-            template = getattr(tokenizer, "chat_template", None)
-            style = "mistral_args" if isinstance(template, str) and "[ARGS]" in template else "mistral_list"
         return cls(tokenizer.tool_call_start, tokenizer.tool_call_end or "", parser,
-                   short_ids=module == "mistral", style=style)
+                   short_ids=parser_module(parser) == "mistral",
+                   style=tool_call_style(parser, getattr(tokenizer, "chat_template", None)))
 
 
 @dataclass
@@ -89,11 +88,18 @@ class ToolCallSplitter:
         self._buffer += text
         while True:
             if self._inside:
-                end = self._buffer.find(self.fmt.end) if self.fmt.end else -1
-                if end < 0:  # (no end marker: the block runs to finish())
-                    break
-                block, self._buffer = self._buffer[:end], self._buffer[end + len(self.fmt.end):]
-                self._inside = False
+                if self.fmt.end:
+                    end = self._buffer.find(self.fmt.end)
+                    if end < 0:
+                        break
+                    block, self._buffer = self._buffer[:end], self._buffer[end + len(self.fmt.end):]
+                    self._inside = False
+                else:  # no end marker: a block runs to the next start marker or to finish()
+                    end = self._buffer.find(self.fmt.start)
+                    if end < 0:
+                        break
+                    block, self._buffer = self._buffer[:end], self._buffer[end:]
+                    self._inside = False
                 parsed = self._parse(block)
                 if parsed is None:  # not a call after all: it stays in the text
                     out.append(self.fmt.start + block + self.fmt.end)

@@ -103,9 +103,13 @@ def test_a_format_without_an_end_marker_runs_to_the_end():  # (Mistral's [TOOL_C
         assert content == "Sure." and _calls(calls) == [("get_weather", {"city": "Paris"}),
                                                         ("get_time", {"zone": "CET"})]
         assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)  # (Mistral's templates)
-    # a cut-off call stays text
+    # a cut-off call stays text; the calls before it (each after its own marker) are kept
     assert split_tool_calls(fmt, 'Sure.[TOOL_CALLS]get_weather[ARGS]{"ci') == (
         'Sure.[TOOL_CALLS]get_weather[ARGS]{"ci', [])
+    text = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"zo'
+    for chunks in _chunkings(text, random.Random(2)):
+        content, calls = _streamed(fmt, chunks)
+        assert content == '[TOOL_CALLS]get_time[ARGS]{"zo' and _calls(calls) == [("get_weather", {"city": "Paris"})]
 
 
 def test_parser_ids_lists_and_argument_shapes():
@@ -344,6 +348,10 @@ def test_forced_tool_choice_needs_a_format_with_a_grammar(tool_server, monkeypat
     assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS}).status_code == 200
 
 
+CLOCK = {"type": "function", "function": {"name": "set_alarm", "parameters": {
+    "type": "object", "additionalProperties": False, "required": ["hour", "label"],
+    "properties": {"hour": {"type": "integer", "minimum": 0, "maximum": 23},
+                   "label": {"type": "string", "enum": ["wake", "nap", "tea <time>"]}}}}}
 MODE = {"type": "function", "function": {"name": "set_mode", "parameters": {
     "type": "object", "required": ["mode"],
     "properties": {"mode": {"enum": ["eco", "fast"]}, "loud": {"type": "boolean"},
@@ -351,10 +359,10 @@ MODE = {"type": "function", "function": {"name": "set_mode", "parameters": {
 
 
 def _valid_call(name, args):
-    """Whether ``args`` satisfy ALARM's or MODE's parameters (the bounded tools these tests force)."""
+    """Whether ``args`` satisfy CLOCK's or MODE's parameters (the bounded tools these tests force)."""
     if name == "set_alarm":
         return set(args) == {"hour", "label"} and type(args["hour"]) is int and 0 <= args["hour"] <= 23 \
-            and isinstance(args["label"], str) and len(args["label"]) <= 8 and args["label"].lower() != "null"
+            and args["label"] in ("wake", "nap", "tea <time>")
     return name == "set_mode" and "mode" in args and set(args) <= {"mode", "loud", "zones"} \
         and args["mode"] in ("eco", "fast") and isinstance(args.get("loud", True), bool) \
         and set(args.get("zones", [])) <= {1, 2} and len(args.get("zones", [])) <= 2
@@ -377,7 +385,7 @@ def test_forced_tool_calls_in_other_formats(tool_server, monkeypatch, style):
     assert Format.of(tokenizer).style == style
     for choice, parallel in (("required", False), ({"type": "function", "function": {"name": "set_mode"}}, False),
                              ("required", True)):
-        body = {"messages": MSGS, "tools": [ALARM, MODE], "tool_choice": choice, "temperature": 0,
+        body = {"messages": MSGS, "tools": [CLOCK, MODE], "tool_choice": choice, "temperature": 0,
                 "max_tokens": 300, "parallel_tool_calls": parallel}
         out = post(tool_server, "/v1/chat/completions", body).json()["choices"][0]
         calls = _calls(out["message"]["tool_calls"])
@@ -404,29 +412,33 @@ def test_forced_xml_calls_refuse_what_the_format_cannot_carry(tool_server, monke
                        {"type": "object", "properties": {"a": {"enum": ["Null"]}}},
                        {"type": "object", "properties": [{"a": {"type": "string"}}]},
                        {"type": "object", "required": [{"a": 1}], "properties": {"a": {"type": "string"}}},
-                       {"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}}):
+                       {"type": "object", "properties": {"a": {"type": "integer", "minimum": "x"}}},
+                       {"type": "object", "properties": {"a": {"type": ["string"]}}},
+                       {"type": "object", "properties": {"a": {"type": "string", "enum": 5}}},
+                       {"type": "object", "properties": {"a": {"type": "string", "maxLength": 100}}},
+                       {"type": "object", "properties": {"a": {"type": "string", "not": {"const": "x"}}}},
+                       {"type": "object", "properties": {"a": {"enum": ["[1]", "x"]}}},
+                       {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "$defs": {"A": {}}},
+                       {"type": "object", "minProperties": 1, "properties": {"a": {"type": "string"}}}):
         tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
         r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": tools, "tool_choice": "required"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", (parameters, r.text)
     monkeypatch.setattr(tool_server.engine.loaded.tokenizer, "_tool_parser", mistral.parse_tool_call)
     monkeypatch.setattr(tool_server.engine.loaded.tokenizer._tokenizer, "chat_template",
                         tool_server.engine.loaded.tokenizer._tokenizer.chat_template + "{# [ARGS] #}")
-    tools = [{"type": "function", "function": {"name": "a.b", "parameters": {"type": "object"}}}]
-    r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": tools, "tool_choice": "required"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    for name in ("a.b", "x\u00bdy", "area_m\u00b2"):  # (names mlx-lm's parser would misread)
+        tools = [{"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}]
+        r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": tools, "tool_choice": "required"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS}).status_code == 200
 
 
 def test_forced_tool_parameters_that_cannot_be_enforced(tool_server):
     tools = [{"type": "function", "function": {"name": "x", "parameters": {"$ref": "#"}}}]
-    for stream in (False, True):
+    for stream in (False, True):  # (a circular schema: refused before anything is sent)
         r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": tools, "tool_choice": "required",
                                                         "temperature": 0, "max_tokens": 60, "stream": stream})
-        if stream:  # (the loop shows once the arguments start: an error event, then [DONE])
-            errors = [e for e in sse_events(r) if "error" in e]
-            assert r.status_code == 200 and errors and errors[0]["error"]["param"] == "tools"
-        else:
-            assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS}).status_code == 200
 
 
@@ -445,7 +457,7 @@ def byte_grammar():
     from llguidance import LLMatcher
     from tiny import byte_tokenizer
 
-    from engine.constraint import tool_call_grammar
+    from engine.tool_grammar import tool_call_grammar
 
     hf = byte_tokenizer()
     ll_tok = llguidance.hf.from_tokenizer(hf, n_vocab=len(hf), eos_token=[2])
@@ -462,33 +474,50 @@ def byte_grammar():
 
 
 def test_xml_call_grammar_accepts_what_the_parser_reads_back(byte_grammar):
-    alarm = ALARM["function"]
-    call = ("<tool_call>\n<function=set_alarm>\n<parameter=hour>\n7\n</parameter>\n<parameter=label>\n{}\n"
+    note = {"name": "note", "parameters": {"type": "object", "required": ["hour", "text"], "properties": {
+        "hour": {"type": "integer"}, "text": {"type": "string"}}}}
+    call = ("<tool_call>\n<function=note>\n<parameter=hour>\n7\n</parameter>\n<parameter=text>\n{}\n"
             "</parameter>\n</function>\n</tool_call>")
-    labels = ["a<b>\nc", "", "\nx", "null", "NuLl", "123456789", "x</parameter>", "a</tool_call>"]
-    texts = [call.format(label) for label in labels]
-    texts += [call.format("ok").replace(">\n7\n", ">\n24\n"), call.format("ok") + "\n" + call.format("two"),
-              call.format("ok").replace("<parameter=hour>\n7\n</parameter>\n", "")]
-    got = byte_grammar("xml_function", "<tool_call>", "</tool_call>", [alarm], texts)
-    assert got == [True, True, True, False, False, False, False, False, False, True, False]
-    for label in labels[:3]:  # what the grammar lets through, mlx-lm's parser reads back as written
-        assert qwen3_coder.parse_tool_call(call.format(label)[11:-12], [ALARM]) == \
-            {"name": "set_alarm", "arguments": {"hour": 7, "label": label}}
-    assert byte_grammar("xml_function", "<tool_call>", "</tool_call>", [alarm],
-                        [call.format("ok") + "\n" + call.format("two")], parallel=False) == [False]
+    texts = ["a<b>\nc", "", "\nx", "</function> <parameter=t>", "x" * 3000,  # read back as written
+             "null", "NuLl", "x</parameter>", "a</tool_call>"]  # not
+    got = byte_grammar("xml_function", "<tool_call>", "</tool_call>", [note], [call.format(t) for t in texts])
+    assert got == [True] * 5 + [False] * 4
+    for text in texts[:5]:
+        assert qwen3_coder.parse_tool_call(call.format(text)[11:-12], [{"type": "function", "function": note}]) == \
+            {"name": "note", "arguments": {"hour": 7, "text": text}}
+    two = call.format("ok") + "\n" + call.format("two")
+    big = call.format("ok").replace(">\n7\n", f">\n{2**53 + 1}\n")  # (the parser reads integers through float)
+    missing = call.format("ok").replace("<parameter=hour>\n7\n</parameter>\n", "")
+    assert byte_grammar("xml_function", "<tool_call>", "</tool_call>", [note], [two, big, missing]) == [True, False, False]
+    assert byte_grammar("xml_function", "<tool_call>", "</tool_call>", [note], [two], parallel=False) == [False]
+
+
+def test_json_call_grammars_take_defs_and_objects_only(byte_grammar):
+    point = {"name": "move", "parameters": {"type": "object", "required": ["to"], "properties": {
+        "to": {"$ref": "#/$defs/Point"}}, "$defs": {"Point": {"type": "object", "required": ["x"], "properties": {
+            "x": {"type": "number"}}}}}}
+    block = '<tool_call>{"name":"move","arguments":{"to":{"x":%s}}}</tool_call>'
+    assert byte_grammar("json_block", "<tool_call>", "</tool_call>", [point],
+                        [block % "1.5", block % "-2e10", block % '"a"']) == [True, True, False]
+    assert byte_grammar("mistral_list", "[TOOL_CALLS]", "", [point],
+                        ['[TOOL_CALLS][{"name":"move","arguments":{"to":{"x":2}}}]']) == [True]
+    loose = {"name": "f", "parameters": {"anyOf": [{"type": "object"}, {"type": "string"}]}}
+    assert byte_grammar("json_block", "<tool_call>", "</tool_call>", [loose],
+                        ['<tool_call>{"name":"f","arguments":"abc"}</tool_call>',
+                         '<tool_call>{"name":"f","arguments":{}}</tool_call>']) == [False, True]
 
 
 def test_mistral_call_grammars(byte_grammar):
-    fns = [ALARM["function"], MODE["function"]]
+    fns = [CLOCK["function"], MODE["function"]]
     args = ['[TOOL_CALLS]set_mode[ARGS]{"mode":"eco"}',
-            '[TOOL_CALLS]set_mode[ARGS]{"mode":"eco"}[TOOL_CALLS]set_alarm[ARGS]{"hour":7,"label":"x"}',
+            '[TOOL_CALLS]set_mode[ARGS]{"mode":"eco"}[TOOL_CALLS]set_alarm[ARGS]{"hour":7,"label":"nap"}',
             '[TOOL_CALLS]set_alarm[ARGS]{"hour":7}', '[TOOL_CALLS]set_mode[ARGS]{"mode":"slow"}',
             '[TOOL_CALLS]other[ARGS]{}']
     assert byte_grammar("mistral_args", "[TOOL_CALLS]", "", fns, args) == [True, True, False, False, False]
     assert byte_grammar("mistral_args", "[TOOL_CALLS]", "", fns, args[:2], parallel=False) == [True, False]
     lists = ['[TOOL_CALLS][{"name":"set_mode","arguments":{"mode":"eco"}}]',
              '[TOOL_CALLS] [{"name":"set_mode","arguments":{"mode":"eco"}},{"name":"set_alarm","arguments":'
-             '{"hour":7,"label":"x"}}]', "[TOOL_CALLS][]", '[TOOL_CALLS][{"name":"set_mode","arguments":{}}]']
+             '{"hour":7,"label":"nap"}}]', "[TOOL_CALLS][]", '[TOOL_CALLS][{"name":"set_mode","arguments":{}}]']
     assert byte_grammar("mistral_list", "[TOOL_CALLS]", "", fns, lists) == [True, True, False, False]
     assert byte_grammar("mistral_list", "[TOOL_CALLS]", "", fns, lists[:2], parallel=False) == [True, False]
     for text in (args[1], lists[1]):  # both read back by mlx-lm's parser
