@@ -5,12 +5,14 @@ prefilled. With whole chunks (``prefill_slice_ms = 0``) every engine iteration r
 ``prefill_step``-token chunk of the long prompt before the short stream's next cycle; with
 slices (the default ``prefill_slice_ms``) a prefilling sequence that is not alone runs whole
 fused passes worth about that many milliseconds instead (engine.Engine._prefill_slice; only
-where a chunk splits without changing a bit, i.e. the CPU fused pass).
+where a chunk splits without changing a bit, i.e. the CPU fused pass), also when it runs
+alone.
 
 Two engines share one loaded model (prefix cache off, so every round prefills from scratch) and
 run the same scenario in alternating order, ``--rounds`` times each: the long request alone, then
 the long request with the short one sent ``--delay`` seconds after it. Greedy; every output
-must equal the same engine's output for the request alone. Reported per engine (medians over
+must equal the same engine's output for the request alone, and the two engines' outputs must
+be identical. Reported per engine (medians over
 rounds): the short request's time to first token, its end-to-end time and its largest gap
 between streamed events; the long request's time to first token alone and beside the short one.
 
@@ -59,7 +61,8 @@ def one_round(eng: Engine, long_req: GenerationRequest, short_req: GenerationReq
     gaps = [b - a for a, b in zip(short_times, short_times[1:])]
     return {"long_alone_ttft_s": alone_times[0], "long_beside_ttft_s": long_times[0],
             "short_ttft_s": short_times[0], "short_e2e_s": short_times[-1], "short_max_gap_s": max(gaps, default=0.0),
-            "identical": long_tokens == alone_tokens and short_tokens == short_alone}
+            "identical": long_tokens == alone_tokens and short_tokens == short_alone,
+            "tokens": (long_tokens, short_tokens)}
 
 
 def main(argv=None) -> dict:
@@ -93,21 +96,29 @@ def main(argv=None) -> dict:
             order = list(engines) if r % 2 == 0 else list(reversed(engines))
             for name in order:
                 rounds[name].append(one_round(engines[name], long_req, short_req, args.delay))
-                print(f"round {r + 1} {name}: {json.dumps(rounds[name][-1])}", flush=True)
+                shown = {k: v for k, v in rounds[name][-1].items() if k != "tokens"}
+                print(f"round {r + 1} {name}: {json.dumps(shown)}", flush=True)
     finally:
         for eng in engines.values():
             eng.stop()
-    summary = {name: {key: statistics.median(x[key] for x in runs) for key in runs[0] if key != "identical"}
+    summary = {name: {key: statistics.median(x[key] for x in runs) for key in runs[0] if key not in ("identical", "tokens")}
                | {"identical": all(x["identical"] for x in runs)} for name, runs in rounds.items()}
+    first, second = (rounds[name] for name in configs)
+    same = all(a["tokens"] == b["tokens"] for a, b in zip(first, second))
+    for runs in rounds.values():
+        for run in runs:
+            del run["tokens"]
     whole, sliced = (summary[name] for name in configs)
     ratios = {key: sliced[key] / whole[key] for key in whole if key != "identical" and whole[key]}
     result = {"model": loaded.name, "weights": loaded.weights, "long_tokens": args.long_tokens,
+              "sliced_equals_whole": same,
               "short_tokens": args.short_tokens, "delay_s": args.delay, "rounds": rounds, "summary": summary,
               "sliced_over_whole": ratios, "platform": platform.platform(), "processor": platform.processor()}
     for name, row in summary.items():
         print(f"{name:>22}: " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                           for k, v in row.items()))
-    print("sliced / whole: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items()))
+    print("sliced / whole: " + ", ".join(f"{k} {v:.2f}" for k, v in ratios.items())
+          + f"; outputs of the two engines identical: {same}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     return result

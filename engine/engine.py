@@ -5,7 +5,7 @@ Threads and queues::
     event loop (FastAPI)                         engine worker thread
     --------------------                         --------------------
     submit(req) -> validate -> inbox.put(h) ---> admit: waiting -> active (<= max_active)
-    async for event in stream:                   loop: a prefill chunk per prefilling sequence,
+    async for event in stream:                   loop: a prefill step per prefilling sequence,
         <- asyncio.Queue <- call_soon_threadsafe    then one speculative cycle per decoding one
                                                     (batched: one target pass for up to
                                                     batch_rows rows of several sequences)
@@ -86,7 +86,7 @@ class EngineConfig:
     exact_verify: str = "auto"  # auto (= row) | row | batched | kernel (see TargetRunner.calibrate)
     calibration_contexts: tuple[int, ...] = (48, 1100)
     prefill_step: int = 256  # prompt tokens per chunk; also the prefix cache's block
-    prefill_slice_ms: float = 100.0  # with other sequences active: prefill slices of about this long, where chunks split exactly; 0: whole chunks
+    prefill_slice_ms: float = 100.0  # prefill slices of about this long, where chunks split exactly; 0: whole chunks
     prefix_cache_bytes: int = 1 << 30  # prefix cache budget (KV + DSpark taps); 0: off
     batching: str = "auto"  # continuous batching of decoding sequences: auto (calibrated exact size) | off
     max_active: int = 8
@@ -129,6 +129,7 @@ class Engine:
         self.calibration: Calibration | None = None
         self.cost: CostModel | None = None
         self.acceptance = AcceptanceModel()
+        self._prefill_row_seconds: float | None = None  # the last prefill step's seconds per row, any sequence
         self.dspark_stats = DsparkStats()
         self.dspark = None  # the shared DSpark network, when loaded
         self.prefix_cache: PrefixCache | None = None
@@ -717,7 +718,7 @@ class Engine:
         those chunks instead of computing them a second time, with the same output (warm equals
         cold).
 
-        It waits only when that finishes sooner: prefilling now interleaves chunk by chunk with
+        It waits only when that finishes sooner: prefilling now interleaves step by step with
         the owner's remaining ``R`` rows, so its own ``P`` rows are done after about
         ``P + min(R, P)`` rows of work; waiting costs ``R + P - S`` for ``S`` shared rows not yet
         cached, which is less exactly when ``S > 0`` and ``R < P + S``. Only an owner that stores
@@ -795,10 +796,12 @@ class Engine:
                                    completion_tokens=seq.num_generated, cached_tokens=seq.cached_tokens))
 
     def _step(self, handle: _Handle, seq: Sequence) -> None:
-        """Advance one sequence by a prefill chunk or one speculative cycle and emit its event."""
+        """Advance one sequence by a prefill step (a chunk or a slice of one) or one speculative
+        cycle and emit its event."""
         result = None
         if not seq.prefilled:
             result = prefill_step(seq, self._prefill_slice(seq))
+            self._prefill_row_seconds = seq.prefill_row_seconds or self._prefill_row_seconds
             if seq.prefilled:
                 self._store_prefix(seq)
         if seq.prefilled and result is None:  # the first cycle may follow the last chunk at once
@@ -807,19 +810,22 @@ class Engine:
             self._emit(handle, seq, result)
 
     def _prefill_slice(self, seq: Sequence) -> int | None:
-        """Rows of ``seq``'s next prefill step: None (the whole chunk) when it is the only
-        active sequence or the runner cannot split chunks exactly; else whole fused passes worth
-        about ``prefill_slice_ms`` at its last measured seconds per row (one pass before any
-        measurement), so a long prompt holds the other sequences' steps up by about that much
-        at a time instead of a whole chunk (a 256-token chunk at a few thousand tokens of context
-        takes ~1 s on 2 CPU cores). A chunk is never exceeded."""
+        """Rows of ``seq``'s next prefill step: None (the whole chunk) where the runner cannot
+        split chunks exactly or ``prefill_slice_ms`` is 0; else whole fused passes worth about
+        ``prefill_slice_ms`` at the sequence's last measured seconds per row (the engine's last
+        measurement of any sequence before its own; one pass before any), at least one pass and
+        never past the chunk. So a long prompt holds the other sequences' steps up by about that
+        much at a time (a 256-token chunk at a few thousand tokens of context takes ~1 s on 2 CPU
+        cores), and a request that arrives meanwhile waits about that long to start. Slicing a
+        prompt that runs alone costs nothing measurable (the passes are the same)."""
         rows = self.runner.prefill_slice_rows
         budget = self.config.prefill_slice_ms / 1e3
-        if rows is None or budget <= 0 or len(self._active) < 2:
+        if rows is None or budget <= 0:
             return None
-        if seq.prefill_row_seconds is None:
+        per_row = seq.prefill_row_seconds or self._prefill_row_seconds
+        if per_row is None:
             return rows
-        return max(rows, int(budget / seq.prefill_row_seconds) // rows * rows)
+        return max(rows, int(budget / per_row) // rows * rows)
 
     def _step_batch(self, decoding: list[tuple[_Handle, Sequence]]) -> None:
         """One batched cycle for up to ``batch_rows`` decoding sequences (round-robin when more

@@ -101,7 +101,7 @@ class Sequence:
         self.pending_error: Exception | None = None  # a grammar failure after committed tokens: raised by the next propose()
         self.submitted_at = time.perf_counter()
         self.first_token_at: float | None = None
-        self.prefill_row_seconds: float | None = None  # wall seconds per row of the last prefill chunk or slice
+        self.prefill_row_seconds: float | None = None  # wall seconds per row of the last prefill step from position > 0
         self.prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs else None
 
     def reuse_prefix(self, cache: list, hidden: mx.array | None, num_tokens: int) -> None:
@@ -380,8 +380,9 @@ def prefill_step(seq: Sequence, max_rows: int | None = None) -> CommitResult | N
     one ending before the anchor: the prefix cache reuses whole chunks, so a warm start computes
     exactly the chunks a cold one would. ``max_rows`` (a multiple of
     ``runner.prefill_slice_rows``; only for runners that have one) feeds at most that many
-    tokens of the current chunk, so other sequences can step sooner; the cache holds the same
-    bits either way.
+    tokens of the current chunk, so other sequences can step sooner; the cache, logits and taps
+    hold the same bits either way. Sets ``seq.prefill_row_seconds`` (wall time per row) when the
+    step did not start at position 0.
 
     Raises:
         ValueError: ``max_rows`` on a runner whose chunks must run whole, or not a positive
@@ -414,7 +415,8 @@ def prefill_step(seq: Sequence, max_rows: int | None = None) -> CommitResult | N
             seq.prompt_logprobs += _logprob_rows(*lp, targets)
         else:  # only the KV (and taps) are needed: the LM head rows stay unevaluated
             mx.eval(runner.cache_arrays(seq.cache), *(() if hidden is None else (hidden,)))
-        seq.prefill_row_seconds = (time.perf_counter() - started) / (end - start)
+        if start > 0:  # (position 0 runs through mlx-lm's modules: several times a pass row)
+            seq.prefill_row_seconds = (time.perf_counter() - started) / (end - start)
     seq.num_prefilled = end if end < seq.prompt_len - 1 else seq.prompt_len
     if seq.prefilled and seq.request.max_tokens == 0:  # echo + logprobs scoring: prompt only
         seq.finish_reason = FinishReason.LENGTH

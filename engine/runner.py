@@ -206,10 +206,11 @@ class TargetRunner:
 
     @property
     def prefill_slice_rows(self) -> int | None:
-        """The rows a prompt chunk may be split into without changing a bit of the cache: a
-        fused pass that prefills takes a chunk this many rows at a time, each row with the decode
-        step's arithmetic. None where a chunk must run whole (mlx-lm's modules: another split
-        would change the matmul shapes, hence bits, and the prefix cache relies on them)."""
+        """The row count prefill slices are made of (engine.Engine._prefill_slice): a fused pass
+        that prefills takes a chunk this many rows at a time, each row with the decode step's
+        arithmetic, so any split of a chunk leaves the same bits in the cache. None where a chunk
+        must run whole (mlx-lm's modules: another split changes the matmul shapes, hence bits,
+        and the prefix cache relies on them)."""
         if self.fused is None or not getattr(self.fused, "prefills", False):
             return None
         return self.fused.max_rows

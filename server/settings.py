@@ -116,10 +116,11 @@ class Settings(BaseSettings):
     )
     prefill_slice_ms: float = Field(
         100.0, ge=0, le=60000,
-        description="While other sequences are active, a prompt is prefilled in slices of about this many "
-        "milliseconds (whole passes of the fused pass, measured per sequence) instead of whole chunks, so "
-        "a long prompt holds running streams up by about this much per step. Only where a chunk splits "
-        "without changing a bit of the cache (the CPU fused pass); 0: whole chunks.",
+        description="A prompt is prefilled in slices of about this many milliseconds (whole passes of the "
+        "fused pass, at the sequence's measured time per row, at least one pass) instead of whole chunks, "
+        "so a long prompt holds running streams up, and keeps new requests waiting, by about this much at "
+        "a time. Only where a chunk splits without changing a bit of the cache (the CPU fused pass); "
+        "0: whole chunks.",
     )
     prefix_cache_bytes: int = Field(
         1 << 30, ge=0,
