@@ -135,7 +135,9 @@ def _calls_schema(functions: Sequence[dict]) -> dict:
     for f in functions:
         arguments = _arguments_schema(f)
         for key in _DEFS:
-            for name, sub in (arguments.pop(key, None) or {}).items():
+            if not isinstance(arguments.get(key), dict):  # (none, or one llguidance will refuse)
+                continue
+            for name, sub in arguments.pop(key).items():
                 if defs[key].setdefault(name, sub) != sub:
                     raise GrammarError(f"tools define {key} {name!r} differently; forced calls need one definition")
         calls.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
@@ -261,7 +263,8 @@ def _xml_value(rule: str, where: str, schema: dict, defs: dict, end: str) -> tup
         raise GrammarError(f"{where}: a parameter needs one JSON Schema type (one of {', '.join(_XML_TYPES)}) in "
                            f"this model's tool-call format, got {schema.get('type')!r}")
     if kind != "string":
-        merged = {**schema, **{key: {**defs.get(key, {}), **schema.get(key, {})} for key in defs}}
+        merged = {**schema, **{key: {**defs[key], **schema.get(key, {})} for key in defs
+                               if isinstance(schema.get(key, {}), dict)}}
         value = _compact(_bounded_integers(merged, _XML_INTEGER_LIMIT))
         return f"%json {json.dumps(value)} {json.dumps(_CLOSE)}", []
     unsupported = sorted(set(schema) - _XML_STRING_KEYS)
