@@ -58,10 +58,7 @@ def closed_schema(schema):
         return [closed_schema(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: closed_schema(value) if key in _SUBSCHEMAS else value for key, value in schema.items()}
-    for key in ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"):
-        if isinstance(schema.get(key), dict):
-            out[key] = {name: closed_schema(sub) for name, sub in schema[key].items()}
+    out = map_subschemas(schema, closed_schema)
     is_object = schema.get("type") == "object" or (isinstance(schema.get("type"), list) and "object" in schema["type"]) \
         or "properties" in schema
     if is_object and "additionalProperties" not in schema:
@@ -71,7 +68,21 @@ def closed_schema(schema):
 
 _SUBSCHEMAS = {"items", "prefixItems", "additionalItems", "contains", "anyOf", "oneOf", "allOf", "not",
                "if", "then", "else", "additionalProperties", "propertyNames", "unevaluatedProperties",
-               "unevaluatedItems"}
+               "unevaluatedItems"}  # keywords holding a schema or a list of schemas
+_SUBSCHEMA_MAPS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}  # name -> schema
+
+
+def map_subschemas(schema: dict, fn) -> dict:
+    """A copy of the JSON Schema ``schema`` with ``fn`` applied to each of its direct
+    subschemas (the values of the keywords that hold schemas, lists of them, or maps of names
+    to them); other keywords are copied as they are."""
+    out = dict(schema)
+    for key, value in schema.items():
+        if key in _SUBSCHEMAS:
+            out[key] = [fn(v) for v in value] if isinstance(value, list) else fn(value)
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: fn(sub) for name, sub in value.items()}
+    return out
 
 
 def json_grammar(schema: dict | None = None, strict: bool = False) -> str:

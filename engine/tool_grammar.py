@@ -30,7 +30,7 @@ import re
 from collections.abc import Sequence
 from enum import Enum
 
-from .constraint import GrammarError
+from .constraint import GrammarError, map_subschemas
 
 
 class ToolCallStyle(str, Enum):
@@ -154,10 +154,6 @@ def _hoist_defs(schema: dict) -> dict:
 
 
 _XML_INTEGER_LIMIT = 2**53  # (qwen3_coder reads integers through float())
-_SUBSCHEMA_KEYS = ("items", "additionalItems", "contains", "additionalProperties", "not", "if", "then", "else",
-                   "propertyNames", "unevaluatedItems", "unevaluatedProperties")
-_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
 def _bounded_integers(schema, limit: int):
@@ -165,16 +161,7 @@ def _bounded_integers(schema, limit: int):
     bound that is no number is left for llguidance to refuse). Returns a new schema."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key in _SUBSCHEMA_KEYS:
-        if key in out:
-            out[key] = _bounded_integers(out[key], limit)
-    for key in _SUBSCHEMA_LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [_bounded_integers(s, limit) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: _bounded_integers(s, limit) for name, s in out[key].items()}
+    out = map_subschemas(schema, lambda sub: _bounded_integers(sub, limit))
     kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
     if "integer" in kinds:
         low, high = out.get("minimum"), out.get("maximum")
