@@ -203,19 +203,24 @@ class Engine:
             self._inbox.put(())  # wake the worker if it is idle
         return len(ids)
 
-    def drain(self, timeout: float, poll: float = 0.05) -> bool:
+    def drain(self, timeout: float, poll: float = 0.05, cut: threading.Event | None = None) -> bool:
         """Graceful shutdown: refuse new requests, let queued and running ones finish for up to
-        ``timeout`` seconds, then abort the rest (EngineUnavailable, HTTP 503) and wait for their
-        last events. Returns True when every request finished on its own. Call from any thread
-        but the worker; :meth:`stop` afterwards."""
+        ``timeout`` seconds (or until ``cut`` is set: a second signal), then abort the rest
+        (EngineUnavailable, HTTP 503, code ``shutting_down``) and wait for their last events.
+        Returns True when every request finished on its own. Call from any thread but the
+        worker; :meth:`stop` afterwards."""
         self.close()
         deadline = time.monotonic() + max(0.0, timeout)
-        while not self.idle() and time.monotonic() < deadline and self._worker_alive():
+        while not self.idle() and time.monotonic() < deadline and self._worker_alive() \
+                and not (cut is not None and cut.is_set()):
             time.sleep(poll)
         if self.idle():
             return True
-        n = self.abort_all(EngineUnavailable("the server shut down before this request finished"))
-        log.warning("shutdown deadline (%.1f s) passed: aborting %d request(s)", timeout, n)
+        error = EngineUnavailable("the server shut down before this request finished")
+        error.code = "shutting_down"
+        n = self.abort_all(error)
+        log.warning("%s: aborting %d request(s)", "drain cut short" if cut is not None and cut.is_set()
+                    else f"shutdown deadline ({timeout:.1f} s) passed", n)
         end = time.monotonic() + 10.0  # one step of each active sequence
         while not self.idle() and time.monotonic() < end and self._worker_alive():
             time.sleep(poll)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
 from contextlib import asynccontextmanager
 
@@ -75,7 +76,7 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
              "protected" if settings.api_key and settings.protect_metrics else "open")
     app.include_router(openai_router)
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         """Liveness: 200 while the process and the engine thread are alive (even while loading)."""
         info = engine.health()
@@ -85,7 +86,7 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
         return {"status": "ok", **info, "draining": app.state.draining,
                 "ready": bool(info.get("ready")) and not app.state.draining}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         """Readiness: 503 until the model is loaded, calibrated and warmed up."""
         if not engine.ready:
@@ -119,11 +120,12 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
     return app
 
 
-def drain(app: FastAPI, timeout: float) -> bool:
+def drain(app: FastAPI, timeout: float, cut: threading.Event | None = None) -> bool:
     """Graceful shutdown, blocking (run it off the event loop): from now on every request but
     /health and /metrics gets 503; queued and running generations get ``timeout`` seconds to
-    finish, then the rest end with a 503 error. Returns True when none had to be cut."""
+    finish (less once ``cut`` is set), then the rest end with a 503 error. Returns True when
+    none had to be cut."""
     app.state.draining = True
-    finished = app.state.engine.drain(timeout)
+    finished = app.state.engine.drain(timeout, cut=cut)
     log.info("drained: %s", "all requests finished" if finished else "unfinished requests aborted")
     return finished

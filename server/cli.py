@@ -5,7 +5,8 @@ exported to the environment first; the engine package is imported only after tha
 
 Shutdown: the first SIGTERM or SIGINT drains (new requests get 503, in-flight ones get
 ``shutdown_timeout`` seconds, the rest end with a 503 error), then uvicorn closes connections and
-the engine stops; a SIGTERM shutdown exits 0. A second signal skips what is left of the drain.
+the engine stops; a SIGTERM shutdown exits 0. A second signal skips what is left of the drain: the
+requests still running end with the 503 error at once (a third one is uvicorn's own forced exit).
 A signal while the engine is still loading or calibrating exits at once (0 for SIGTERM) without
 waiting for that start-up phase to end.
 """
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     from .metrics import Metrics
 
     log = logging.getLogger("specserve")
+    log.info("open files: up to %s", raise_open_file_limit())
     log.info("BLAS: %s %s %s", BLAS.status, BLAS.path or "", BLAS.detail)
     log.info("MLX environment: %s", " ".join(f"{k}={v}" for k, v in MLX_ENV.items()))
     metrics = Metrics()
@@ -81,6 +83,10 @@ def main(argv: list[str] | None = None) -> None:
         draining = False
         signalled: int | None = None  # the first SIGTERM/SIGINT received
 
+        def __init__(self, config):
+            super().__init__(config)
+            self.cut = threading.Event()  # set by a second signal: the drain aborts what is left now
+
         def handle_exit(self, sig, frame):
             if self.signalled is None:
                 self.signalled = sig
@@ -90,11 +96,15 @@ def main(argv: list[str] | None = None) -> None:
                 threading.Thread(target=self._drain_then_exit, args=(sig,), name="specserve-drain",
                                  daemon=True).start()
                 return
-            self._exit(sig)
+            if self.draining and not self.cut.is_set():  # the drain ends its requests, then exits
+                log.info("signal %d: cutting the drain short", sig)
+                self.cut.set()
+                return
+            self._exit(sig)  # a third signal: uvicorn's own (a second SIGINT forces its exit)
 
         def _drain_then_exit(self, sig):
             try:
-                drain(app, settings.shutdown_timeout)
+                drain(app, settings.shutdown_timeout, self.cut)
             except Exception:
                 log.exception("drain failed")
             finally:
@@ -117,6 +127,26 @@ def main(argv: list[str] | None = None) -> None:
         _leave_if_engine_runs(engine, exit_status(server.signalled, exc), exc)
         raise
     _leave_if_engine_runs(engine, exit_status(server.signalled, None), None)
+
+
+def raise_open_file_limit(target: int = 65536) -> int | str:
+    """Raise this process's soft limit of open files to ``target`` (within the hard limit), as
+    vLLM does at start-up: every client connection holds a descriptor, and uvicorn keeps one
+    whose request headers never finish until the client hangs up (docs/security.md). Returns
+    the soft limit now in force ("unlimited", or the old one where the platform refuses)."""
+    try:
+        import resource
+    except ImportError:  # (not a Unix)
+        return "the platform's default"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    return "unlimited" if soft == resource.RLIM_INFINITY else soft
 
 
 def exit_status(signalled: int | None, exc: BaseException | None) -> int:

@@ -104,7 +104,10 @@ def _body_error(request: Request, error: dict) -> JSONResponse | None:
     content_type = request.headers.get("content-type", "")
     if error.get("type") == "missing":
         return error_response(400, "Request body is empty: send a JSON object", code="invalid_json")
-    if content_type and not _is_json(content_type):
+    if not content_type:  # (FastAPI parses a body as JSON only under a JSON Content-Type)
+        return error_response(415, "Content-Type must be application/json (the request has none)",
+                              param="Content-Type", code="unsupported_media_type")
+    if not _is_json(content_type):
         return error_response(415, f"Content-Type must be application/json, not {content_type!r}",
                               param="Content-Type", code="unsupported_media_type")
     if error.get("type") in ("model_attributes_type", "dict_type"):

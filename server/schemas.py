@@ -377,7 +377,9 @@ class ChatCompletionRequest(SamplingFields):
         forced = self.forced_tools()
         if forced is not None:
             if not self.tools:
-                raise ParamError("tool_choice", f"tool_choice {self.tool_choice!r} needs tools")
+                choice = "'required'" if self.tool_choice == "required" else \
+                    f"naming function {self.tool_choice.function.name!r}"
+                raise ParamError("tool_choice", f"tool_choice {choice} needs tools")
             if not forced:
                 raise ParamError("tool_choice", f"tool_choice names {self.tool_choice.function.name!r}, "
                                  "which is not among the tools")

@@ -281,9 +281,10 @@ def test_malformed_json_and_unknown_paths(tiny_server):
             (b"prompt=x", "application/x-www-form-urlencoded", 415, "unsupported_media_type"),
             (b'["x"]', "application/json", 400, "invalid_json"),
             (b"", "application/json", 400, "invalid_json"),
-            (b'{"prompt": "\xff\xfe"}', "application/json", 400, "invalid_json")):
+            (b'{"prompt": "\xff\xfe"}', "application/json", 400, "invalid_json"),
+            (b'{"prompt": "x"}', None, 415, "unsupported_media_type")):  # (no Content-Type at all)
         r = httpx.post(tiny_server.url + "/v1/completions", content=content, timeout=30,
-                       headers={"Content-Type": ctype})
+                       headers={"Content-Type": ctype} if ctype else {})
         err = r.json()["error"]
         assert (r.status_code, err["code"]) == (status, code), (content, r.text)
         assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
@@ -292,6 +293,8 @@ def test_malformed_json_and_unknown_paths(tiny_server):
         timeout=30).json()["error"]["message"]
     r = httpx.get(tiny_server.url + "/v1/nothing")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    for probe in ("/health", "/ready"):  # (load balancers' HEAD probes)
+        assert httpx.head(tiny_server.url + probe).status_code == 200
     r = httpx.get(tiny_server.url + "/v1/completions")
     assert r.status_code == 405 and "error" in r.json()
 

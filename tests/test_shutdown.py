@@ -124,6 +124,39 @@ def test_sigterm_refuses_new_work_finishes_or_aborts_in_flight_and_exits_zero(lo
         srv.kill()
 
 
+def test_a_second_signal_ends_running_streams_at_once_with_their_error(long_model_dir, tmp_path):
+    """The first SIGINT drains; a second one cuts the drain short: the running stream ends at
+    once with a 503 error event (code shutting_down) and [DONE], and the process ends as a
+    SIGINT does (Python's KeyboardInterrupt exit: killed by SIGINT)."""
+    srv = Proc(long_model_dir, tmp_path / "server.log", "--shutdown-timeout", "600")
+    try:
+        result = {}
+
+        def stream():
+            result["r"] = httpx.post(srv.url + "/v1/completions", timeout=120, json={
+                "prompt": "cd", "max_tokens": 30000, "ignore_eos": True, "stream": True,
+                "speculative": {"method": "off"}})
+
+        thread = threading.Thread(target=stream)
+        thread.start()
+        _wait(lambda: metric(srv, "num_requests_running") == 1)
+        srv.proc.send_signal(signal.SIGINT)
+        _wait(lambda: httpx.get(srv.url + "/health").json().get("draining") is True, 10)
+        sent = time.time()
+        srv.proc.send_signal(signal.SIGINT)
+        thread.join(60)
+        code = srv.proc.wait(60)
+        assert code in (130, -signal.SIGINT) and time.time() - sent < 30, srv.output()
+        raw = result["r"].text
+        assert raw.endswith("data: [DONE]\n\n"), raw[-300:]
+        last = sse_events(result["r"])[-1]
+        assert last["error"]["type"] == "unavailable_error" and last["error"]["code"] == "shutting_down", last
+        assert "drain cut short: aborting 1 request(s)" in srv.output()
+        assert "Exception in ASGI application" not in srv.output()
+    finally:
+        srv.kill()
+
+
 def test_sigterm_exits_as_soon_as_in_flight_work_is_done(model_dir, tmp_path):
     srv = Proc(model_dir, tmp_path / "server.log", "--shutdown-timeout", "60")
     try:
@@ -221,3 +254,19 @@ def test_exit_status():
     assert exit_status(signal.SIGINT, None) == 130 and exit_status(None, KeyboardInterrupt()) == 130
     assert exit_status(None, SystemExit(3)) == 3 and exit_status(signal.SIGTERM, SystemExit(None)) == 0
     assert exit_status(None, SystemExit("message")) == 1 and exit_status(None, RuntimeError()) == 1
+
+
+def test_the_open_file_limit_is_raised_within_the_hard_limit():
+    import resource
+
+    from server.cli import raise_open_file_limit
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(256, hard), hard))
+        got = raise_open_file_limit(4096)
+        want = 4096 if hard == resource.RLIM_INFINITY else min(4096, hard)
+        assert got == want == resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        assert raise_open_file_limit(1024) == want  # (never lowered)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -433,6 +433,13 @@ def test_forced_xml_calls_refuse_what_the_format_cannot_carry(tool_server, monke
     assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS}).status_code == 200
 
 
+def test_forced_tool_choice_without_tools_names_what_is_missing(tool_server):
+    for choice, words in (("required", "tool_choice 'required' needs tools"),
+                          ({"type": "function", "function": {"name": "f"}}, "naming function 'f' needs tools")):
+        r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tool_choice": choice})
+        assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
 def test_forced_tool_parameters_that_cannot_be_enforced(tool_server):
     tools = [{"type": "function", "function": {"name": "x", "parameters": {"$ref": "#"}}}]
     for stream in (False, True):  # (a circular schema: refused before anything is sent)
