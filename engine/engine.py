@@ -43,7 +43,7 @@ from .constraint import (
 )
 from .generation import Sequence, prefill_step, speculative_batch_step, speculative_step
 from .loader import LoadedModel, load_target
-from .prefix_cache import PrefixCache
+from .prefix_cache import PrefixCache, copy_prefix
 from .request import (
     SPECULATION_METHODS,
     ContextLengthExceeded,
@@ -626,6 +626,10 @@ class Engine:
             acceptance=RequestAcceptance(self.acceptance), dspark_stats=self.dspark_stats,
             taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
         )
+        twin = self._prompt_twin(request)
+        if twin is not None and twin.prefilled:  # the same prompt, prefilled: copy it (n > 1 choices)
+            seq.reuse_prefix(copy_prefix(twin.cache, seq.prompt_len - 1), None, seq.prompt_len - 1)
+            return seq
         # Prompt logprobs need every prompt row's logits: such requests prefill from scratch.
         if self.prefix_cache is not None and not request.prompt_logprobs:
             hit = self.prefix_cache.fetch(request.prompt_tokens, seq.taps is not None, request.cache_salt)
@@ -728,8 +732,15 @@ class Engine:
         ``P + min(R, P)`` rows of work; waiting costs ``R + P - S`` for ``S`` shared rows not yet
         cached, which is less exactly when ``S > 0`` and ``R < P + S``. Only an owner that stores
         into the namespace this request reads (same ``cache_salt``, same DSpark-taps setting) and
-        only what fits the cache's budget count."""
+        only what fits the cache's budget count.
+
+        A request whose whole prompt an active sequence is prefilling (:meth:`_prompt_twin`)
+        always waits for it: it then copies every position but the anchor, not just whole
+        chunks."""
         request = handle.request
+        twin = self._prompt_twin(request)
+        if twin is not None and not twin.prefilled:  # (its remaining rows, never more than ours)
+            return True
         if self.prefix_cache is None or request.prompt_logprobs:
             return False
         prompt = request.prompt_tokens
@@ -759,6 +770,23 @@ class Engine:
             if saved > 0 and remaining < len(prompt) - 1 + saved:
                 return True
         return False
+
+    def _prompt_twin(self, request: GenerationRequest) -> Sequence | None:
+        """An active sequence whose prefilled prompt ``request`` can copy whole instead of
+        prefilling it (the ``n`` choices of one request, or the same prompt sent twice): the same
+        prompt tokens and ``cache_salt``, plain per-layer KV caches, and neither with prompt
+        logprobs (they need every row's logits) or DSpark taps (the drafter takes the prompt's
+        hidden rows). Its rows before the anchor are the ones this request's own prefill would
+        compute: the same chunks of the same tokens at the same positions."""
+        if request.prompt_logprobs or len(request.prompt_tokens) < 2 or self._runs_dspark(request):
+            return None
+        for _, seq in self._active:
+            other = seq.request
+            if (not seq.finished and seq.cache is not None and seq.taps is None and not other.prompt_logprobs
+                    and other.cache_salt == request.cache_salt and other.prompt_tokens == request.prompt_tokens
+                    and PrefixCache.supports(seq.cache)):
+                return seq
+        return None
 
     def _runs_dspark(self, request: GenerationRequest) -> bool:
         """Whether ``request``'s sequence will run DSpark, hence read the taps' prefix namespace."""

@@ -73,7 +73,7 @@ class Sequence:
         self.cache = runner.make_cache(self.prompt_len + request.max_tokens + MAX_VERIFY_ROWS)  # clamped to the context
         self.num_prefilled = 0
         self.num_generated = 0
-        self.cached_tokens = 0  # prompt positions taken from the prefix cache
+        self.cached_tokens = 0  # prompt positions taken from the prefix cache or a twin's prefill
         self.pipeline = LogitsPipeline(request.sampling, seed, self.prompt_len, constraint)
         self.constraint = constraint  # engine.constraint.GrammarConstraint, or None
         self.table = table
@@ -105,8 +105,9 @@ class Sequence:
         self.prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs else None
 
     def reuse_prefix(self, cache: list, hidden: mx.array | None, num_tokens: int) -> None:
-        """Start from a prefix cache hit: ``cache`` holds the first ``num_tokens`` prompt
-        positions (whole prefill chunks), ``hidden`` their tapped rows when DSpark is on."""
+        """Start from prompt positions computed before: ``cache`` holds the first ``num_tokens``
+        (whole prefill chunks from the prefix cache, or every position but the anchor copied from
+        a sequence with the same prompt), ``hidden`` their tapped rows when DSpark is on."""
         if not 0 < num_tokens < self.prompt_len or self.num_prefilled:
             raise ValueError("a prefix hit must cover part of the prompt before prefill starts")
         self.cache = cache

@@ -199,6 +199,19 @@ class PrefixCache:
                     "hits": self.hits, "block": self.block, "max_bytes": self.max_bytes}
 
 
+def copy_prefix(cache: list, n: int) -> list:
+    """Fresh per-layer KV caches holding copies of the first ``n`` positions of ``cache`` (plain
+    per-layer caches, :meth:`PrefixCache.supports`), evaluated, so the live cache's later
+    in-place writes neither reach them nor wait on them."""
+    layers = []
+    for c in cache:
+        layer = ExactKVCache()
+        layer.state = (_copy(c.keys[..., :n, :]), _copy(c.values[..., :n, :]), n)
+        layers.append(layer)
+    mx.eval([a for layer in layers for a in (layer.keys, layer.values)])
+    return layers
+
+
 def _copy(view: mx.array) -> mx.array:
     """A copy of ``view`` in its own buffer, bit for bit (``x * 1`` keeps signed zeros and NaNs).
 

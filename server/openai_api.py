@@ -459,7 +459,9 @@ def first_error(jobs: list[Job]) -> EngineError | None:
 
 
 def usage(jobs: list[Job]) -> dict:
-    """OpenAI usage; a prompt shared by ``n`` choices counts once (its largest cached part)."""
+    """OpenAI usage; a prompt shared by ``n`` choices counts once, and so does its cached part:
+    the least of its choices' (the choices after the first copy the first one's prefill, which is
+    not a cache hit of the request)."""
     prompts, cached = {}, {}
     completion = 0
     for job in jobs:
@@ -468,7 +470,7 @@ def usage(jobs: list[Job]) -> dict:
             continue
         key = job.request.request_id.rsplit("-", 1)[0]
         prompts[key] = last.prompt_tokens
-        cached[key] = max(cached.get(key, 0), last.cached_tokens)
+        cached[key] = min(cached.get(key, last.cached_tokens), last.cached_tokens)
         completion += last.completion_tokens
     prompt = sum(prompts.values())
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,

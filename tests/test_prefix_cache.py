@@ -263,8 +263,9 @@ def test_empty_cache_salt_is_rejected(prefix_server):
 
 
 def test_identical_prompts_arriving_together_prefill_once(engines):
-    """n > 1 or agents sharing a prompt: requests that arrive while the same prompt is being
-    prefilled wait for it and reuse its whole chunks; each output equals the cold one."""
+    """n > 1, or the same prompt sent twice at once: requests that arrive while the same prompt
+    is being prefilled wait for it and copy every position but the anchor (not just its whole
+    chunks), so the prompt is prefilled once; each output equals the cold one."""
     import asyncio
 
     cold, warm = engines
@@ -294,12 +295,11 @@ def test_identical_prompts_arriving_together_prefill_once(engines):
         results = asyncio.run(all_at_once())
     finally:
         warm.runner.prefill = prefill
-    usable = warm.prefix_cache.cacheable(len(prompt))
     for events in results:
         assert events[-1].error is None and [t for e in events for t in e.token_ids] == reference
-    assert sorted(events[-1].cached_tokens for events in results) == [0, usable, usable, usable]
-    # the last prompt token is the first anchor, never prefilled
-    assert sum(rows) == (len(prompt) - 1) + 3 * (len(prompt) - 1 - usable), rows
+    copied = len(prompt) - 1  # (the last prompt token is the first anchor, never prefilled)
+    assert sorted(events[-1].cached_tokens for events in results) == [0, copied, copied, copied]
+    assert sum(rows) == len(prompt) - 1, rows
 
 
 def _first_tokens_in_order(eng, requests):
@@ -368,6 +368,42 @@ def test_waiting_requests_keep_their_place_in_the_queue(tiny):
         order, lasts = _first_tokens_in_order(
             eng, [_req("owner", prompt), _req("same", prompt), _req("later", other, max_tokens=4)])
         assert order.index("same") < order.index("later")
-        assert lasts["same"].cached_tokens == eng.prefix_cache.cacheable(len(prompt))
+        assert lasts["same"].cached_tokens == len(prompt) - 1  # (a copy of the owner's whole prompt)
     finally:
         eng.stop()
+
+
+def test_a_prompt_twin_is_copied_only_where_it_computes_the_same_rows(engines, monkeypatch):
+    """The same prompt sent twice at once: the second waits for the first's prefill and copies
+    its rows (here a prompt shorter than one chunk, which the prefix cache cannot hold), with
+    the output of a cold engine; a salted prompt, prompt logprobs, another prompt or DSpark
+    taps never copy."""
+    import asyncio
+    import dataclasses
+
+    cold, warm = engines
+    rng = random.Random(1013)
+    prompt = [rng.randrange(3, 259) for _ in range(BLOCK // 2 + 3)]
+    reference = run(cold, prompt, "off", max_tokens=16)[0]
+
+    async def both():
+        streams = [warm.submit(_req("first", prompt, 40)), warm.submit(_req("second", prompt, 16))]
+
+        async def drain(stream):
+            return [e async for e in stream]
+        return await asyncio.gather(*(drain(s) for s in streams))
+
+    first, second = asyncio.run(both())
+    assert first[-1].cached_tokens == 0 and second[-1].cached_tokens == len(prompt) - 1
+    assert [t for e in second for t in e.token_ids] == reference
+    owner = warm._make_sequence(_req("owner", prompt))
+    owner.num_prefilled = owner.prompt_len  # (white-box: an active, prefilled owner)
+    saved_active, warm._active = warm._active, [(None, owner)]
+    try:
+        assert warm._prompt_twin(_req("same", prompt)) is owner
+        for kw in ({"cache_salt": "tenant-b"}, {"prompt_logprobs": True}, {"prompt_tokens": prompt[:-1]}):
+            assert warm._prompt_twin(dataclasses.replace(_req("other", prompt), **kw)) is None, kw
+        monkeypatch.setattr(warm, "_runs_dspark", lambda request: True)
+        assert warm._prompt_twin(_req("same", prompt)) is None
+    finally:
+        warm._active = saved_active
