@@ -216,9 +216,7 @@ class Engine:
             time.sleep(poll)
         if self.idle():
             return True
-        error = EngineUnavailable("the server shut down before this request finished")
-        error.code = "shutting_down"
-        n = self.abort_all(error)
+        n = self.abort_all(EngineUnavailable("the server shut down before this request finished", "shutting_down"))
         log.warning("%s: aborting %d request(s)", "drain cut short" if cut is not None and cut.is_set()
                     else f"shutdown deadline ({timeout:.1f} s) passed", n)
         end = time.monotonic() + 10.0  # one step of each active sequence
@@ -266,7 +264,7 @@ class Engine:
     def validate(self, request: GenerationRequest) -> None:
         """Raise :class:`InvalidRequestError` for a request the engine cannot serve."""
         if self._closed:
-            raise EngineUnavailable("the server is shutting down")
+            raise EngineUnavailable("the server is shutting down", "shutting_down")
         if not self.ready:
             raise EngineUnavailable("the model is still loading" if not self._error else self._error)
         loaded = self.loaded
@@ -687,9 +685,10 @@ class Engine:
             except Exception:  # a bug outside any one request: log it and keep serving
                 log.exception("engine step failed")
         for handle, seq in self._active:
-            self._finish(handle, seq, FinishReason.CANCELLED, EngineUnavailable("server shutting down"))
+            self._finish(handle, seq, FinishReason.CANCELLED, EngineUnavailable("server shutting down", "shutting_down"))
         for handle in self._waiting:
-            handle.emit(TokenEvent(handle.request.request_id, [], "", error=EngineUnavailable("server shutting down")))
+            handle.emit(TokenEvent(handle.request.request_id, [], "",
+                                   error=EngineUnavailable("server shutting down", "shutting_down")))
 
     def _admit(self, block: bool) -> None:
         try:
@@ -772,13 +771,16 @@ class Engine:
         return False
 
     def _prompt_twin(self, request: GenerationRequest) -> Sequence | None:
-        """An active sequence whose prefilled prompt ``request`` can copy whole instead of
-        prefilling it (the ``n`` choices of one request, or the same prompt sent twice): the same
-        prompt tokens and ``cache_salt``, plain per-layer KV caches, and neither with prompt
-        logprobs (they need every row's logits) or DSpark taps (the drafter takes the prompt's
-        hidden rows). Its rows before the anchor are the ones this request's own prefill would
-        compute: the same chunks of the same tokens at the same positions."""
-        if request.prompt_logprobs or len(request.prompt_tokens) < 2 or self._runs_dspark(request):
+        """An active sequence prefilling or having prefilled ``request``'s whole prompt, which
+        ``request`` can then copy instead of prefilling it (the ``n`` choices of one request, or
+        the same prompt sent at once by several clients): the same prompt tokens and
+        ``cache_salt``, plain per-layer KV caches, neither with prompt logprobs (they need every
+        row's logits) or DSpark taps (the drafter takes the prompt's hidden rows), and only with
+        the prefix cache on (copies follow its sharing rules: off, requests share nothing). Its
+        rows before the anchor are the ones this request's own prefill would compute: the same
+        chunks of the same tokens at the same positions."""
+        if (self.prefix_cache is None or request.prompt_logprobs or len(request.prompt_tokens) < 2
+                or self._runs_dspark(request)):
             return None
         for _, seq in self._active:
             other = seq.request

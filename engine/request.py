@@ -54,10 +54,15 @@ class EngineOverloaded(EngineError):
 
 
 class EngineUnavailable(EngineError):
-    """The engine is not running, still loading, or shutting down (HTTP 503)."""
+    """The engine is not running, still loading, or shutting down (HTTP 503; ``code``
+    ``shutting_down`` for the last, as the server's drain gate answers)."""
 
     status = 503
     type = "unavailable_error"
+
+    def __init__(self, message: str, code: str | None = None):
+        super().__init__(message)
+        self.code = code
 
 
 class RequestTimeout(EngineError):
@@ -250,7 +255,7 @@ class TokenEvent:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache or a twin's prefill
     prompt_logprobs: list[TokenLogprob] | None = None  # first event only, when asked
     stats: SpecStats | None = None
     error: EngineError | None = None

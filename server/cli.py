@@ -5,8 +5,9 @@ exported to the environment first; the engine package is imported only after tha
 
 Shutdown: the first SIGTERM or SIGINT drains (new requests get 503, in-flight ones get
 ``shutdown_timeout`` seconds, the rest end with a 503 error), then uvicorn closes connections and
-the engine stops; a SIGTERM shutdown exits 0. A second signal skips what is left of the drain: the
-requests still running end with the 503 error at once (a third one is uvicorn's own forced exit).
+the engine stops; a SIGTERM shutdown exits 0. A second signal while the drain runs skips what is
+left of it: the requests still running end with the 503 error at once. Later signals go to uvicorn
+(a SIGINT once its shutdown began forces the exit, dropping open connections).
 A signal while the engine is still loading or calibrating exits at once (0 for SIGTERM) without
 waiting for that start-up phase to end.
 """
@@ -96,11 +97,11 @@ def main(argv: list[str] | None = None) -> None:
                 threading.Thread(target=self._drain_then_exit, args=(sig,), name="specserve-drain",
                                  daemon=True).start()
                 return
-            if self.draining and not self.cut.is_set():  # the drain ends its requests, then exits
+            if self.draining and not self.cut.is_set() and not self.should_exit:  # (the drain still runs)
                 log.info("signal %d: cutting the drain short", sig)
                 self.cut.set()
                 return
-            self._exit(sig)  # a third signal: uvicorn's own (a second SIGINT forces its exit)
+            self._exit(sig)  # uvicorn's own handling: a SIGINT once its shutdown began forces the exit
 
         def _drain_then_exit(self, sig):
             try:
@@ -132,20 +133,25 @@ def main(argv: list[str] | None = None) -> None:
 def raise_open_file_limit(target: int = 65536) -> int | str:
     """Raise this process's soft limit of open files to ``target`` (within the hard limit), as
     vLLM does at start-up: every client connection holds a descriptor, and uvicorn keeps one
-    whose request headers never finish until the client hangs up (docs/security.md). Returns
-    the soft limit now in force ("unlimited", or the old one where the platform refuses)."""
+    whose request headers never finish until the client hangs up (docs/security.md). Where the
+    platform refuses that (macOS caps it at 10,240), 10,240 then 4,096 are tried. Returns the
+    soft limit now in force ("unlimited", or the old one where every step is refused)."""
     try:
         import resource
     except ImportError:  # (not a Unix)
         return "the platform's default"
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = target if hard == resource.RLIM_INFINITY else min(target, hard)
-    if soft != resource.RLIM_INFINITY and soft < want:
+    # (macOS refuses more than OPEN_MAX, 10240, even under an unlimited hard limit)
+    for limit in sorted({want, min(want, 10240), min(want, 4096)}, reverse=True):
+        if soft == resource.RLIM_INFINITY or soft >= limit:
+            break
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-            soft = want
+            resource.setrlimit(resource.RLIMIT_NOFILE, (limit, hard))
+            soft = limit
+            break
         except (ValueError, OSError):
-            pass
+            continue
     return "unlimited" if soft == resource.RLIM_INFINITY else soft
 
 

@@ -460,8 +460,8 @@ def first_error(jobs: list[Job]) -> EngineError | None:
 
 def usage(jobs: list[Job]) -> dict:
     """OpenAI usage; a prompt shared by ``n`` choices counts once, and so does its cached part:
-    the least of its choices' (the choices after the first copy the first one's prefill, which is
-    not a cache hit of the request)."""
+    the least of its choices' (choices that copied another choice's prefill report it as cached,
+    but it is no cache hit of the request)."""
     prompts, cached = {}, {}
     completion = 0
     for job in jobs:

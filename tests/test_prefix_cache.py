@@ -1,6 +1,7 @@
 """Prefix cache: whole prefill chunks reused across requests, bit-identical to a cold prefill."""
 
 import random
+import time
 
 import httpx
 import mlx.core as mx
@@ -271,7 +272,11 @@ def test_identical_prompts_arriving_together_prefill_once(engines):
     cold, warm = engines
     rng = random.Random(7)
     prompt = [rng.randrange(3, 259) for _ in range(20 * BLOCK + 5)]
-    reference = run(cold, prompt, "auto", max_tokens=12)[0]
+    cold_events = list(cold.generate(GenerationRequest(prompt_tokens=list(prompt), max_tokens=12, logprobs=3,
+                                                       sampling=SamplingParams(temperature=0.0),
+                                                       speculative=SpeculativeParams(method="auto")), timeout=600))
+    reference = [t for e in cold_events for t in e.token_ids]
+    ref_logprobs = [(lp.token, lp.logprob, lp.top) for e in cold_events for lp in e.logprobs or []]
     rows = []
     prefill = warm.runner.prefill
 
@@ -282,7 +287,7 @@ def test_identical_prompts_arriving_together_prefill_once(engines):
     warm.runner.prefill = counting_prefill
 
     async def all_at_once():
-        reqs = [GenerationRequest(prompt_tokens=list(prompt), max_tokens=12, request_id=f"same-{i}",
+        reqs = [GenerationRequest(prompt_tokens=list(prompt), max_tokens=12, request_id=f"same-{i}", logprobs=3,
                                   sampling=SamplingParams(temperature=0.0),
                                   speculative=SpeculativeParams(method="auto")) for i in range(4)]
         streams = [warm.submit(r) for r in reqs]  # all queued before the worker admits them
@@ -295,8 +300,9 @@ def test_identical_prompts_arriving_together_prefill_once(engines):
         results = asyncio.run(all_at_once())
     finally:
         warm.runner.prefill = prefill
-    for events in results:
+    for events in results:  # (logprobs too: the copied rows are the cold ones, bit for bit)
         assert events[-1].error is None and [t for e in events for t in e.token_ids] == reference
+        assert [(lp.token, lp.logprob, lp.top) for e in events for lp in e.logprobs or []] == ref_logprobs
     copied = len(prompt) - 1  # (the last prompt token is the first anchor, never prefilled)
     assert sorted(events[-1].cached_tokens for events in results) == [0, copied, copied, copied]
     assert sum(rows) == len(prompt) - 1, rows
@@ -376,18 +382,25 @@ def test_waiting_requests_keep_their_place_in_the_queue(tiny):
 def test_a_prompt_twin_is_copied_only_where_it_computes_the_same_rows(engines, monkeypatch):
     """The same prompt sent twice at once: the second waits for the first's prefill and copies
     its rows (here a prompt shorter than one chunk, which the prefix cache cannot hold), with
-    the output of a cold engine; a salted prompt, prompt logprobs, another prompt or DSpark
-    taps never copy."""
+    the tokens and logprobs of a cold engine; a salted prompt, prompt logprobs, another prompt,
+    DSpark taps or an engine without the prefix cache never copy."""
     import asyncio
     import dataclasses
 
     cold, warm = engines
     rng = random.Random(1013)
     prompt = [rng.randrange(3, 259) for _ in range(BLOCK // 2 + 3)]
-    reference = run(cold, prompt, "off", max_tokens=16)[0]
+
+    def req(rid, max_tokens):
+        return dataclasses.replace(_req(rid, prompt, max_tokens), logprobs=4)
+
+    def lps(events):
+        return [(lp.token, lp.logprob, lp.top) for e in events for lp in e.logprobs or []]
+
+    reference = list(cold.generate(req("cold", 16), timeout=600))
 
     async def both():
-        streams = [warm.submit(_req("first", prompt, 40)), warm.submit(_req("second", prompt, 16))]
+        streams = [warm.submit(req("first", 40)), warm.submit(req("second", 16))]
 
         async def drain(stream):
             return [e async for e in stream]
@@ -395,7 +408,11 @@ def test_a_prompt_twin_is_copied_only_where_it_computes_the_same_rows(engines, m
 
     first, second = asyncio.run(both())
     assert first[-1].cached_tokens == 0 and second[-1].cached_tokens == len(prompt) - 1
-    assert [t for e in second for t in e.token_ids] == reference
+    assert lps(second) == lps(reference) and lps(second)
+    deadline = time.time() + 30
+    while not warm.idle():  # (the worker's last step may still be ending)
+        assert time.time() < deadline
+        time.sleep(0.01)
     owner = warm._make_sequence(_req("owner", prompt))
     owner.num_prefilled = owner.prompt_len  # (white-box: an active, prefilled owner)
     saved_active, warm._active = warm._active, [(None, owner)]
@@ -405,5 +422,26 @@ def test_a_prompt_twin_is_copied_only_where_it_computes_the_same_rows(engines, m
             assert warm._prompt_twin(dataclasses.replace(_req("other", prompt), **kw)) is None, kw
         monkeypatch.setattr(warm, "_runs_dspark", lambda request: True)
         assert warm._prompt_twin(_req("same", prompt)) is None
+        monkeypatch.undo()
+        monkeypatch.setattr(warm, "prefix_cache", None)  # (copies follow the cache's sharing rules)
+        assert warm._prompt_twin(_req("same", prompt)) is None
     finally:
         warm._active = saved_active
+
+
+def test_usage_counts_a_requests_cache_hit_once_for_n_choices(prefix_server):
+    """n choices of one prompt: the first prefills it, the others copy it; usage reports the
+    request's own cache hit (0 for a new prompt), streamed or not, per prompt of a list."""
+    rng = random.Random(1014)
+
+    def words():
+        return " ".join(f"w{rng.randrange(10**6)}" for _ in range(60))
+
+    body = {"prompt": [words(), words()], "max_tokens": 3, "n": 3, "temperature": 0}
+    whole = post(prefix_server, "/v1/completions", body).json()
+    assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, whole["usage"]
+    events = sse_events(post(prefix_server, "/v1/completions", {**body, "prompt": words(), "stream": True,
+                                                                "stream_options": {"include_usage": True}}))
+    assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, events[-1]
+    again = post(prefix_server, "/v1/completions", body).json()  # (now a hit: the prompts' whole chunks)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]

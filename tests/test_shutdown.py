@@ -270,3 +270,21 @@ def test_the_open_file_limit_is_raised_within_the_hard_limit():
         assert raise_open_file_limit(1024) == want  # (never lowered)
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_the_open_file_limit_steps_down_where_the_platform_refuses(monkeypatch):
+    """(macOS: setrlimit refuses more than OPEN_MAX, 10240, even under an unlimited hard limit)"""
+    import resource
+
+    from server.cli import raise_open_file_limit
+
+    calls = []
+
+    def setrlimit(which, limits):
+        calls.append(limits[0])
+        if limits[0] > 10240:
+            raise ValueError("not allowed")
+
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (256, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "setrlimit", setrlimit)
+    assert raise_open_file_limit() == 10240 and calls == [65536, 10240]
