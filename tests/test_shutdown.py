@@ -125,9 +125,10 @@ def test_sigterm_refuses_new_work_finishes_or_aborts_in_flight_and_exits_zero(lo
 
 
 def test_a_second_signal_ends_running_streams_at_once_with_their_error(long_model_dir, tmp_path):
-    """The first SIGINT drains; a second one cuts the drain short: the running stream ends at
-    once with a 503 error event (code shutting_down) and [DONE], and the process ends as a
-    SIGINT does (Python's KeyboardInterrupt exit: killed by SIGINT)."""
+    """The first SIGTERM drains; a second one cuts the drain short: the running stream ends at
+    once with a 503 error event (code shutting_down) and [DONE], and the process exits 0. (A
+    Ctrl-C takes the same path; SIGTERM's exit status does not depend on whether the test
+    runner's workers ignore SIGINT, which their children inherit.)"""
     srv = Proc(long_model_dir, tmp_path / "server.log", "--shutdown-timeout", "600")
     try:
         result = {}
@@ -140,13 +141,13 @@ def test_a_second_signal_ends_running_streams_at_once_with_their_error(long_mode
         thread = threading.Thread(target=stream)
         thread.start()
         _wait(lambda: metric(srv, "num_requests_running") == 1)
-        srv.proc.send_signal(signal.SIGINT)
+        srv.proc.send_signal(signal.SIGTERM)
         _wait(lambda: httpx.get(srv.url + "/health").json().get("draining") is True, 10)
         sent = time.time()
-        srv.proc.send_signal(signal.SIGINT)
+        srv.proc.send_signal(signal.SIGTERM)
         thread.join(60)
         code = srv.proc.wait(60)
-        assert code in (130, -signal.SIGINT) and time.time() - sent < 30, srv.output()
+        assert code == 0 and time.time() - sent < 30, srv.output()
         raw = result["r"].text
         assert raw.endswith("data: [DONE]\n\n"), raw[-300:]
         last = sse_events(result["r"])[-1]
