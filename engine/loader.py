@@ -21,6 +21,7 @@ from metal_kernels.fused_cpu import quantized_modules
 
 from .default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from .detokenizer import TokenTable
+from .tool_grammar import parser_module
 
 log = logging.getLogger("specserve.loader")
 
@@ -116,8 +117,6 @@ def tool_marker_ids(tokenizer) -> list[int]:
         return []
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     markers = [tokenizer.tool_call_start, tokenizer.tool_call_end]
-    from .tool_grammar import parser_module
-
     if parser_module(tokenizer.tool_parser) == "mistral":
         markers.append("[ARGS]")  # (between a call's name and its arguments: NAME[ARGS]{...})
     ids = []

@@ -245,8 +245,7 @@ def _xml_value(rule: str, where: str, schema: dict, defs: dict, end: str) -> tup
     literals = [schema["const"]] if "const" in schema else schema.get("enum")
     if not isinstance(kind, str) or kind not in _XML_TYPES:
         if kind is None and literals is not None:  # (no type: the parser keeps a string that is no JSON array/object)
-            _xml_literals(where, literals, end, untyped=True)
-            return _xml_literal_choice(literals), []
+            return _xml_literal_choice(where, literals, end, untyped=True), []
         raise GrammarError(f"{where}: a parameter needs one JSON Schema type (one of {', '.join(_XML_TYPES)}) in "
                            f"this model's tool-call format, got {schema.get('type')!r}")
     if kind != "string":
@@ -259,8 +258,7 @@ def _xml_value(rule: str, where: str, schema: dict, defs: dict, end: str) -> tup
         raise GrammarError(f"{where}: string keyword {unsupported[0]!r} cannot be enforced in this model's "
                            "tool-call format")
     if literals is not None:
-        _xml_literals(where, literals, end, untyped=False)
-        return _xml_literal_choice(literals), []
+        return _xml_literal_choice(where, literals, end, untyped=False), []
     any_char, tag = r"(.|\n)", _regex_literal("</parameter>")
     lexeme = [f"/{any_char}*\\n{tag}/", f"~/{any_char}*{tag}{any_char}+/", f"~/[nN][uU][lL][lL]\\n{tag}/"]
     if end:
@@ -269,8 +267,9 @@ def _xml_value(rule: str, where: str, schema: dict, defs: dict, end: str) -> tup
     return f'{token} "\\n"', [f"{token}: {' & '.join(lexeme)}"]
 
 
-def _xml_literals(where: str, literals, end: str, untyped: bool) -> None:
-    """Refuse ``enum``/``const`` values this syntax cannot carry (raises GrammarError)."""
+def _xml_literal_choice(where: str, literals, end: str, untyped: bool) -> str:
+    """The Lark alternatives of ``enum``/``const`` string values, each with its closing tag;
+    GrammarError for values this syntax cannot carry."""
     if not isinstance(literals, list) or not literals or not all(isinstance(v, str) for v in literals):
         raise GrammarError(f"{where}: enum must be a non-empty list of strings (const a string) in this model's "
                            "tool-call format")
@@ -278,6 +277,7 @@ def _xml_literals(where: str, literals, end: str, untyped: bool) -> None:
            or (untyped and _json_container(v))]
     if bad:
         raise GrammarError(f"{where}: enum values {bad} cannot be written in this model's tool-call format")
+    return "(" + " | ".join(json.dumps(v + _CLOSE) for v in literals) + ")"
 
 
 def _json_container(text: str) -> bool:
@@ -285,10 +285,6 @@ def _json_container(text: str) -> bool:
         return isinstance(json.loads(text), (dict, list))
     except ValueError:
         return False
-
-
-def _xml_literal_choice(literals: list[str]) -> str:
-    return "(" + " | ".join(json.dumps(v + _CLOSE) for v in literals) + ")"
 
 
 def _regex_literal(text: str) -> str:

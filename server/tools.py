@@ -36,7 +36,8 @@ class ToolFormat:
     ``parse(text, tools)`` gets the text between the markers and the request's tools as OpenAI
     dicts, and returns ``{"name": str, "arguments": dict | str, "id"?: str}`` or a list of
     them. It is third-party code fed model output, so any exception it raises means "not a
-    call". ``end`` is empty for formats whose block runs to the end of the output.
+    call". ``end`` is empty for formats whose block runs to the next start marker or the end
+    of the output (Mistral's).
     ``short_ids``: call ids of 9 letters and digits (Mistral's templates refuse others in the
     history), else ``call_`` and 24 hex digits. ``style``: the call syntax a grammar can force
     (``engine.tool_grammar.ToolCallStyle``), None for formats calls cannot be forced in.
@@ -88,18 +89,13 @@ class ToolCallSplitter:
         self._buffer += text
         while True:
             if self._inside:
-                if self.fmt.end:
-                    end = self._buffer.find(self.fmt.end)
-                    if end < 0:
-                        break
-                    block, self._buffer = self._buffer[:end], self._buffer[end + len(self.fmt.end):]
-                    self._inside = False
-                else:  # no end marker: a block runs to the next start marker or to finish()
-                    end = self._buffer.find(self.fmt.start)
-                    if end < 0:
-                        break
-                    block, self._buffer = self._buffer[:end], self._buffer[end:]
-                    self._inside = False
+                # a block ends at its end marker (consumed); without one, at the next start marker
+                # (kept: it opens the next block) or at finish()
+                end = self._buffer.find(self.fmt.end or self.fmt.start)
+                if end < 0:
+                    break
+                block, self._buffer = self._buffer[:end], self._buffer[end + len(self.fmt.end):]
+                self._inside = False
                 parsed = self._parse(block)
                 if parsed is None:  # not a call after all: it stays in the text
                     out.append(self.fmt.start + block + self.fmt.end)
