@@ -19,6 +19,7 @@ from .guard import Guard
 from .metrics import Metrics
 from .openai_api import router as openai_router
 from .settings import Settings
+from .tokenize_api import router as tokenize_router
 
 log = logging.getLogger("specserve.server")
 
@@ -75,6 +76,7 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
     log.info("API key authentication %s; /metrics %s", "on" if settings.api_key else "off",
              "protected" if settings.api_key and settings.protect_metrics else "open")
     app.include_router(openai_router)
+    app.include_router(tokenize_router)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():

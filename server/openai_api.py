@@ -34,7 +34,7 @@ from engine import (
 )
 
 from .errors import APIError, error_body
-from .schemas import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
 from .tools import ToolCallSplitter, ToolFormat, split_tool_calls
 
 router = APIRouter()
@@ -240,15 +240,35 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
     return jobs
 
 
+def require_chat_template(tokenizer) -> None:
+    """Raise APIError 400 (``param: messages``) when the model has no chat template."""
+    if not getattr(tokenizer, "has_chat_template", False) and not tokenizer.chat_template:
+        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
+
+
+def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None,
+                add_generation_prompt: bool = True) -> list[int]:
+    """The prompt's token ids: ``messages`` (and ``tools``, as OpenAI dicts, or None) through the
+    model's chat template. Raises APIError 400 (``param: messages``) for a template error, e.g.
+    roles out of order, or when the model has no template."""
+    require_chat_template(tokenizer)
+    extra = {"tools": tools} if tools is not None else {}
+    try:
+        tokens = tokenizer.apply_chat_template([m.for_template() for m in messages],
+                                               add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
+    except Exception as exc:  # template errors, e.g. roles out of order
+        raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from exc
+    return list(tokens)
+
+
 def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[Job]:
     settings = _state(request).settings
     engine = _state(request).engine
     if body.n > settings.max_n:
         raise APIError(400, f"n must be at most {settings.max_n}", param="n")
     tokenizer = engine.loaded.tokenizer
-    if not getattr(tokenizer, "has_chat_template", False) and not tokenizer.chat_template:
-        raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
-    fmt, tools, extra = None, None, {}
+    require_chat_template(tokenizer)
+    fmt, tools = None, None
     grammar, grammar_param = output_grammar(body)
     if grammar is not None and body.uses_tools():
         raise APIError(400, "structured output and tools cannot be combined (the format would keep the model "
@@ -259,7 +279,6 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
             raise APIError(400, "this model's chat template has no tool-call format, so it cannot call tools "
                            "(send tool_choice 'none' or no tools)", param="tools")
         tools = [t.for_template() for t in body.tools]
-        extra["tools"] = tools
         forced = body.forced_tools()
         if forced is not None:  # tool_choice required or a named function: a grammar of calls
             if fmt.style is None:
@@ -273,12 +292,7 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
             except (GrammarError, ValueError, RuntimeError) as exc:
                 raise APIError(400, f"the tools cannot be forced: {exc}", param="tools") from None
             grammar_param = "tools"
-    messages = [m.for_template() for m in body.messages]
-    try:
-        tokens = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **extra)
-    except Exception as exc:  # template errors, e.g. roles out of order
-        raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from exc
-    tokens = list(tokens)
+    tokens = chat_prompt(tokenizer, body.messages, tools)
     check_prompt_length(settings, tokens, "messages")
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = capped_max_tokens(settings, body.max_completion_tokens or body.max_tokens,

@@ -401,3 +401,44 @@ class ChatCompletionRequest(SamplingFields):
     def uses_tools(self) -> bool:
         """Whether the tools go into the prompt and calls are parsed from the output."""
         return bool(self.tools) and self.tool_choice != "none"
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize`` (vLLM's extension): the token ids the server would run for a completion
+    ``prompt`` (a string, as ``/v1/completions`` encodes it) or for chat ``messages`` (and
+    ``tools``) through the model's chat template, as ``/v1/chat/completions`` builds it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    tools: Annotated[list[Tool], Field(max_length=512)] | None = None
+    add_generation_prompt: StrictBool = True  # messages: end with the assistant turn's header
+    add_special_tokens: StrictBool = True  # prompt: the tokenizer's BOS etc., as completions add
+    return_token_strs: StrictBool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        where = surrogate_path(data)
+        if where is not None:
+            raise ParamError(where, "strings must be valid Unicode (found a lone surrogate escape)")
+        return data
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "give either prompt (a string) or messages, not both")
+        if self.tools and self.messages is None:
+            raise ParamError("tools", "tools go with messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize`` (vLLM's extension): the text of ``tokens``, special tokens spelled out."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(max_length=1_000_000)]

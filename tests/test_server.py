@@ -422,3 +422,53 @@ def test_speculation_off_per_request(tiny_server):
     r = post(tiny_server, "/v1/completions", {"prompt": "xyzxyzxyzxyz", "max_tokens": 20, "temperature": 0,
                                               "speculative": {"method": "off"}}).json()
     assert r["speculative_decoding"]["num_drafts"] == 0
+
+
+def test_tokenize_gives_the_prompts_the_generation_endpoints_run(tiny_server):
+    text = "abc abc xyz"
+    tok = post(tiny_server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) and tok["count"] > 0
+    assert tok["max_model_len"] == httpx.get(tiny_server.url + "/v1/models").json()["data"][0]["max_model_len"]
+    gen = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    by_text = post(tiny_server, "/v1/completions", {"prompt": text, **gen}).json()
+    by_ids = post(tiny_server, "/v1/completions", {"prompt": tok["tokens"], **gen}).json()
+    assert by_text["usage"]["prompt_tokens"] == tok["count"]
+    assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
+    assert post(tiny_server, "/detokenize", {"tokens": tok["tokens"]}).json() == {"prompt": text}
+
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    chat_tok = post(tiny_server, "/tokenize", {"messages": messages}).json()
+    chat = post(tiny_server, "/v1/chat/completions", {"messages": messages, **gen}).json()
+    assert chat["usage"]["prompt_tokens"] == chat_tok["count"]
+    assert post(tiny_server, "/v1/completions", {"prompt": chat_tok["tokens"], **gen}).json()[
+        "choices"][0]["text"] == chat["choices"][0]["message"]["content"]
+    # the template's special tokens are spelled out; without the generation prompt the ids are a prefix
+    rendered = post(tiny_server, "/detokenize", {"tokens": chat_tok["tokens"]}).json()["prompt"]
+    assert rendered.startswith("<|im_start|>system\nbe brief<|im_end|>") and rendered.endswith("<|im_start|>assistant\n")
+    bare = post(tiny_server, "/tokenize", {"messages": messages, "add_generation_prompt": False}).json()["tokens"]
+    assert 0 < len(bare) < chat_tok["count"] and chat_tok["tokens"][: len(bare)] == bare
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/tokenize", {"prompt": ["a"]}, 400, "prompt"),
+    ("/tokenize", {"prompt": "a\ud800"}, 400, "prompt"),
+    ("/tokenize", {"messages": []}, 400, "messages"),
+    ("/tokenize", {"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ("/tokenize", {"prompt": "a", "add_special_tokens": "no"}, 400, "add_special_tokens"),
+    ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
+    ("/detokenize", {}, 400, "tokens"),
+    ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens.1"),
+    ("/detokenize", {"tokens": [1, -1]}, 400, "tokens.1"),
+    ("/detokenize", {"tokens": [1, "2"]}, 400, "tokens.1"),
+    ("/detokenize", {"tokens": [1], "model": "gpt-4"}, 404, "model"),
+])
+def test_tokenize_and_detokenize_errors(tiny_server, path, body, status, param):
+    r = httpx.post(tiny_server.url + path, content=json.dumps(body), timeout=120,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    assert post(tiny_server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}

@@ -546,3 +546,17 @@ def test_mistral_args_marker_stays_visible():
     json_wrapper = TokenizerWrapper(hf, eos_token_ids=[2], tool_parser=json_tools.parse_tool_call,
                                     tool_call_start="[TOOL_CALLS]", tool_call_end="")
     assert tool_marker_ids(json_wrapper) == ids[:1]
+
+
+def test_tokenize_renders_tools_as_chat_completions_do(tool_server):
+    messages = [{"role": "user", "content": "weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+                                               "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+    with_tools = post(tool_server, "/tokenize", {"messages": messages, "tools": tools}).json()
+    without = post(tool_server, "/tokenize", {"messages": messages}).json()
+    assert with_tools["count"] > without["count"]
+    text = post(tool_server, "/detokenize", {"tokens": with_tools["tokens"]}).json()["prompt"]
+    assert '"name": "get_weather"' in text and text.endswith("<|im_start|>assistant\n")
+    chat = post(tool_server, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 2,
+                                                      "temperature": 0}).json()
+    assert chat["usage"]["prompt_tokens"] == with_tools["count"]
