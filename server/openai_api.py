@@ -34,7 +34,13 @@ from engine import (
 )
 
 from .errors import APIError, error_body
-from .schemas import ChatCompletionRequest, ChatMessage, CompletionRequest, SamplingFields
+from .schemas import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    ToolFields,
+)
 from .tools import ToolCallSplitter, ToolFormat, split_tool_calls
 
 router = APIRouter()
@@ -246,6 +252,19 @@ def require_chat_template(tokenizer) -> None:
         raise APIError(400, "this model has no chat template; use /v1/completions", param="messages")
 
 
+def template_tools(tokenizer, body: ToolFields) -> tuple[ToolFormat | None, list[dict] | None]:
+    """The model's tool-call format and the tools its chat template renders (OpenAI dicts):
+    ``(None, None)`` unless the request uses tools (some given, ``tool_choice`` not ``"none"``).
+    Raises APIError 400 (``param: tools``) when the template has no tool-call format."""
+    if not body.uses_tools():
+        return None, None
+    fmt = ToolFormat.of(tokenizer)
+    if fmt is None:
+        raise APIError(400, "this model's chat template has no tool-call format, so it cannot call tools "
+                       "(send tool_choice 'none' or no tools)", param="tools")
+    return fmt, [t.for_template() for t in body.tools]
+
+
 def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None,
                 add_generation_prompt: bool = True) -> list[int]:
     """The prompt's token ids: ``messages`` (and ``tools``, as OpenAI dicts, or None) through the
@@ -268,17 +287,12 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
         raise APIError(400, f"n must be at most {settings.max_n}", param="n")
     tokenizer = engine.loaded.tokenizer
     require_chat_template(tokenizer)
-    fmt, tools = None, None
     grammar, grammar_param = output_grammar(body)
     if grammar is not None and body.uses_tools():
         raise APIError(400, "structured output and tools cannot be combined (the format would keep the model "
                        "from calling a tool)", param=grammar_param)
-    if body.uses_tools():
-        fmt = ToolFormat.of(tokenizer)
-        if fmt is None:
-            raise APIError(400, "this model's chat template has no tool-call format, so it cannot call tools "
-                           "(send tool_choice 'none' or no tools)", param="tools")
-        tools = [t.for_template() for t in body.tools]
+    fmt, tools = template_tools(tokenizer, body)
+    if fmt is not None:
         forced = body.forced_tools()
         if forced is not None:  # tool_choice required or a named function: a grammar of calls
             if fmt.style is None:

@@ -349,15 +349,11 @@ class NamedToolChoice(_Part):
     function: NamedFunction
 
 
-class ChatCompletionRequest(SamplingFields):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
-    max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
-    logprobs: StrictBool = False
-    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
+class ToolFields(BaseModel):
+    """OpenAI's ``tools`` and ``tool_choice``, shared by chat completions and ``/tokenize``."""
+
     tools: Annotated[list[Tool], Field(max_length=512)] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -371,9 +367,7 @@ class ChatCompletionRequest(SamplingFields):
                          '{"type": "function", "function": {"name": ...}}')
 
     @model_validator(mode="after")
-    def _checks(self):
-        if self.top_logprobs and not self.logprobs:
-            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
+    def _tool_checks(self):
         forced = self.forced_tools()
         if forced is not None:
             if not self.tools:
@@ -403,19 +397,35 @@ class ChatCompletionRequest(SamplingFields):
         return bool(self.tools) and self.tool_choice != "none"
 
 
-class TokenizeRequest(BaseModel):
+class ChatCompletionRequest(SamplingFields, ToolFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(strict=True, ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: Annotated[int, Field(strict=True, ge=0, le=20)] | None = None
+    parallel_tool_calls: StrictBool | None = None
+
+    @model_validator(mode="after")
+    def _checks(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs requires logprobs to be true")
+        return self
+
+
+class TokenizeRequest(ToolFields):
     """``POST /tokenize`` (vLLM's extension): the token ids the server would run for a completion
-    ``prompt`` (a string, as ``/v1/completions`` encodes it) or for chat ``messages`` (and
-    ``tools``) through the model's chat template, as ``/v1/chat/completions`` builds it."""
+    ``prompt`` (a string, as ``/v1/completions`` encodes it) or for chat ``messages`` (with
+    ``tools`` unless ``tool_choice`` is ``"none"``) through the model's chat template, as
+    ``/v1/chat/completions`` builds its prompt."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     prompt: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
-    tools: Annotated[list[Tool], Field(max_length=512)] | None = None
     add_generation_prompt: StrictBool = True  # messages: end with the assistant turn's header
-    add_special_tokens: StrictBool = True  # prompt: the tokenizer's BOS etc., as completions add
+    add_special_tokens: StrictBool | None = None  # prompt: the tokenizer's BOS etc. (default true)
+    continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
 
     @model_validator(mode="before")
@@ -430,8 +440,14 @@ class TokenizeRequest(BaseModel):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ParamError("prompt", "give either prompt (a string) or messages, not both")
-        if self.tools and self.messages is None:
-            raise ParamError("tools", "tools go with messages")
+        if self.messages is None and (self.tools is not None or self.tool_choice is not None):
+            raise ParamError("tools" if self.tools is not None else "tool_choice", "tools go with messages")
+        if self.messages is not None and self.add_special_tokens:  # (chat prompts are the template's alone)
+            raise ParamError("add_special_tokens", "add_special_tokens goes with prompt; chat completions "
+                             "add no special tokens beyond the chat template's")
+        if self.continue_final_message:
+            raise ParamError("continue_final_message", "continue_final_message is not supported (chat "
+                             "completions always start a new assistant turn)")
         return self
 
 

@@ -188,13 +188,14 @@ def test_disconnects_interleaved_with_requests_do_not_change_outputs(tiny_server
 ])
 def test_missing_or_wrong_api_key_gets_401(guarded_server, headers):
     before = metric(guarded_server, "requests_rejected_total", 'reason="Unauthorized"')
-    for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
-                         ("GET", "/v1/models"), ("GET", "/v1/models/tiny-llama"), ("GET", "/openapi.json")):
+    paths = (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+             ("POST", "/detokenize"), ("GET", "/v1/models"), ("GET", "/v1/models/tiny-llama"), ("GET", "/openapi.json"))
+    for method, path in paths:
         r = httpx.request(method, guarded_server.url + path, headers=headers, timeout=30,
                           json={"prompt": "x", "max_tokens": 1} if method == "POST" else None)
         assert_envelope(r, 401, "authentication_error", "invalid_api_key")
         assert r.headers["WWW-Authenticate"] == "Bearer"
-    assert metric(guarded_server, "requests_rejected_total", 'reason="Unauthorized"') == before + 5
+    assert metric(guarded_server, "requests_rejected_total", 'reason="Unauthorized"') == before + len(paths)
 
 
 def test_right_key_passes_and_probes_stay_open(guarded_server):

@@ -427,7 +427,10 @@ def test_speculation_off_per_request(tiny_server):
 def test_tokenize_gives_the_prompts_the_generation_endpoints_run(tiny_server):
     text = "abc abc xyz"
     tok = post(tiny_server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
-    assert tok["count"] == len(tok["tokens"]) == len(tok["token_strs"]) and tok["count"] > 0
+    # (the tiny tokenizer: one token per byte, ids 3.. for bytes in byte-level spelling)
+    assert tok["tokens"] == [3 + b for b in text.encode()] and tok["count"] == len(text)
+    assert tok["token_strs"] == ["a", "b", "c", "\u0120", "a", "b", "c", "\u0120", "x", "y", "z"]
+    assert post(tiny_server, "/tokenize", {"prompt": text}).json()["token_strs"] is None
     assert tok["max_model_len"] == httpx.get(tiny_server.url + "/v1/models").json()["data"][0]["max_model_len"]
     gen = {"max_tokens": 6, "temperature": 0, "ignore_eos": True}
     by_text = post(tiny_server, "/v1/completions", {"prompt": text, **gen}).json()
@@ -461,6 +464,16 @@ def test_tokenize_gives_the_prompts_the_generation_endpoints_run(tiny_server):
     ("/tokenize", {"prompt": "a", "model": "gpt-4"}, 404, "model"),
     ("/detokenize", {}, 400, "tokens"),
     ("/detokenize", {"tokens": [1, 99999]}, 400, "tokens.1"),
+    ("/detokenize", {"tokens": [258, 259]}, 400, "tokens.1"),  # (259 ids: 3 special + 256 bytes)
+    ("/tokenize", {"prompt": "a", "tool_choice": "none"}, 400, "tool_choice"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "add_special_tokens": True}, 400,
+     "add_special_tokens"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "continue_final_message": True}, 400,
+     "continue_final_message"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}], "tool_choice": "required"}, 400, "tool_choice"),
+    # the tiny model's template has no tool-call format: tools are refused as chat completions refuse them
+    ("/tokenize", {"messages": [{"role": "user", "content": "b"}],
+                   "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/detokenize", {"tokens": [1, -1]}, 400, "tokens.1"),
     ("/detokenize", {"tokens": [1, "2"]}, 400, "tokens.1"),
     ("/detokenize", {"tokens": [1], "model": "gpt-4"}, 404, "model"),
@@ -472,3 +485,31 @@ def test_tokenize_and_detokenize_errors(tiny_server, path, body, status, param):
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
     assert post(tiny_server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+    assert post(tiny_server, "/detokenize", {"tokens": [0, 3 + ord("a")]}).json() == {"prompt": "<|endoftext|>a"}
+
+
+def test_tokenize_adds_the_tokenizers_bos_as_completions_do(tiny):
+    """A tokenizer whose post-processor adds a BOS: /tokenize's default ids carry it, as the
+    completion's prompt does; add_special_tokens false leaves it out."""
+    import dataclasses
+
+    from conftest import tiny_live_server
+    from tiny import byte_tokenizer
+    from tokenizers import processors
+
+    from engine.detokenizer import TokenTable
+    from engine.loader import tokenizer_wrapper
+
+    hf = byte_tokenizer()
+    hf._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    wrapper = tokenizer_wrapper(hf, [2])
+    live = tiny_live_server(dataclasses.replace(tiny, tokenizer=wrapper, token_table=TokenTable.from_tokenizer(wrapper)))
+    try:
+        with_bos = post(live, "/tokenize", {"prompt": "abc"}).json()["tokens"]
+        assert with_bos == [1, 3 + ord("a"), 3 + ord("b"), 3 + ord("c")]
+        assert post(live, "/tokenize", {"prompt": "abc", "add_special_tokens": False}).json()["tokens"] == with_bos[1:]
+        gen = post(live, "/v1/completions", {"prompt": "abc", "max_tokens": 1, "temperature": 0}).json()
+        assert gen["usage"]["prompt_tokens"] == len(with_bos)
+    finally:
+        live.stop()

@@ -560,3 +560,10 @@ def test_tokenize_renders_tools_as_chat_completions_do(tool_server):
     chat = post(tool_server, "/v1/chat/completions", {"messages": messages, "tools": tools, "max_tokens": 2,
                                                       "temperature": 0}).json()
     assert chat["usage"]["prompt_tokens"] == with_tools["count"]
+    # tool_choice "none" leaves the tools out of the prompt, in both
+    off = {"messages": messages, "tools": tools, "tool_choice": "none"}
+    off_count = post(tool_server, "/tokenize", off).json()["count"]
+    assert off_count == without["count"]
+    assert post(tool_server, "/v1/chat/completions", {**off, "max_tokens": 2}).json()["usage"]["prompt_tokens"] == off_count
+    dup = post(tool_server, "/tokenize", {"messages": messages, "tools": tools * 2})
+    assert dup.status_code == 400 and dup.json()["error"]["param"] == "tools"
