@@ -636,14 +636,18 @@ class Engine:
         return seq
 
     def _store_prefix(self, seq: Sequence) -> None:
-        """Offer a freshly prefilled prompt's whole chunks to the prefix cache. A failure here
-        (say, memory for the copy) is logged and costs only the reuse, never the request."""
-        if self.prefix_cache is None:
+        """Offer a freshly prefilled prompt's whole chunks to the prefix cache, or those prefilled
+        so far of a prompt whose request ends mid-prefill (cancelled, timed out): a request
+        waiting for that prefill (:meth:`_awaits_prefill`, a prompt twin) then starts from them
+        instead of from nothing. A failure here (say, memory for the copy) is logged and costs
+        only the reuse, never the request."""
+        if self.prefix_cache is None or seq.cache is None:
             return
         req = seq.request
         try:
             self.prefix_cache.insert(req.prompt_tokens, seq.cache, seq.prompt_hidden(), seq.taps is not None,
-                                     req.cache_salt, already=seq.cached_tokens)
+                                     req.cache_salt, already=seq.cached_tokens,
+                                     prefilled=None if seq.prefilled else seq.num_prefilled)
         except Exception:
             log.exception("prefix cache: could not store the prompt of %s", req.request_id)
 
@@ -938,6 +942,8 @@ class Engine:
 
     def _finish(self, handle: _Handle, seq: Sequence, reason: FinishReason,
                 error: EngineError | None = None) -> None:
+        if not seq.prefilled and not self._stopping:  # (its whole chunks so far)
+            self._store_prefix(seq)
         seq.finish_reason = reason
         seq.cache = None
         self._done(handle.request.request_id)

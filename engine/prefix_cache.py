@@ -159,20 +159,25 @@ class PrefixCache:
         return PrefixHit(layers, hidden, aligned)
 
     def insert(self, prompt: list[int], cache: list, hidden: mx.array | None, taps: bool,
-               salt: str | None = None, already: int = 0) -> int:
+               salt: str | None = None, already: int = 0, prefilled: int | None = None) -> int:
         """Store the whole chunks of a freshly prefilled ``prompt``.
 
         Args:
             prompt: the request's prompt tokens.
             cache: its per-layer KV caches, holding at least ``cacheable(len(prompt))`` positions
-                computed by prefill (call before any decode or verify pass changes them).
+                (or ``prefilled``) computed by prefill (call before any decode or verify pass
+                changes them).
             hidden: ``[>= P, m*d]`` tapped hidden rows of those positions (required with ``taps``).
             already: positions that came from this cache (nothing new to store at or below it).
+            prefilled: positions prefilled so far, for a prompt whose prefill stopped early (a
+                request cancelled mid-prefill): only the whole chunks among them are stored.
 
         Returns:
             Positions stored (0 when nothing new).
         """
         length = self.cacheable(len(prompt))
+        if prefilled is not None:
+            length = min(length, prefilled // self.block * self.block)
         if length <= already or not self.supports(cache):
             return 0
         if taps and (hidden is None or hidden.shape[0] < length):

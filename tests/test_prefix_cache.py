@@ -11,7 +11,14 @@ from helpers import run
 from test_engine_dspark import make_drafter
 from test_server import metric, post, sse_events
 
-from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
+from engine import (
+    Engine,
+    EngineConfig,
+    FinishReason,
+    GenerationRequest,
+    SamplingParams,
+    SpeculativeParams,
+)
 from engine.exact_attention import ExactKVCache
 from engine.prefix_cache import PrefixCache
 
@@ -306,6 +313,42 @@ def test_identical_prompts_arriving_together_prefill_once(engines):
     copied = len(prompt) - 1  # (the last prompt token is the first anchor, never prefilled)
     assert sorted(events[-1].cached_tokens for events in results) == [0, copied, copied, copied]
     assert sum(rows) == len(prompt) - 1, rows
+
+
+def test_a_request_cancelled_mid_prefill_leaves_its_whole_chunks(engines):
+    """A request that ends mid-prefill (its client left) stores the whole chunks prefilled so far,
+    so the same prompt, sent again or waiting for it, starts from them; the output is the cold one."""
+    cold, warm = engines
+    rng = random.Random(23)
+    prompt = [rng.randrange(3, 259) for _ in range(12 * BLOCK + 3)]
+    req = dict(max_tokens=10, logprobs=2, sampling=SamplingParams(temperature=0.0),
+               speculative=SpeculativeParams(method="auto"))
+
+    def output(events):
+        events = list(events)
+        return [t for e in events for t in e.token_ids], [(lp.token, lp.logprob) for e in events for lp in e.logprobs or []]
+
+    reference = output(cold.generate(GenerationRequest(prompt_tokens=list(prompt), **req), timeout=600))
+    chunks = []
+    prefill = warm.runner.prefill
+
+    def cancelling_prefill(tokens, cache, taps=None, **kw):
+        out = prefill(tokens, cache, taps, **kw)
+        chunks.append(len(tokens))
+        if len(chunks) == 5:  # (the engine sees the cancel before its next step)
+            warm.cancel("left")
+        return out
+
+    warm.runner.prefill = cancelling_prefill
+    try:
+        events = list(warm.generate(GenerationRequest(prompt_tokens=list(prompt), request_id="left", **req),
+                                    timeout=600))
+    finally:
+        warm.runner.prefill = prefill
+    assert events[-1].finish_reason == FinishReason.CANCELLED and chunks == [BLOCK] * 5
+    again = list(warm.generate(GenerationRequest(prompt_tokens=list(prompt), **req), timeout=600))
+    assert output(again) == reference and len(reference[0]) == 10
+    assert again[-1].cached_tokens == 5 * BLOCK
 
 
 def _first_tokens_in_order(eng, requests):
