@@ -19,7 +19,7 @@
 #   kernels_h200.sh fused    # tests/test_fused.py (GPU tier included), then benchmarks/step_profile.py
 #                            # eager vs fused passes on the default model (MODES, STEP_ARGS)
 #   kernels_h200.sh mma      # the mma kernel's launch configurations under Nsight Compute: its GPU
-#                            # tests (CHECK_K), then mma_sweep --ncu over SHAPES/ROWS and CONFIGS
+#                            # tests (CHECK_K; SKIP_CHECK=1 skips them), then mma_sweep --ncu over SHAPES/ROWS and CONFIGS
 #                            # (WK,NT,U,KC,XL,LB[,MR,FU,LP,XS];...; or the WK/NT/U product),
 #                            # LAUNCHES per case (median after the first), parsed into
 #                            # $OUT/mma_ncu.json
@@ -124,7 +124,8 @@ EOF
     timeout -k 5 120 python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
       --out "$out/dspark_cost_h200.json" 2>&1 | grep -v "^INFO" | tail -12 ;;
   mma)
-    python3 benchmarks/kernel_check.py --out "$out/kernel_check_mma.json" -k "${CHECK_K:-const_shape or tiles_and}" 2>&1 | tail -20
+    [ "${SKIP_CHECK:-0}" = 1 ] ||
+      python3 benchmarks/kernel_check.py --out "$out/kernel_check_mma.json" -k "${CHECK_K:-const_shape or tiles_and}" 2>&1 | tail -20
     sweep=(--shapes "${SHAPES:-4096x4096:64,14336x4096:64}" --rows "${ROWS:-1,8,16}")
     if [ -n "${CONFIGS:-}" ]; then sweep+=(--configs="$CONFIGS")
     else sweep+=(--wk "${WK:-8,16}" --nt "${NT:-1,2}" --u "${U:-1,2,4}"); fi
