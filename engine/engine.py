@@ -635,17 +635,17 @@ class Engine:
                 seq.reuse_prefix(hit.cache, hit.hidden, hit.num_tokens)
         return seq
 
-    def _store_prefix(self, seq: Sequence) -> None:
-        """Offer a freshly prefilled prompt's whole chunks to the prefix cache, or those prefilled
-        so far of a prompt whose request ends mid-prefill (cancelled, timed out): a request
-        waiting for that prefill (:meth:`_awaits_prefill`, a prompt twin) then starts from them
-        instead of from nothing. A failure here (say, memory for the copy) is logged and costs
-        only the reuse, never the request."""
-        if self.prefix_cache is None or seq.cache is None:
+    def _store_prefix(self, seq: Sequence, cache: list | None) -> None:
+        """Offer a freshly prefilled prompt's whole chunks (``cache``: ``seq``'s KV cache) to the
+        prefix cache, or those prefilled so far of a prompt whose request ended mid-prefill
+        (cancelled, timed out): a request waiting for that prefill (:meth:`_awaits_prefill`, a
+        prompt twin) then starts from them instead of from nothing. A failure here (say, memory
+        for the copy) is logged and costs only the reuse, never the request."""
+        if self.prefix_cache is None or cache is None:
             return
         req = seq.request
         try:
-            self.prefix_cache.insert(req.prompt_tokens, seq.cache, seq.prompt_hidden(), seq.taps is not None,
+            self.prefix_cache.insert(req.prompt_tokens, cache, seq.prompt_hidden(), seq.taps is not None,
                                      req.cache_salt, already=seq.cached_tokens,
                                      prefilled=None if seq.prefilled else seq.num_prefilled)
         except Exception:
@@ -842,7 +842,7 @@ class Engine:
             result = prefill_step(seq, self._prefill_slice(seq))
             self._prefill_row_seconds = seq.prefill_row_seconds or self._prefill_row_seconds
             if seq.prefilled:
-                self._store_prefix(seq)
+                self._store_prefix(seq, seq.cache)
         if seq.prefilled and result is None:  # the first cycle may follow the last chunk at once
             result = speculative_step(seq, self.cost)
         if result is not None:
@@ -942,16 +942,18 @@ class Engine:
 
     def _finish(self, handle: _Handle, seq: Sequence, reason: FinishReason,
                 error: EngineError | None = None) -> None:
-        if not seq.prefilled and not self._stopping:  # (its whole chunks so far)
-            self._store_prefix(seq)
         seq.finish_reason = reason
-        seq.cache = None
+        cache, seq.cache = seq.cache, None
         self._done(handle.request.request_id)
         event = TokenEvent(handle.request.request_id, [], "", finish_reason=reason,
                            prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
                            cached_tokens=seq.cached_tokens, stats=seq.stats, elapsed=time.perf_counter() - seq.submitted_at, error=error)
         handle.emit(event)
         self.sink.request_finished(event)
+        # Ended mid-prefill: its whole chunks so far (after the event, which the copy would
+        # delay), unless the server is shutting down (no request would read them).
+        if not seq.prefilled and not self._stopping and not isinstance(error, EngineUnavailable):
+            self._store_prefix(seq, cache)
 
 
 def resolve_compile(mode: str) -> bool:

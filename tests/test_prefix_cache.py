@@ -227,6 +227,8 @@ def test_dspark_drafts_read_cached_hidden_states(tiny, tmp_path):
             assert (w_ids, w_text) == (ids, text)  # (draft lengths follow measured timings: not compared)
             accepted += w_last.stats.total.num_accepted_tokens if w_last.cached_tokens else 0
         assert accepted > 0 and warm.prefix_cache_info()["hits"] > 0
+        # a prompt cut short mid-prefill stores its hidden rows with its chunks' KV
+        cancelled_mid_prefill(cold, warm, 29, False, force)
     finally:
         cold.stop()
         warm.stop()
@@ -315,14 +317,14 @@ def test_identical_prompts_arriving_together_prefill_once(engines):
     assert sum(rows) == len(prompt) - 1, rows
 
 
-def test_a_request_cancelled_mid_prefill_leaves_its_whole_chunks(engines):
-    """A request that ends mid-prefill (its client left) stores the whole chunks prefilled so far,
-    so the same prompt, sent again or waiting for it, starts from them; the output is the cold one."""
-    cold, warm = engines
-    rng = random.Random(23)
+def cancelled_mid_prefill(cold, warm, seed: int, twin: bool, speculative: SpeculativeParams) -> None:
+    """A request cancelled after 5 prefill chunks stores them: the same prompt sent again (or, with
+    ``twin``, sent beside it and waiting for its prefill) starts from them, with the cold output."""
+    import asyncio
+
+    rng = random.Random(seed)
     prompt = [rng.randrange(3, 259) for _ in range(12 * BLOCK + 3)]
-    req = dict(max_tokens=10, logprobs=2, sampling=SamplingParams(temperature=0.0),
-               speculative=SpeculativeParams(method="auto"))
+    req = dict(max_tokens=10, logprobs=2, sampling=SamplingParams(temperature=0.0), speculative=speculative)
 
     def output(events):
         events = list(events)
@@ -339,16 +341,34 @@ def test_a_request_cancelled_mid_prefill_leaves_its_whole_chunks(engines):
             warm.cancel("left")
         return out
 
+    async def together():
+        streams = [warm.submit(GenerationRequest(prompt_tokens=list(prompt), request_id=rid, **req))
+                   for rid in ("left", "twin")]
+
+        async def drain(stream):
+            return [e async for e in stream]
+        return await asyncio.gather(*(drain(s) for s in streams))
+
     warm.runner.prefill = cancelling_prefill
     try:
-        events = list(warm.generate(GenerationRequest(prompt_tokens=list(prompt), request_id="left", **req),
-                                    timeout=600))
+        if twin:
+            left, again = asyncio.run(together())
+        else:
+            left = list(warm.generate(GenerationRequest(prompt_tokens=list(prompt), request_id="left", **req),
+                                      timeout=600))
     finally:
         warm.runner.prefill = prefill
-    assert events[-1].finish_reason == FinishReason.CANCELLED and chunks == [BLOCK] * 5
-    again = list(warm.generate(GenerationRequest(prompt_tokens=list(prompt), **req), timeout=600))
+    assert left[-1].finish_reason == FinishReason.CANCELLED and chunks[:5] == [BLOCK] * 5
+    if not twin:
+        again = list(warm.generate(GenerationRequest(prompt_tokens=list(prompt), **req), timeout=600))
     assert output(again) == reference and len(reference[0]) == 10
     assert again[-1].cached_tokens == 5 * BLOCK
+
+
+@pytest.mark.parametrize("twin", [False, True], ids=["sent-again", "twin-waiting"])
+def test_a_request_cancelled_mid_prefill_leaves_its_whole_chunks(engines, twin):
+    cold, warm = engines
+    cancelled_mid_prefill(cold, warm, 23 + twin, twin, SpeculativeParams(method="auto"))
 
 
 def _first_tokens_in_order(eng, requests):
