@@ -114,7 +114,19 @@ class StructuredOutputs(_Part):
         return self
 
 
-class SamplingFields(BaseModel):
+class _UnicodeOnly(BaseModel):
+    """A request body whose strings must be Unicode text (no lone surrogate escapes)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unicode(cls, data):
+        where = surrogate_path(data)
+        if where is not None:  # (param: the field holding it)
+            raise ParamError(where, "strings must be valid Unicode (found a lone surrogate escape)")
+        return data
+
+
+class SamplingFields(_UnicodeOnly):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     # (allow_inf_nan: NaN and +-Infinity, which Python's JSON parser reads, fail as "not a finite
@@ -142,14 +154,6 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None  # (an extension on /v1/completions, as in vLLM)
     structured_outputs: StructuredOutputs | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=256)] | None = None
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode(cls, data):
-        where = surrogate_path(data)
-        if where is not None:  # (param: the field holding it)
-            raise ParamError(where, "strings must be valid Unicode (found a lone surrogate escape)")
-        return data
 
     @field_validator("stop")
     @classmethod
@@ -412,7 +416,7 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
         return self
 
 
-class TokenizeRequest(ToolFields):
+class TokenizeRequest(_UnicodeOnly, ToolFields):
     """``POST /tokenize`` (vLLM's extension): the token ids the server would run for a completion
     ``prompt`` (a string, as ``/v1/completions`` encodes it) or for chat ``messages`` (with
     ``tools`` unless ``tool_choice`` is ``"none"``) through the model's chat template, as
@@ -427,14 +431,6 @@ class TokenizeRequest(ToolFields):
     add_special_tokens: StrictBool | None = None  # prompt: the tokenizer's BOS etc. (default true)
     continue_final_message: StrictBool = False
     return_token_strs: StrictBool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _unicode(cls, data):
-        where = surrogate_path(data)
-        if where is not None:
-            raise ParamError(where, "strings must be valid Unicode (found a lone surrogate escape)")
-        return data
 
     @model_validator(mode="after")
     def _one_input(self):
