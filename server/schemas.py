@@ -434,8 +434,10 @@ class TokenizeRequest(_UnicodeOnly, ToolFields):
 
     @model_validator(mode="after")
     def _one_input(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ParamError("prompt", "give either prompt (a string) or messages, not both")
+        if self.prompt is None and self.messages is None:
+            raise ParamError("prompt", "prompt (a string) or messages is required")
+        if self.prompt is not None and self.messages is not None:
+            raise ParamError("prompt", "give either prompt or messages, not both")
         if self.messages is None and (self.tools is not None or self.tool_choice is not None):
             raise ParamError("tools" if self.tools is not None else "tool_choice", "tools go with messages")
         if self.messages is not None and self.add_special_tokens:  # (chat prompts are the template's alone)

@@ -454,6 +454,7 @@ def test_tokenize_gives_the_prompts_the_generation_endpoints_run(tiny_server):
 
 @pytest.mark.parametrize("path, body, status, param", [
     ("/tokenize", {}, 400, "prompt"),
+    ("/tokenize", {"prompt": None, "messages": None}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, 400, "prompt"),
     ("/tokenize", {"prompt": "a", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/tokenize", {"prompt": ["a"]}, 400, "prompt"),
@@ -484,6 +485,8 @@ def test_tokenize_and_detokenize_errors(tiny_server, path, body, status, param):
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+    if body in ({}, {"prompt": None, "messages": None}):
+        assert err["message"].endswith("prompt (a string) or messages is required"), err
     assert post(tiny_server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
     assert post(tiny_server, "/detokenize", {"tokens": [0, 3 + ord("a")]}).json() == {"prompt": "<|endoftext|>a"}
 
