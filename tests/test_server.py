@@ -438,6 +438,8 @@ def test_tokenize_gives_the_prompts_the_generation_endpoints_run(tiny_server):
     assert by_text["usage"]["prompt_tokens"] == tok["count"]
     assert by_ids["choices"][0]["text"] == by_text["choices"][0]["text"]
     assert post(tiny_server, "/detokenize", {"tokens": tok["tokens"]}).json() == {"prompt": text}
+    assert post(tiny_server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
+    assert post(tiny_server, "/detokenize", {"tokens": [0, 3 + ord("a")]}).json() == {"prompt": "<|endoftext|>a"}
 
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
     chat_tok = post(tiny_server, "/tokenize", {"messages": messages}).json()
@@ -487,8 +489,6 @@ def test_tokenize_and_detokenize_errors(tiny_server, path, body, status, param):
     assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
     if path == "/tokenize" and body in ({}, {"prompt": None, "messages": None}):
         assert err["message"].endswith("prompt (a string) or messages is required"), err
-    assert post(tiny_server, "/detokenize", {"tokens": []}).json() == {"prompt": ""}
-    assert post(tiny_server, "/detokenize", {"tokens": [0, 3 + ord("a")]}).json() == {"prompt": "<|endoftext|>a"}
 
 
 def test_tokenize_adds_the_tokenizers_bos_as_completions_do(tiny):
