@@ -13,6 +13,10 @@ mean acceptance length (bonus included) and acceptance per position.
 ``--run-prompts`` adds a training run's own held-out prompts (its ``data/prompts.jsonl``, or the
 gzipped copy ``h200_session.sh gen`` returns): the first ``--per-source`` eval-split prompts of
 each source, 96 new tokens, as sets ``run_<source>``.
+
+``--max-new-tokens N`` gives every set N new tokens instead (generation still stops at EOS).
+The training data's responses run to 256 tokens, and DeepSpec's evaluator decodes to EOS; the
+default 96 measures only the openings of responses, where the text is least repetitive.
 """
 
 from __future__ import annotations
@@ -84,15 +88,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-prompts", default=None, help="a training run's prompts.jsonl[.gz]: add its held-out sets")
     ap.add_argument("--per-source", type=int, default=10)
     ap.add_argument("--only-run-prompts", action="store_true", help="skip the fixed sets")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="new tokens for every set (default: 96, 64 for instruct_trainfamily_heldout)")
     args = ap.parse_args(argv)
     if args.only_run_prompts and not args.run_prompts:
         ap.error("--only-run-prompts needs --run-prompts")
     if args.per_source < 1:
         ap.error("--per-source must be at least 1")
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        ap.error("--max-new-tokens must be at least 1")
     target = load_target(args.target)
     sets = {} if args.only_run_prompts else prompt_sets()
     if args.run_prompts:
         sets.update(run_prompt_sets(args.run_prompts, args.per_source))
+    if args.max_new_tokens is not None:
+        sets = {k: (records, args.max_new_tokens) for k, (records, _) in sets.items()}
     out = {"_setup": {"target": f"{target.name} ({target.weights})",
                       "loop": "drafters.dspark.train.evaluate_acceptance (full block every cycle, greedy)",
                       "prompts": {k: [r.id for r in v[0]] for k, v in sets.items()},

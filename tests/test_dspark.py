@@ -688,3 +688,39 @@ def test_batched_generation_equals_one_prompt_greedy(tiny_target):
     tok_eos = TokenizerWrapper(tok._tokenizer, eos_token_ids=[eos])
     cut = generate_examples(model, tok_eos, records, data, progress=False)
     assert [r["response"] for r in cut] == [expect[i] for i in range(len(rows))]
+
+
+def test_teacher_forced_positions_agree_with_the_decoding_loop(tiny_target):
+    """``benchmarks.dspark_positions``: on the target's own greedy continuation every data token
+    is the target's argmax, blocks past the end score zero, and the cycles a greedy decoding loop
+    would run over the teacher-forced rows are those of ``evaluate_acceptance``."""
+    from benchmarks.dspark_positions import block_scores, summarize
+
+    model, tok = tiny_target
+    arch = DraftArch(layers=2, target_layer_ids=[0, 1], block_size=4, markov_rank=16, mask_token_id=0,
+                     init="target")
+    net = train_dspark_new_model(model, tok, arch)
+    taps = TargetTaps(model, net.config.target_layer_ids)
+    prompt = tok.encode("hello there")
+    tokens = list(prompt)
+    for _ in range(24):
+        tokens.append(int(mx.argmax(model(mx.array([tokens]))[0, -1])))
+    scores = block_scores(taps, net, prompt, tokens[len(prompt):])
+    greedy = scores["greedy"]
+    assert greedy.shape == scores["soft"].shape == (24, 4)
+    assert scores["data_match"].all()
+    assert (greedy[-1, 1:] == 0).all() and (scores["soft"][-1, 1:] == 0).all()
+    assert ((scores["soft"] >= 0) & (scores["soft"] <= 1 + 1e-6)).all()
+    # Replay the decoding loop on the rows: each cycle's anchor is the last committed token.
+    pos, lengths, per_position = 0, [], np.zeros(4)
+    while pos < 16:
+        run = np.cumprod(greedy[pos])
+        per_position += run
+        lengths.append(int(run.sum()) + 1)
+        pos += lengths[-1]
+    assert sum(lengths) > len(lengths)  # some drafts are accepted: the comparison has teeth
+    loop = evaluate_acceptance(taps, net, [prompt], [], max_new_tokens=16)
+    assert loop["cycles"] == len(lengths) and loop["tokens"] == sum(lengths)
+    assert loop["acceptance_per_position"] == (per_position / len(lengths)).round(4).tolist()
+    hand = summarize(np.array([[1.0, 0.5, 0.0], [0.2, 1.0, 1.0]]), np.array([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]]))
+    assert hand == {"blocks": 2, "tau_soft": round((2.5 + 1.6) / 2, 3), "tau_greedy": 2.0, "first_slot": 0.5}
