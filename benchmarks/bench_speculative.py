@@ -6,7 +6,10 @@ outputs are checked token for token across methods (speculation must not change 
 
 Reported per workload and method: decode tokens/s (tokens after the first over the time after
 the first token), the ratio to plain decoding, acceptance rate (accepted / drafted), mean
-acceptance length (1 + accepted / drafts, bonus included) and tokens per verify step.
+acceptance length (1 + accepted / drafts, bonus included) and tokens per verify step. Each
+ratio between two methods comes with a 95% paired bootstrap interval over the runs (``ci95``,
+``ci95_vs``): methods at break-even differ by a few percent from run to run on a shared CPU, and
+the interval says whether a gap is larger than that.
 
     python -m benchmarks.bench_speculative --repeats 3 --out benchmarks/results/spec_cpu.json \
         --plot benchmarks/results/spec_cpu.png
@@ -23,6 +26,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import engine  # noqa: F401  (OpenBLAS before mlx.core)
+
+# isort: split
+import numpy as np
+
 from engine import (
     Engine,
     EngineConfig,
@@ -141,6 +148,28 @@ def summarize(rows: list[dict]) -> dict:
     }
 
 
+def paired_interval(rows: list[dict], base: list[dict], samples: int = 2000, seed: int = 0) -> list[float]:
+    """95% bootstrap interval of ``decode tokens/s (rows) / decode tokens/s (base)``.
+
+    ``rows[i]`` and ``base[i]`` are the same request (prompt, turn, repeat) under two methods;
+    resampling keeps the pairs, so noise shared by a pair cancels. Returns ``[low, high]``
+    (percentiles 2.5 and 97.5), or ``[]`` without runs.
+
+    Raises:
+        ValueError: the two lists differ in length.
+    """
+    if len(rows) != len(base):
+        raise ValueError(f"paired runs differ in number: {len(rows)} and {len(base)}")
+    if not rows:
+        return []
+    tok = np.array([[r["tokens"] - 1 for r in rows], [r["tokens"] - 1 for r in base]], np.float64)
+    sec = np.array([[r["decode_s"] for r in rows], [r["decode_s"] for r in base]], np.float64)
+    idx = np.random.default_rng(seed).integers(0, len(rows), (samples, len(rows)))
+    rate = tok[:, idx].sum(axis=-1) / np.maximum(sec[:, idx].sum(axis=-1), 1e-12)  # [2, samples]
+    ratio = rate[0] / np.maximum(rate[1], 1e-12)
+    return [round(float(v), 4) for v in np.percentile(ratio, [2.5, 97.5])]
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="default")
@@ -216,11 +245,14 @@ def main(argv=None) -> dict:
         base = summary[methods[0]]["decode_tokens_per_s"]
         for m in methods:
             summary[m]["speedup"] = summary[m]["decode_tokens_per_s"] / base if base else None
+            summary[m]["ci95"] = paired_interval(rows[m], rows[methods[0]])
+            summary[m]["ci95_vs"] = {o: paired_interval(rows[m], rows[o]) for o in methods[1:] if o != m}
         results["workloads"][w["name"]] = {"description": w["description"], "identical": identical,
                                            "methods": summary,
                                            # the scheduler's T(k) (ms) after this workload (online refresh)
                                            "verify_cost_ms_after": [round(t * 1e3, 4) for t in eng.cost.verify_cost]}
         line = "  ".join(f"{m}: {s['decode_tokens_per_s']:.1f} tok/s x{s['speedup']:.2f}"
+                         + (f" [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]" if m != methods[0] and s["ci95"] else "")
                          + (f" acc={s['acceptance_rate']:.2f} mal={s['mean_acceptance_length']:.2f}"
                             if s["acceptance_rate"] is not None else "")
                          for m, s in summary.items())

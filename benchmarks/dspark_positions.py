@@ -27,12 +27,11 @@ import gzip
 import json
 from pathlib import Path
 
-import numpy as np
-
 import engine  # noqa: F401  (OpenBLAS before mlx.core)
 
 # isort: split
 import mlx.core as mx
+import numpy as np
 
 from drafters.dspark.loader import load_dspark
 from drafters.dspark.target import TargetTaps
