@@ -7,7 +7,7 @@ outputs are checked token for token across methods (speculation must not change 
 Reported per workload and method: decode tokens/s (tokens after the first over the time after
 the first token), the ratio to plain decoding, acceptance rate (accepted / drafted), mean
 acceptance length (1 + accepted / drafts, bonus included) and tokens per verify step. Each
-ratio between two methods comes with a 95% paired bootstrap interval over the runs (``ci95``,
+ratio between two methods comes with a 95% paired bootstrap interval over the prompts (``ci95``,
 ``ci95_vs``): methods at break-even differ by a few percent from run to run on a shared CPU, and
 the interval says whether a gap is larger than that.
 
@@ -149,22 +149,28 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def paired_interval(rows: list[dict], base: list[dict], samples: int = 2000, seed: int = 0) -> list[float]:
-    """95% bootstrap interval of ``decode tokens/s (rows) / decode tokens/s (base)``.
+    """95% bootstrap interval of the ratio of pooled decode rates, ``sum(tokens - 1) /
+    sum(decode_s)`` of ``rows`` over that of ``base`` (as :func:`summarize` pools them).
 
-    ``rows[i]`` and ``base[i]`` are the same request (prompt, turn, repeat) under two methods;
-    resampling keeps the pairs, so noise shared by a pair cancels. Returns ``[low, high]``
-    (percentiles 2.5 and 97.5), or ``[]`` without runs.
-
-    Raises:
-        ValueError: the two lists differ in length.
+    ``rows[i]`` and ``base[i]`` are the same request (prompt, turn, repeat) under two methods.
+    Resampling draws whole prompts (a row's ``"prompt"`` key; each row its own prompt without
+    it, or when all rows share one prompt) and keeps the pairs, so noise shared by a pair
+    cancels and a prompt's repeats and turns stay together. Returns ``[low, high]`` (percentiles 2.5 and 97.5), or ``[]`` without runs
+    or when the two lists do not pair up (different lengths or prompts).
     """
-    if len(rows) != len(base):
-        raise ValueError(f"paired runs differ in number: {len(rows)} and {len(base)}")
-    if not rows:
+    if not rows or len(rows) != len(base) or any(r.get("prompt") != b.get("prompt") for r, b in zip(rows, base)):
         return []
-    tok = np.array([[r["tokens"] - 1 for r in rows], [r["tokens"] - 1 for r in base]], np.float64)
-    sec = np.array([[r["decode_s"] for r in rows], [r["decode_s"] for r in base]], np.float64)
-    idx = np.random.default_rng(seed).integers(0, len(rows), (samples, len(rows)))
+    keys = [r.get("prompt", i) for i, r in enumerate(rows)]
+    if len(set(keys)) < 2:  # one prompt (a workload of one session): its runs are the units
+        keys = list(range(len(rows)))
+    names = sorted(set(keys), key=keys.index)
+    group = np.array([names.index(k) for k in keys])
+    tok = np.zeros((2, len(names)))
+    sec = np.zeros((2, len(names)))
+    for j, runs in enumerate((rows, base)):
+        np.add.at(tok[j], group, [r["tokens"] - 1 for r in runs])
+        np.add.at(sec[j], group, [r["decode_s"] for r in runs])
+    idx = np.random.default_rng(seed).integers(0, len(names), (samples, len(names)))
     rate = tok[:, idx].sum(axis=-1) / np.maximum(sec[:, idx].sum(axis=-1), 1e-12)  # [2, samples]
     ratio = rate[0] / np.maximum(rate[1], 1e-12)
     return [round(float(v), 4) for v in np.percentile(ratio, [2.5, 97.5])]
@@ -235,11 +241,11 @@ def main(argv=None) -> dict:
         max_tokens = args.max_tokens or w["max_tokens"]
         for rep in range(args.repeats):
             order = methods if rep % 2 == 0 else methods[::-1]
-            for p in w["prompts"]:
+            for i, p in enumerate(w["prompts"]):
                 outs = {}
                 for m in order:
                     outs[m], measured = run_prompt(eng, tok, p, m, max_tokens)
-                    rows[m] += measured
+                    rows[m] += [{**r, "prompt": i} for r in measured]  # paired_interval's groups
                 identical &= all(o == outs[methods[0]] for o in outs.values())
         summary = {m: summarize(rows[m]) for m in methods}
         base = summary[methods[0]]["decode_tokens_per_s"]

@@ -12,7 +12,8 @@ mean acceptance length (bonus included) and acceptance per position.
 
 ``--run-prompts`` adds a training run's own held-out prompts (its ``data/prompts.jsonl``, or the
 gzipped copy ``h200_session.sh gen`` returns): the first ``--per-source`` eval-split prompts of
-each source, 96 new tokens, as sets ``run_<source>``.
+each source, 96 new tokens, as sets ``run_<source>`` (``--run-split train``: its first training
+prompts instead, as ``train_<source>``).
 
 ``--max-new-tokens N`` gives every set N new tokens instead (generation still stops at EOS).
 The training data's responses run to 256 tokens, and DeepSpec's evaluator decodes to EOS; the
@@ -59,17 +60,23 @@ def _body(row: dict) -> str:
     return " ".join((block.group(1) if block else text).split())
 
 
-def run_prompt_sets(path: str, per_source: int) -> dict:
+def run_prompt_sets(path: str, per_source: int, split: str = "eval") -> dict:
     """``run_<source> -> (held-out records, 96)`` from a run's prompt file (JSONL, maybe gzipped):
     the first ``per_source`` eval-split prompts of each source whose content does not occur
     inside a training prompt's (copied code crossed the file split of runs before the
     fourteenth session's fix; raw prefixes shorter than 80 characters are not checked).
-    Sources without such prompts are left out."""
+    Sources without such prompts are left out. ``split="train"`` gives the first training
+    prompts instead, as ``train_<source>`` (how the drafter does on what it was trained on)."""
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
     trained = [_body(r) for r in rows if r["split"] == "train"]
     by_source: dict[str, list[PromptRecord]] = {}
+    if split == "train":
+        for row in rows:
+            if row["split"] == "train" and len(by_source.setdefault(row["source"], [])) < per_source:
+                by_source[row["source"]].append(PromptRecord(**row))
+        return {f"train_{src}": (recs, 96) for src, recs in sorted(by_source.items()) if recs}
     for row in rows:
         if row["split"] == "eval" and len(by_source.setdefault(row["source"], [])) < per_source:
             body = _body(row)
@@ -88,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-prompts", default=None, help="a training run's prompts.jsonl[.gz]: add its held-out sets")
     ap.add_argument("--per-source", type=int, default=10)
     ap.add_argument("--only-run-prompts", action="store_true", help="skip the fixed sets")
+    ap.add_argument("--run-split", choices=("eval", "train"), default="eval",
+                    help="which prompts of --run-prompts: held out (default) or trained on")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="new tokens for every set (default: 96, 64 for instruct_trainfamily_heldout)")
     args = ap.parse_args(argv)
@@ -100,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     target = load_target(args.target)
     sets = {} if args.only_run_prompts else prompt_sets()
     if args.run_prompts:
-        sets.update(run_prompt_sets(args.run_prompts, args.per_source))
+        sets.update(run_prompt_sets(args.run_prompts, args.per_source, args.run_split))
     if args.max_new_tokens is not None:
         sets = {k: (records, args.max_new_tokens) for k, (records, _) in sets.items()}
     out = {"_setup": {"target": f"{target.name} ({target.weights})",

@@ -6,11 +6,14 @@ acc_i`` with ``acc = 1 - 0.5 L1``, DeepSpec's soft acceptance). Held-out evaluat
 puts the two on one scale: for the first ``--per-source`` examples of each source in a run's
 ``examples.jsonl[.gz]`` it builds one block at every response position (the trainer's
 ``target_pass``/``draft_pass``, the Markov head fed the data tokens) and reports, for anchors in
-the first ``--split`` response tokens and after them:
+the first ``--first`` response tokens and after them (the last ``B - 1`` blocks of each
+response are cut short by its end, and fall in the opening of responses shorter than
+``--first``):
 
 - ``tau_soft``: the trainer's metric;
-- ``tau_greedy``: ``1 + sum_k prod_{i<=k} [argmax draft_i == argmax target_i]``, the greedy
-  acceptance length a decoding loop would see on these tokens;
+- ``tau_greedy``: ``1 + sum_k prod_{i<=k} [argmax draft_i == argmax target_i]``, greedy
+  acceptance counting every position once (a decoding loop visits only the positions where
+  its cycles start, so its mean differs);
 - ``first_slot``: the greedy acceptance of the first draft.
 
 It also reports how often this machine's target argmax equals the data token (the data was
@@ -40,40 +43,72 @@ from engine.loader import load_target
 
 
 def read_examples(path: str, split: str, per_source: int) -> dict[str, list[dict]]:
-    """``source -> the first per_source rows`` of ``split`` with a non-empty response."""
+    """``source -> the first per_source rows`` of ``split`` with a non-empty prompt and response."""
     opener = gzip.open if path.endswith(".gz") else open
     out: dict[str, list[dict]] = {}
     with opener(path, "rt", encoding="utf-8") as fh:
         for line in fh:
             row = json.loads(line)
-            if row["split"] == split and row.get("response"):
+            if row["split"] == split and row.get("prompt") and row.get("response"):
                 rows = out.setdefault(row["source"], [])
                 if len(rows) < per_source:
                     rows.append(row)
     return out
 
 
-def block_scores(taps: TargetTaps, net, prompt: list[int], response: list[int]) -> dict[str, np.ndarray]:
-    """Per anchor (one per response position): ``soft`` and ``greedy`` acceptance ``[A, B]``
-    (zero past the sequence end), and ``data_match`` ``[A]`` (target argmax == data token)."""
-    b = net.config.block_size
+def positions_batch(prompt: list[int], response: list[int], block_size: int) -> Batch:
+    """One training batch (``N = 1``) with an anchor at every response position: anchor ``j``
+    is ``len(prompt) - 1 + j``, whose block's first label is response token ``j``. Labels past
+    the end are masked (``eval_mask`` 0), so the last ``block_size - 1`` blocks are short.
+
+    Raises:
+        ValueError: an empty prompt or response.
+    """
+    if not prompt or not response:
+        raise ValueError("positions_batch needs a non-empty prompt and response")
     ids = np.array(prompt + response, np.int32)[None]
     size = ids.shape[1]
     anchors = np.arange(len(prompt) - 1, size - 1, dtype=np.int32)[None]
-    label_idx = anchors[..., None] + 1 + np.arange(b)
-    labels = np.take_along_axis(ids[:, None, :], np.minimum(label_idx, size - 1), axis=2).astype(np.int32)
+    label_idx = anchors[..., None] + 1 + np.arange(block_size)
+    labels = np.take_along_axis(ids[:, None, :], np.minimum(label_idx, size - 1), axis=2)
     inside = np.cumprod(label_idx < size, axis=-1).astype(np.float32)
-    batch = Batch(ids, anchors, np.ones_like(anchors, bool), labels, inside)
+    return Batch(ids, anchors, np.ones_like(anchors, bool), labels.astype(np.int32), inside)
+
+
+def block_scores(taps: TargetTaps, net, prompt: list[int], response: list[int]) -> dict[str, np.ndarray]:
+    """Score one teacher-forced block at every response position (:func:`positions_batch`;
+    ``A = len(response)`` anchors, ``B`` the drafter's block size), through the trainer's
+    ``target_pass`` and ``draft_pass`` (the Markov head is fed the data tokens).
+
+    Returns:
+        ``soft`` ``[A, B]`` float32: ``1 - 0.5 L1(draft_probs, target_probs)``, DeepSpec's soft
+        acceptance (the trainer's ``acc``, 0 past the end); ``greedy`` ``[A, B]`` float32: 1 where
+        the draft's argmax equals the target's; ``draft`` ``[A, B]`` int32: the draft's argmax
+        tokens; ``data_match`` ``[A]`` bool: the target's argmax equals the data token.
+        Where the data leaves the target's greedy path (``data_match`` False), later blocks
+        follow a context a greedy decoding loop would not reach.
+
+    Raises:
+        ValueError: an empty prompt or response.
+    """
+    b = net.config.block_size
+    batch = positions_batch(prompt, response, b)
+    inside = batch.eval_mask
     hidden, target_probs = target_pass(taps, batch, b)
     logits, _ = draft_pass(net, taps.embed, taps.lm_head, batch, hidden)
     draft_probs = mx.softmax(logits, axis=-1)
     soft = np.array(1.0 - 0.5 * mx.abs(draft_probs - target_probs).sum(axis=-1))[0] * inside[0]
     target_top = np.array(mx.argmax(target_probs, axis=-1))[0]
-    greedy = (np.array(mx.argmax(logits, axis=-1))[0] == target_top) * inside[0]
-    return {"soft": soft, "greedy": greedy.astype(np.float32), "data_match": target_top[:, 0] == labels[0, :, 0]}
+    draft = np.array(mx.argmax(logits, axis=-1))[0].astype(np.int32)
+    greedy = (draft == target_top) * inside[0]
+    return {"soft": np.clip(soft, 0.0, 1.0).astype(np.float32), "greedy": greedy.astype(np.float32),
+            "draft": draft, "data_match": target_top[:, 0] == batch.labels[0, :, 0]}
 
 
-def summarize(soft: np.ndarray, greedy: np.ndarray) -> dict:
+def acceptance_summary(soft: np.ndarray, greedy: np.ndarray) -> dict:
+    """Mean acceptance lengths of blocks ``[A, B]``: ``tau_soft`` and ``tau_greedy`` (``1 +
+    sum_k prod_{i<=k} acc_i``, averaged over blocks, each position once, as the trainer's
+    ``tau``), and ``first_slot`` (mean greedy acceptance of the first draft)."""
     if len(soft) == 0:
         return {"blocks": 0}
     return {"blocks": int(len(soft)),
@@ -108,7 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         head = [np.concatenate([x[: args.first] for x in parts[k]]) for k in ("soft", "greedy")]
         tail = [np.concatenate([x[args.first:] for x in parts[k]]) for k in ("soft", "greedy")]
         result[source] = {"examples": len(rows), "data_match": round(float(np.mean(np.concatenate(match))), 4),
-                          "opening": summarize(*head), "rest": summarize(*tail)}
+                          "opening": acceptance_summary(*head), "rest": acceptance_summary(*tail)}
         print(source, json.dumps(result[source]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

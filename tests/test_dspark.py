@@ -54,6 +54,7 @@ from drafters.dspark.train import (
     make_batch,
     restore,
     self_instruct_prompts,
+    target_pass,
     train_dspark,
     train_loop,
 )
@@ -692,9 +693,10 @@ def test_batched_generation_equals_one_prompt_greedy(tiny_target):
 
 def test_teacher_forced_positions_agree_with_the_decoding_loop(tiny_target):
     """``benchmarks.dspark_positions``: on the target's own greedy continuation every data token
-    is the target's argmax, blocks past the end score zero, and the cycles a greedy decoding loop
-    would run over the teacher-forced rows are those of ``evaluate_acceptance``."""
-    from benchmarks.dspark_positions import block_scores, summarize
+    is the target's argmax, blocks past the end score zero, the cycles a greedy decoding loop
+    would run over the teacher-forced rows are those of ``evaluate_acceptance``, the soft tau is
+    the trainer's, and on the drafter's own drafts the Markov head sees what inference feeds it."""
+    from benchmarks.dspark_positions import acceptance_summary, block_scores, positions_batch
 
     model, tok = tiny_target
     arch = DraftArch(layers=2, target_layer_ids=[0, 1], block_size=4, markov_rank=16, mask_token_id=0,
@@ -705,12 +707,13 @@ def test_teacher_forced_positions_agree_with_the_decoding_loop(tiny_target):
     tokens = list(prompt)
     for _ in range(24):
         tokens.append(int(mx.argmax(model(mx.array([tokens]))[0, -1])))
-    scores = block_scores(taps, net, prompt, tokens[len(prompt):])
+    response = tokens[len(prompt):]
+    scores = block_scores(taps, net, prompt, response)
     greedy = scores["greedy"]
-    assert greedy.shape == scores["soft"].shape == (24, 4)
+    assert greedy.shape == scores["soft"].shape == scores["draft"].shape == (24, 4)
     assert scores["data_match"].all()
     assert (greedy[-1, 1:] == 0).all() and (scores["soft"][-1, 1:] == 0).all()
-    assert ((scores["soft"] >= 0) & (scores["soft"] <= 1 + 1e-6)).all()
+    assert ((scores["soft"] >= 0) & (scores["soft"] <= 1)).all()
     # Replay the decoding loop on the rows: each cycle's anchor is the last committed token.
     pos, lengths, per_position = 0, [], np.zeros(4)
     while pos < 16:
@@ -718,9 +721,27 @@ def test_teacher_forced_positions_agree_with_the_decoding_loop(tiny_target):
         per_position += run
         lengths.append(int(run.sum()) + 1)
         pos += lengths[-1]
-    assert sum(lengths) > len(lengths)  # some drafts are accepted: the comparison has teeth
     loop = evaluate_acceptance(taps, net, [prompt], [], max_new_tokens=16)
     assert loop["cycles"] == len(lengths) and loop["tokens"] == sum(lengths)
     assert loop["acceptance_per_position"] == (per_position / len(lengths)).round(4).tolist()
-    hand = summarize(np.array([[1.0, 0.5, 0.0], [0.2, 1.0, 1.0]]), np.array([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]]))
+    # The soft tau over every position is the trainer's logged tau on the same batch.
+    batch = positions_batch(prompt, response, 4)
+    hidden, target_probs = target_pass(taps, batch, 4)
+    logits, conf = draft_pass(net, taps.embed, taps.lm_head, batch, hidden)
+    _, metrics = dspark_loss(logits, conf, target_probs, mx.array(batch.labels), mx.array(batch.eval_mask))
+    assert acceptance_summary(scores["soft"], greedy)["tau_soft"] == pytest.approx(metrics["tau"].item(), abs=1e-3)
+    # With a Markov head strong enough to steer the drafts, teacher-forcing the drafter's own
+    # drafts reproduces them slot for slot; other data tokens change the later slots.
+    w1, w2 = net.markov_head.markov_w1.weight, net.markov_head.markov_w2.weight
+    net.markov_head.markov_w1.weight = mx.random.normal(w1.shape, key=mx.random.key(11))
+    net.markov_head.markov_w2.weight = 3.0 * mx.random.normal(w2.shape, key=mx.random.key(12))
+    final, hidden_rows = taps.forward(mx.array([prompt]))
+    drafts = DSparkDrafter(net, taps.embed, taps.lm_head).propose(DraftContext(prompt, hidden_rows[0, :-1]), 4).tokens
+    assert len(drafts) == 4 and len(set(drafts)) > 1
+    assert block_scores(taps, net, prompt, drafts)["draft"][0].tolist() == drafts
+    other = [(t + 1) % 256 for t in drafts]
+    assert block_scores(taps, net, prompt, other)["draft"][0, 1:].tolist() != drafts[1:]
+    with pytest.raises(ValueError, match="non-empty"):
+        positions_batch([], response, 4)
+    hand = acceptance_summary(np.array([[1.0, 0.5, 0.0], [0.2, 1.0, 1.0]]), np.array([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]]))
     assert hand == {"blocks": 2, "tau_soft": round((2.5 + 1.6) / 2, 3), "tau_greedy": 2.0, "first_slot": 0.5}
