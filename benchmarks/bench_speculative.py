@@ -155,8 +155,9 @@ def paired_interval(rows: list[dict], base: list[dict], samples: int = 2000, see
     ``rows[i]`` and ``base[i]`` are the same request (prompt, turn, repeat) under two methods.
     Resampling draws whole prompts (a row's ``"prompt"`` key; each row its own prompt without
     it, or when all rows share one prompt) and keeps the pairs, so noise shared by a pair
-    cancels and a prompt's repeats and turns stay together. Returns ``[low, high]`` (percentiles 2.5 and 97.5), or ``[]`` without runs
-    or when the two lists do not pair up (different lengths or prompts).
+    cancels and a prompt's repeats and turns stay together. Returns ``[low, high]``
+    (percentiles 2.5 and 97.5), or ``[]`` without runs or when the two lists do not pair up
+    (different lengths or prompts).
     """
     if not rows or len(rows) != len(base) or any(r.get("prompt") != b.get("prompt") for r, b in zip(rows, base)):
         return []
