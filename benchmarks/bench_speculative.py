@@ -164,14 +164,14 @@ def paired_interval(rows: list[dict], base: list[dict], samples: int = 2000, see
     keys = [r.get("prompt", i) for i, r in enumerate(rows)]
     if len(set(keys)) < 2:  # one prompt (a workload of one session): its runs are the units
         keys = list(range(len(rows)))
-    names = sorted(set(keys), key=keys.index)
-    group = np.array([names.index(k) for k in keys])
-    tok = np.zeros((2, len(names)))
-    sec = np.zeros((2, len(names)))
+    _, group = np.unique(keys, return_inverse=True)
+    groups = int(group.max()) + 1
+    tok = np.zeros((2, groups))
+    sec = np.zeros((2, groups))
     for j, runs in enumerate((rows, base)):
         np.add.at(tok[j], group, [r["tokens"] - 1 for r in runs])
         np.add.at(sec[j], group, [r["decode_s"] for r in runs])
-    idx = np.random.default_rng(seed).integers(0, len(names), (samples, len(names)))
+    idx = np.random.default_rng(seed).integers(0, groups, (samples, groups))
     rate = tok[:, idx].sum(axis=-1) / np.maximum(sec[:, idx].sum(axis=-1), 1e-12)  # [2, samples]
     ratio = rate[0] / np.maximum(rate[1], 1e-12)
     return [round(float(v), 4) for v in np.percentile(ratio, [2.5, 97.5])]

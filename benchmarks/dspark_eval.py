@@ -70,13 +70,13 @@ def run_prompt_sets(path: str, per_source: int, split: str = "eval") -> dict:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as fh:
         rows = [json.loads(line) for line in fh if line.strip()]
-    trained = [_body(r) for r in rows if r["split"] == "train"]
     by_source: dict[str, list[PromptRecord]] = {}
     if split == "train":
         for row in rows:
             if row["split"] == "train" and len(by_source.setdefault(row["source"], [])) < per_source:
                 by_source[row["source"]].append(PromptRecord(**row))
         return {f"train_{src}": (recs, 96) for src, recs in sorted(by_source.items()) if recs}
+    trained = [_body(r) for r in rows if r["split"] == "train"]
     for row in rows:
         if row["split"] == "eval" and len(by_source.setdefault(row["source"], [])) < per_source:
             body = _body(row)

@@ -133,16 +133,11 @@ def main(argv: list[str] | None = None) -> dict:
     result: dict = {"drafter": args.drafter, "examples": args.examples, "split": args.split,
                     "first": args.first, "target": f"{target.name} ({target.weights})"}
     for source, rows in sorted(read_examples(args.examples, args.split, args.per_source).items()):
-        parts: dict[str, list] = {"soft": [], "greedy": []}
-        match = []
-        for row in rows:
-            s = block_scores(taps, net, row["prompt"], row["response"])
-            parts["soft"].append(s["soft"])
-            parts["greedy"].append(s["greedy"])
-            match.append(s["data_match"])
-        head = [np.concatenate([x[: args.first] for x in parts[k]]) for k in ("soft", "greedy")]
-        tail = [np.concatenate([x[args.first:] for x in parts[k]]) for k in ("soft", "greedy")]
-        result[source] = {"examples": len(rows), "data_match": round(float(np.mean(np.concatenate(match))), 4),
+        scores = [block_scores(taps, net, row["prompt"], row["response"]) for row in rows]
+        head = [np.concatenate([s[k][: args.first] for s in scores]) for k in ("soft", "greedy")]
+        tail = [np.concatenate([s[k][args.first:] for s in scores]) for k in ("soft", "greedy")]
+        match = np.concatenate([s["data_match"] for s in scores])
+        result[source] = {"examples": len(rows), "data_match": round(float(np.mean(match)), 4),
                           "opening": acceptance_summary(*head), "rest": acceptance_summary(*tail)}
         print(source, json.dumps(result[source]), flush=True)
     if args.out:
