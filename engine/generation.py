@@ -222,7 +222,8 @@ class Sequence:
         next, drafter ``grammar``); DSpark costs a draft forward, so it runs only when its
         recent yield (tokens per second, draft cost included) beats the best option so far (plain
         decoding included, also when DSpark is the only drafter), or as a probe on a request's
-        first cycle and then after ``DSPARK_PROBE_EVERY`` cycles, an interval that doubles after
+        first cycle and then after ``DSPARK_PROBE_EVERY`` cycles (only when a block accepted
+        whole would beat that option: ``DsparkStats.best_case_rate``), an interval that doubles after
         every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets once it wins, as
         long as the engine's probes fit their budget (at most 2% of its decode time, shrinking to
         0.25% while probes keep losing: ``DsparkStats.may_probe``); it always runs when the request
@@ -267,7 +268,10 @@ class Sequence:
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1, len(self.tokens))] + [o[0] for o in options])
             wins = forced or self.dspark_stats.expected_rate(cost, len(self.tokens)) > best_so_far
+            # a probe that could not win even with every draft accepted is not run
             probe = (not wins and self.cycles_since_dspark >= self.dspark_probe_every
+                     and self.dspark_stats.best_case_rate(cost, min(budget, dspark.config.block_size),
+                                                          len(self.tokens)) > best_so_far
                      and self.dspark_stats.may_probe())
             if wins or probe:
                 # a probe runs only while DSpark loses: back off (ds4 backed off after misses

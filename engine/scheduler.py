@@ -357,6 +357,17 @@ class DsparkStats:
     def observe_cost(self, seconds: float) -> None:
         self.draft_cost = seconds if self.draft_cost == 0 else self.draft_cost + 0.1 * (seconds - self.draft_cost)
 
+    def best_case_rate(self, cost: CostModel, max_draft: int, context: int | None = None) -> float:
+        """Tokens per second DSpark would deliver if every draft were accepted: the best
+        ``(1 + L) / (T(L + 1, context) + draft cost)`` over ``L = 1..max_draft``. A probe can only
+        find DSpark winning where this beats the other options; where it does not (a CPU, whose
+        DSpark forward costs ~10 one-row passes: 8 tokens would need ~14 T(1)), probing is pure
+        cost. Infinite before a forward has been timed (the first probe measures it)."""
+        if self.draft_cost <= 0:
+            return math.inf
+        return max(((1 + n) / (cost.T(n + 1, context) + self.draft_cost)
+                    for n in range(1, min(max_draft, cost.max_rows - 1) + 1)), default=0.0)
+
     def expected_rate(self, cost: CostModel, context: int | None = None) -> float:
         """Tokens per second DSpark has recently delivered (draft cost included), at ``context``."""
         length = max(1, min(round(self.length_ema), cost.max_rows - 1))

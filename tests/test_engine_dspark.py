@@ -206,6 +206,60 @@ def test_losing_dspark_probes_stay_within_the_engine_wide_budget(tiny, tmp_path,
         eng.stop()
 
 
+def test_a_dspark_that_could_not_win_with_every_draft_accepted_is_probed_once(tiny, tmp_path, monkeypatch):
+    """On a CPU a DSpark forward costs ~10 one-row passes, so even a block accepted whole
+    (8 tokens) would lose to plain decoding. The first probe measures that cost; after it, no
+    probe runs, however much probe budget is left (here: unlimited) and however many requests
+    arrive (each would probe on its first cycle and after 32 more). Output stays plain greedy."""
+    import time
+
+    from drafters.dspark import DSparkDrafter
+
+    path = make_drafter(tiny, tmp_path / "drafter", {5: 40.0})
+    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40, 300)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    calls = []
+    original = DSparkDrafter.propose
+
+    def slow_propose(self, *args, **kwargs):
+        calls.append(1)
+        time.sleep(0.05)  # 50 ms: (1 + 7) / (T(8) + 50 ms) is far below 1 / T(1) = 1 / 3 ms
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DSparkDrafter, "propose", slow_propose)
+    monkeypatch.setattr(eng.cost, "alpha", 0.0)
+    monkeypatch.setattr(eng.cost, "_curve", [0.003 + 0.0002 * k for k in range(eng.cost.max_rows)])
+    eng.dspark_stats.decode_seconds = 1e6  # the budget would allow a probe every time
+    try:
+        for p in prompts(3, seed=5):
+            plain, _, _ = run(eng, p, "off", max_tokens=80, ignore_eos=True)
+            ids, _, last = run(eng, p, "dspark", max_tokens=80, ignore_eos=True)
+            assert ids == plain
+        assert len(calls) == 1
+        assert eng.dspark_stats.draft_cost >= 0.05
+        # without the bound, each request would probe on its first cycle and after 32 more
+        assert last.stats.num_verify_steps > 32
+    finally:
+        eng.stop()
+
+
+def test_best_case_rate_bounds_what_a_probe_could_find():
+    from engine.scheduler import CostModel, DsparkStats
+
+    cost = CostModel([0.003 + 0.0002 * k for k in range(16)])
+    ds = DsparkStats()
+    assert ds.best_case_rate(cost, 7) == float("inf")  # no forward timed yet: probe to measure it
+    ds.observe_cost(0.001)
+    expected = max((1 + n) / (cost.T(n + 1) + 0.001) for n in range(1, 8))
+    assert ds.best_case_rate(cost, 7) == pytest.approx(expected) == pytest.approx(8 / (cost.T(8) + 0.001))
+    assert ds.best_case_rate(cost, 7) > 1 / cost.T(1)  # a cheap drafter could win: probes go on
+    assert ds.best_case_rate(cost, 2) == pytest.approx(3 / (cost.T(3) + 0.001))
+    ds = DsparkStats()
+    ds.observe_cost(0.05)
+    assert ds.best_case_rate(cost, 7) < 1 / cost.T(1)  # a dear one could not
+    assert ds.best_case_rate(cost, 0) == 0.0
+
+
 def test_warm_up_drafts_leave_no_dspark_evidence(tiny, tmp_path, monkeypatch):
     """The start-up warm-up forces DSpark drafts on a 4-token completion of "Hello, world"; its
     outcome (here: every draft rejected) must not gate DSpark for real requests."""
