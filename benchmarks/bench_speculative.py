@@ -11,13 +11,22 @@ ratio between two methods comes with a 95% paired bootstrap interval over the pr
 ``ci95_vs``): methods at break-even differ by a few percent from run to run on a shared CPU, and
 the interval says whether a gap is larger than that.
 
+A scheduler change is best judged the same way: ``--variant NAME:module.Owner.ATTR=VALUE`` and a
+method ``auto+NAME`` run ``auto`` with that class-level knob set for each of its requests,
+beside plain ``auto`` in the same engine (both variants share the engine-wide state, as two
+versions of a request would).
+
     python -m benchmarks.bench_speculative --repeats 3 --out benchmarks/results/spec_cpu.json \
         --plot benchmarks/results/spec_cpu.png
+    python -m benchmarks.bench_speculative --methods off,auto,auto+greedy \
+        --variant greedy:engine.scheduler.RequestAcceptance.OPTIMISM=0
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import json
 import platform
 import sys
@@ -41,6 +50,61 @@ from engine import (
 
 WORKLOADS = Path(__file__).parent / "workloads"
 USE_SCHEMAS = True  # --schemas off: the same prompts as free text (what the grammar costs)
+VARIANTS: dict[str, list[tuple[object, str, object]]] = {}  # --variant: name -> (owner, attr, value)
+
+
+def parse_variant(spec: str) -> tuple[str, list[tuple[object, str, object]]]:
+    """``NAME:pkg.module.Owner.ATTR=VALUE[,...]`` as ``(NAME, [(owner, ATTR, VALUE)])``: VALUE is
+    JSON (a number, true, a string in quotes). Raises ValueError on a malformed spec, a path that
+    does not resolve or an attribute the owner does not have."""
+    name, sep, assigns = spec.partition(":")
+    if not sep or not name or not assigns or "+" in name:
+        raise ValueError(f"--variant wants NAME:module.Owner.ATTR=VALUE, got {spec!r}")
+    out = []
+    for assign in assigns.split(","):
+        path, eq, raw = assign.partition("=")
+        parts = path.strip().split(".")
+        if not eq or len(parts) < 2:
+            raise ValueError(f"--variant {name}: {assign!r} is not module.Owner.ATTR=VALUE")
+        for cut in range(len(parts) - 1, 0, -1):  # the longest importable module prefix
+            try:
+                owner = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        else:
+            raise ValueError(f"--variant {name}: no module in {path!r}")
+        try:
+            for part in parts[cut:-1]:
+                owner = getattr(owner, part)
+            getattr(owner, parts[-1])
+        except AttributeError:
+            raise ValueError(f"--variant {name}: {path!r} does not resolve") from None
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            raise ValueError(f"--variant {name}: {raw!r} is not a JSON value") from None
+        out.append((owner, parts[-1], value))
+    return name, out
+
+
+@contextlib.contextmanager
+def method_variant(method: str):
+    """``method`` as the engine's method name (``auto+NAME`` runs ``auto``), with ``--variant
+    NAME``'s attributes set for as long as the block runs (one request at a time: the engine
+    reads them while it serves that request), then restored: two variants of a class-level
+    knob run side by side in one engine and one run."""
+    base, _, name = method.partition("+")
+    if name and name not in VARIANTS:
+        raise ValueError(f"method {method!r}: no --variant {name!r}")
+    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in VARIANTS.get(name, [])]
+    try:
+        for owner, attr, value in VARIANTS.get(name, []):
+            setattr(owner, attr, value)
+        yield base
+    finally:
+        for owner, attr, value in reversed(saved):
+            setattr(owner, attr, value)
 
 
 def load_workloads(names: list[str] | None) -> list[dict]:
@@ -64,21 +128,22 @@ def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
 
 
 def run_once(eng: Engine, tokens: list[int], method: str, max_tokens: int, grammar: str | None = None) -> dict:
-    req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens,
-                            sampling=SamplingParams(temperature=0.0),
-                            speculative=SpeculativeParams(method=method), grammar=grammar)
-    start = time.perf_counter()
-    first = None
-    ids = []
-    last = None
-    for event in eng.generate(req, timeout=3600):
-        if event.error is not None:
-            raise RuntimeError(event.error)
-        if event.token_ids and first is None:
-            first = time.perf_counter()
-        ids += event.token_ids
-        last = event
-    end = time.perf_counter()
+    with method_variant(method) as base:
+        req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens,
+                                sampling=SamplingParams(temperature=0.0),
+                                speculative=SpeculativeParams(method=base), grammar=grammar)
+        start = time.perf_counter()
+        first = None
+        ids = []
+        last = None
+        for event in eng.generate(req, timeout=3600):
+            if event.error is not None:
+                raise RuntimeError(event.error)
+            if event.token_ids and first is None:
+                first = time.perf_counter()
+            ids += event.token_ids
+            last = event
+        end = time.perf_counter()
     stats = last.stats
     return {
         "ids": ids, "tokens": len(ids), "ttft": (first or end) - start,
@@ -187,7 +252,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--fused", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_FUSED")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_COMPILE")
     ap.add_argument("--methods", default="off,prompt_lookup",
-                    help="comma-separated: off, prompt_lookup, dspark, auto (off first: the baseline)")
+                    help="comma-separated: off, prompt_lookup, dspark, auto (off first: the baseline); "
+                         "METHOD+NAME runs METHOD under --variant NAME")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME:module.Owner.ATTR=VALUE",
+                    help="a side-by-side variant of a class-level knob, e.g. "
+                         "raw:engine.scheduler.RequestAcceptance.EFFECT_WEIGHT=0 with --methods off,auto,auto+raw")
     ap.add_argument("--dspark-drafter", default=None,
                     help="DSpark drafter directory (loads DSpark; default: the shipped one, if any)")
     ap.add_argument("--dspark", action="store_true", help="load the shipped DSpark drafter")
@@ -205,10 +274,19 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
 
     methods = args.methods.split(",")
+    try:
+        VARIANTS.clear()
+        VARIANTS.update(parse_variant(spec) for spec in args.variant)
+        for m in methods:
+            with method_variant(m):
+                pass
+    except ValueError as exc:
+        ap.error(str(exc))
     global USE_SCHEMAS
     USE_SCHEMAS = args.schemas == "on"
     workloads = load_workloads(args.workloads.split(",") if args.workloads else None)
-    use_dspark = bool(args.dspark or args.dspark_drafter or {"dspark", "auto"} & set(methods))
+    use_dspark = bool(args.dspark or args.dspark_drafter
+                      or {"dspark", "auto"} & {m.partition("+")[0] for m in methods})
     extra = {} if args.prompt_lookup_min_ngram is None else {
         "prompt_lookup_min_ngram": args.prompt_lookup_min_ngram,
         "prompt_lookup_max_ngram": max(args.prompt_lookup_min_ngram, EngineConfig.prompt_lookup_max_ngram)}
@@ -225,7 +303,7 @@ def main(argv=None) -> dict:
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
                     "device": str(mx.default_device()), "python": sys.version.split()[0],
                     "mlx": mx.__version__, "blas": engine.BLAS.status},
-        "model": eng.info(), "methods": methods, "repeats": args.repeats, "workloads": {},
+        "model": eng.info(), "methods": methods, "variants": args.variant, "repeats": args.repeats, "workloads": {},
         "freeze_cost": args.freeze_cost, "schemas": args.schemas,
         # the scheduler's T(k) (ms) when the benchmark starts (after the engine's warm-up passes)
         "verify_cost_ms_at_start": [round(t * 1e3, 4) for t in eng.cost.verify_cost],

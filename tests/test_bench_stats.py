@@ -1,10 +1,14 @@
-"""The paired bootstrap interval of benchmarks/bench_speculative.py."""
+"""The paired bootstrap interval and the side-by-side variants of benchmarks/bench_speculative.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
+from benchmarks import bench_speculative as bench
 from benchmarks.bench_speculative import paired_interval
+from engine.scheduler import RequestAcceptance
 
 
 def runs(seconds: list[float], tokens: int = 97, prompts: list[int] | None = None) -> list[dict]:
@@ -33,3 +37,54 @@ def test_interval_brackets_the_ratio_and_pairs_cancel_shared_noise():
     # one prompt (a single session): its runs are resampled one by one, not as one group
     low, high = paired_interval(runs([1.0] * 4 + [1.1] * 4, prompts=[0] * 8), runs([1.1] * 4 + [1.0] * 4, prompts=[0] * 8))
     assert low < 1.0 < high
+
+
+class RecordingEngine:
+    """Stands in for the engine: records the method of each request and the scheduler knob's
+    value while the request is being served."""
+
+    def __init__(self):
+        self.seen = []
+
+    def generate(self, req, timeout):
+        self.seen.append((req.speculative.method, RequestAcceptance.OPTIMISM))
+        yield SimpleNamespace(error=None, token_ids=[1, 2], stats=None)
+        self.seen.append((req.speculative.method, RequestAcceptance.OPTIMISM))
+        yield SimpleNamespace(error=None, token_ids=[3], stats=None)
+
+
+def test_a_variant_holds_while_its_request_runs_and_is_restored(monkeypatch):
+    monkeypatch.setattr(bench, "VARIANTS", dict([bench.parse_variant(
+        "greedy:engine.scheduler.RequestAcceptance.OPTIMISM=0")]))
+    default = RequestAcceptance.OPTIMISM
+    eng = RecordingEngine()
+    assert bench.run_once(eng, [5, 6], "auto+greedy", 3)["ids"] == [1, 2, 3]
+    bench.run_once(eng, [5, 6], "auto", 3)
+    assert eng.seen == [("auto", 0), ("auto", 0), ("auto", default), ("auto", default)]
+    assert RequestAcceptance.OPTIMISM == default
+
+    class Boom(RecordingEngine):
+        def generate(self, req, timeout):
+            yield SimpleNamespace(error="engine failed", token_ids=[], stats=None)
+
+    with pytest.raises(RuntimeError):
+        bench.run_once(Boom(), [5], "prompt_lookup+greedy", 3)
+    assert RequestAcceptance.OPTIMISM == default  # restored after a failed request too
+    with pytest.raises(ValueError, match="no --variant"):
+        bench.run_once(eng, [5], "auto+other", 3)
+
+
+@pytest.mark.parametrize("spec", [
+    "nocolon", ":engine.scheduler.RequestAcceptance.OPTIMISM=0", "a+b:engine.scheduler.RequestAcceptance.OPTIMISM=0",
+    "x:engine.scheduler.RequestAcceptance.OPTIMISM", "x:engine.scheduler.RequestAcceptance.NO_SUCH=1",
+    "x:no_such_module.Owner.ATTR=1", "x:engine.scheduler.RequestAcceptance.OPTIMISM=not-json", "x:OPTIMISM=1",
+])
+def test_malformed_variants_are_refused(spec):
+    with pytest.raises(ValueError):
+        bench.parse_variant(spec)
+
+
+def test_a_variant_sets_several_attributes():
+    name, assigns = bench.parse_variant(
+        "v:engine.scheduler.RequestAcceptance.OPTIMISM=0.25,engine.scheduler.DsparkStats.PROBE_SHARE=0")
+    assert name == "v" and [(a, v) for _, a, v in assigns] == [("OPTIMISM", 0.25), ("PROBE_SHARE", 0)]
