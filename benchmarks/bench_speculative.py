@@ -29,6 +29,7 @@ import contextlib
 import importlib
 import json
 import platform
+import re
 import sys
 import time
 from collections import defaultdict
@@ -53,15 +54,21 @@ USE_SCHEMAS = True  # --schemas off: the same prompts as free text (what the gra
 VARIANTS: dict[str, list[tuple[object, str, object]]] = {}  # --variant: name -> (owner, attr, value)
 
 
+METHODS = ("off", "prompt_lookup", "dspark", "auto")
+
+
 def parse_variant(spec: str) -> tuple[str, list[tuple[object, str, object]]]:
     """``NAME:pkg.module.Owner.ATTR=VALUE[,...]`` as ``(NAME, [(owner, ATTR, VALUE)])``: VALUE is
-    JSON (a number, true, a string in quotes). Raises ValueError on a malformed spec, a path that
-    does not resolve or an attribute the owner does not have."""
+    JSON (a number, true, a string in quotes; commas inside it are kept). The knob must be one
+    the engine reads each time it uses it (a class attribute such as
+    ``RequestAcceptance.OPTIMISM``), not one copied into an object at start-up. Raises
+    ValueError on a malformed spec, a path that does not resolve or an attribute the owner does
+    not have."""
     name, sep, assigns = spec.partition(":")
     if not sep or not name or not assigns or "+" in name:
         raise ValueError(f"--variant wants NAME:module.Owner.ATTR=VALUE, got {spec!r}")
     out = []
-    for assign in assigns.split(","):
+    for assign in re.split(r",(?=\s*[A-Za-z_][\w.]*=)", assigns):  # at commas that start a new path=
         path, eq, raw = assign.partition("=")
         parts = path.strip().split(".")
         if not eq or len(parts) < 2:
@@ -92,19 +99,29 @@ def parse_variant(spec: str) -> tuple[str, list[tuple[object, str, object]]]:
 def method_variant(method: str):
     """``method`` as the engine's method name (``auto+NAME`` runs ``auto``), with ``--variant
     NAME``'s attributes set for as long as the block runs (one request at a time: the engine
-    reads them while it serves that request), then restored: two variants of a class-level
-    knob run side by side in one engine and one run."""
-    base, _, name = method.partition("+")
-    if name and name not in VARIANTS:
+    reads them while it serves that request), then restored (an inherited attribute is removed
+    again): two variants of a class-level knob run side by side in one engine and one run.
+
+    Raises:
+        ValueError: an unknown method or variant name.
+    """
+    base, plus, name = method.partition("+")
+    if base not in METHODS:
+        raise ValueError(f"method {method!r}: not one of {', '.join(METHODS)}")
+    if plus and name not in VARIANTS:
         raise ValueError(f"method {method!r}: no --variant {name!r}")
-    saved = [(owner, attr, getattr(owner, attr)) for owner, attr, _ in VARIANTS.get(name, [])]
+    assigns = VARIANTS.get(name, []) if plus else []
+    saved = [(owner, attr, attr in vars(owner), getattr(owner, attr)) for owner, attr, _ in assigns]
     try:
-        for owner, attr, value in VARIANTS.get(name, []):
+        for owner, attr, value in assigns:
             setattr(owner, attr, value)
         yield base
     finally:
-        for owner, attr, value in reversed(saved):
-            setattr(owner, attr, value)
+        for owner, attr, own, value in reversed(saved):
+            if own:
+                setattr(owner, attr, value)
+            else:
+                delattr(owner, attr)
 
 
 def load_workloads(names: list[str] | None) -> list[dict]:
@@ -255,8 +272,9 @@ def main(argv=None) -> dict:
                     help="comma-separated: off, prompt_lookup, dspark, auto (off first: the baseline); "
                          "METHOD+NAME runs METHOD under --variant NAME")
     ap.add_argument("--variant", action="append", default=[], metavar="NAME:module.Owner.ATTR=VALUE",
-                    help="a side-by-side variant of a class-level knob, e.g. "
-                         "raw:engine.scheduler.RequestAcceptance.EFFECT_WEIGHT=0 with --methods off,auto,auto+raw")
+                    help="a side-by-side variant of a class-level knob the engine reads each time it uses "
+                         "it, e.g. greedy:engine.scheduler.RequestAcceptance.OPTIMISM=0 with --methods "
+                         "off,auto,auto+greedy")
     ap.add_argument("--dspark-drafter", default=None,
                     help="DSpark drafter directory (loads DSpark; default: the shipped one, if any)")
     ap.add_argument("--dspark", action="store_true", help="load the shipped DSpark drafter")
@@ -276,7 +294,11 @@ def main(argv=None) -> dict:
     methods = args.methods.split(",")
     try:
         VARIANTS.clear()
-        VARIANTS.update(parse_variant(spec) for spec in args.variant)
+        for spec in args.variant:
+            name, assigns = parse_variant(spec)
+            if name in VARIANTS:
+                raise ValueError(f"--variant {name} given twice")
+            VARIANTS[name] = assigns
         for m in methods:
             with method_variant(m):
                 pass

@@ -795,9 +795,14 @@ class Engine:
         return None
 
     def _runs_dspark(self, request: GenerationRequest) -> bool:
-        """Whether ``request``'s sequence will run DSpark, hence read the taps' prefix namespace."""
+        """Whether ``request``'s sequence will run DSpark, hence read the taps' prefix namespace.
+        Under ``auto``, not once DSpark could not beat plain decoding even with every draft
+        accepted (``DsparkStats.can_win``, e.g. on a CPU): such a request would tap hidden rows
+        and keep them for a drafter that never runs."""
         method = request.speculative.method or self.config.speculation
-        return self.cost.max_rows > 1 and method in ("dspark", "auto") and self.dspark is not None
+        if self.cost.max_rows <= 1 or self.dspark is None or method not in ("dspark", "auto"):
+            return False
+        return method == "dspark" or self.dspark_stats.can_win(self.cost, self.dspark.config.block_size)
 
     def _step_all(self) -> None:
         with self._lock:

@@ -295,6 +295,8 @@ class DsparkStats:
         self.realised = [1.0] * positions
         self.predicted = [1.0] * positions
         self.draft_cost = 0.0  # seconds per propose (EMA)
+        self.fastest_forward = math.inf  # the fastest timed propose (seconds)
+        self.timed_forwards = 0  # proposes timed (a forward that compiled a graph is not)
         self.accepted_ema = 1.0  # accepted drafts per DSpark cycle (EMA; the first cycle sets it)
         self.length_ema = 4.0  # verified draft length per DSpark cycle (EMA; the first sets it)
         self.cycles = 0  # DSpark cycles observed
@@ -356,17 +358,28 @@ class DsparkStats:
 
     def observe_cost(self, seconds: float) -> None:
         self.draft_cost = seconds if self.draft_cost == 0 else self.draft_cost + 0.1 * (seconds - self.draft_cost)
+        self.fastest_forward = min(self.fastest_forward, seconds)
+        self.timed_forwards += 1
+
+    BOUND_AFTER = 3  # timed forwards before best_case_rate may keep probes from running
 
     def best_case_rate(self, cost: CostModel, max_draft: int, context: int | None = None) -> float:
         """Tokens per second DSpark would deliver if every draft were accepted: the best
-        ``(1 + L) / (T(L + 1, context) + draft cost)`` over ``L = 1..max_draft``. A probe can only
-        find DSpark winning where this beats the other options; where it does not (a CPU, whose
-        DSpark forward costs ~10 one-row passes: 8 tokens would need ~14 T(1)), probing is pure
-        cost. Infinite before a forward has been timed (the first probe measures it)."""
-        if self.draft_cost <= 0:
+        ``(1 + L) / (T(L + 1, context) + fastest forward)`` over ``L = 1..max_draft``. A probe can
+        only find DSpark winning where this beats the other options; where it does not (a CPU,
+        whose DSpark forward costs ~10 one-row passes: 8 tokens would need ~14 T(1)), probing is
+        pure cost. Infinite until :attr:`BOUND_AFTER` forwards were timed, and priced at the
+        fastest of them, so one slow reading (a host stall, a first forward that absorbed a long
+        prompt's rows) cannot shut DSpark out."""
+        if self.timed_forwards < self.BOUND_AFTER:
             return math.inf
-        return max(((1 + n) / (cost.T(n + 1, context) + self.draft_cost)
+        return max(((1 + n) / (cost.T(n + 1, context) + self.fastest_forward)
                     for n in range(1, min(max_draft, cost.max_rows - 1) + 1)), default=0.0)
+
+    def can_win(self, cost: CostModel, max_draft: int, context: int | None = None) -> bool:
+        """Whether DSpark could beat plain decoding at all (:meth:`best_case_rate` over ``1 /
+        T(1)``): a request started while it cannot runs without DSpark (no taps, no probes)."""
+        return self.best_case_rate(cost, max_draft, context) > 1.0 / cost.T(1, context)
 
     def expected_rate(self, cost: CostModel, context: int | None = None) -> float:
         """Tokens per second DSpark has recently delivered (draft cost included), at ``context``."""

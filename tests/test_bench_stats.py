@@ -70,8 +70,24 @@ def test_a_variant_holds_while_its_request_runs_and_is_restored(monkeypatch):
     with pytest.raises(RuntimeError):
         bench.run_once(Boom(), [5], "prompt_lookup+greedy", 3)
     assert RequestAcceptance.OPTIMISM == default  # restored after a failed request too
-    with pytest.raises(ValueError, match="no --variant"):
-        bench.run_once(eng, [5], "auto+other", 3)
+    for bad in ("auto+other", "auto+", "+greedy", "autox+greedy"):
+        with pytest.raises(ValueError):
+            bench.run_once(eng, [5], bad, 3)
+
+
+def test_an_inherited_attribute_is_inherited_again_after_its_variant(monkeypatch):
+    class Base:
+        KNOB = 1
+
+    class Child(Base):
+        pass
+
+    monkeypatch.setattr(bench, "VARIANTS", {"v": [(Child, "KNOB", 2)]})
+    with bench.method_variant("auto+v") as base:
+        assert base == "auto" and Child.KNOB == 2 and Base.KNOB == 1
+    assert "KNOB" not in vars(Child)
+    Base.KNOB = 3
+    assert Child.KNOB == 3  # it follows its base class again
 
 
 @pytest.mark.parametrize("spec", [
@@ -86,5 +102,13 @@ def test_malformed_variants_are_refused(spec):
 
 def test_a_variant_sets_several_attributes():
     name, assigns = bench.parse_variant(
-        "v:engine.scheduler.RequestAcceptance.OPTIMISM=0.25,engine.scheduler.DsparkStats.PROBE_SHARE=0")
-    assert name == "v" and [(a, v) for _, a, v in assigns] == [("OPTIMISM", 0.25), ("PROBE_SHARE", 0)]
+        "v:engine.scheduler.RequestAcceptance.OPTIMISM=0.25,engine.scheduler.DsparkStats.BOUND_AFTER=[1, 2]")
+    assert name == "v" and [(a, v) for _, a, v in assigns] == [("OPTIMISM", 0.25), ("BOUND_AFTER", [1, 2])]
+
+
+def test_the_command_line_refuses_bad_variants_before_loading_a_model():
+    for argv in (["--methods", "off,auto+x"], ["--methods", "off,nope"],
+                 ["--variant", "x:engine.scheduler.RequestAcceptance.OPTIMISM=0",
+                  "--variant", "x:engine.scheduler.RequestAcceptance.OPTIMISM=1"]):
+        with pytest.raises(SystemExit):
+            bench.main(argv)

@@ -206,14 +206,16 @@ def test_losing_dspark_probes_stay_within_the_engine_wide_budget(tiny, tmp_path,
         eng.stop()
 
 
-def test_a_dspark_that_could_not_win_with_every_draft_accepted_is_probed_once(tiny, tmp_path, monkeypatch):
-    """On a CPU a DSpark forward costs ~10 one-row passes, so even a block accepted whole
-    (8 tokens) would lose to plain decoding. The first probe measures that cost; after it, no
+def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probed(tiny, tmp_path, monkeypatch):
+    """On a CPU a DSpark forward costs ~10 one-row passes, so even a block accepted whole would
+    lose to plain decoding. The first ``BOUND_AFTER`` probes measure that cost; after them no
     probe runs, however much probe budget is left (here: unlimited) and however many requests
-    arrive (each would probe on its first cycle and after 32 more). Output stays plain greedy."""
+    arrive (each would probe on its first cycle and after 32 more), and ``auto`` requests
+    start without DSpark at all (no taps). Output stays plain greedy."""
     import time
 
     from drafters.dspark import DSparkDrafter
+    from engine.scheduler import DsparkStats
 
     path = make_drafter(tiny, tmp_path / "drafter", {5: 40.0})
     eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40, 300)),
@@ -223,22 +225,29 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_is_probed_once(ti
 
     def slow_propose(self, *args, **kwargs):
         calls.append(1)
-        time.sleep(0.05)  # 50 ms: (1 + 7) / (T(8) + 50 ms) is far below 1 / T(1) = 1 / 3 ms
+        time.sleep(0.05)  # 50 ms: (1 + L) / (T(L + 1) + 50 ms) is far below 1 / T(1) = 1 / 3 ms for any L
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(DSparkDrafter, "propose", slow_propose)
     monkeypatch.setattr(eng.cost, "alpha", 0.0)
     monkeypatch.setattr(eng.cost, "_curve", [0.003 + 0.0002 * k for k in range(eng.cost.max_rows)])
     eng.dspark_stats.decode_seconds = 1e6  # the budget would allow a probe every time
+
+    def request(method: str) -> GenerationRequest:
+        return GenerationRequest(prompt_tokens=[1, 2, 3], max_tokens=4, speculative=SpeculativeParams(method))
+
     try:
-        for p in prompts(3, seed=5):
+        assert eng._runs_dspark(request("auto"))  # nothing timed yet
+        for p in prompts(4, seed=5):
             plain, _, _ = run(eng, p, "off", max_tokens=80, ignore_eos=True)
             ids, _, last = run(eng, p, "dspark", max_tokens=80, ignore_eos=True)
             assert ids == plain
-        assert len(calls) == 1
-        assert eng.dspark_stats.draft_cost >= 0.05
-        # without the bound, each request would probe on its first cycle and after 32 more
-        assert last.stats.num_verify_steps > 32
+            assert last.stats.num_verify_steps > 32
+        assert len(calls) == DsparkStats.BOUND_AFTER
+        assert eng.dspark_stats.fastest_forward >= 0.05
+        assert not eng._runs_dspark(request("auto")) and eng._runs_dspark(request("dspark"))
+        ids, _, _ = run(eng, p, "auto", max_tokens=80, ignore_eos=True)
+        assert ids == plain and len(calls) == DsparkStats.BOUND_AFTER
     finally:
         eng.stop()
 
@@ -248,16 +257,22 @@ def test_best_case_rate_bounds_what_a_probe_could_find():
 
     cost = CostModel([0.003 + 0.0002 * k for k in range(16)])
     ds = DsparkStats()
-    assert ds.best_case_rate(cost, 7) == float("inf")  # no forward timed yet: probe to measure it
-    ds.observe_cost(0.001)
+    for seconds in (0.05, 0.002, 0.001):  # one slow reading (a stall) among fast ones
+        assert ds.best_case_rate(cost, 7) == float("inf")  # too few forwards timed: probes measure
+        ds.observe_cost(seconds)
     expected = max((1 + n) / (cost.T(n + 1) + 0.001) for n in range(1, 8))
     assert ds.best_case_rate(cost, 7) == pytest.approx(expected) == pytest.approx(8 / (cost.T(8) + 0.001))
-    assert ds.best_case_rate(cost, 7) > 1 / cost.T(1)  # a cheap drafter could win: probes go on
+    assert ds.can_win(cost, 7)  # priced at the fastest forward: the stall shuts nothing out
     assert ds.best_case_rate(cost, 2) == pytest.approx(3 / (cost.T(3) + 0.001))
-    ds = DsparkStats()
-    ds.observe_cost(0.05)
-    assert ds.best_case_rate(cost, 7) < 1 / cost.T(1)  # a dear one could not
     assert ds.best_case_rate(cost, 0) == 0.0
+    short = CostModel([0.003 + 0.0002 * k for k in range(3)])  # widths up to 3 rows: L <= 2
+    assert ds.best_case_rate(short, 7) == pytest.approx(3 / (short.T(3) + 0.001))
+    slow = CostModel([0.003 + 0.0002 * k for k in range(16)], context_slope=1e-5, reference_context=100)
+    assert ds.best_case_rate(slow, 7, context=1100) == pytest.approx(8 / (slow.T(8, 1100) + 0.001))
+    ds = DsparkStats()
+    for _ in range(DsparkStats.BOUND_AFTER):
+        ds.observe_cost(0.05)
+    assert ds.best_case_rate(cost, 7) < 1 / cost.T(1) and not ds.can_win(cost, 7)  # a dear one could not
 
 
 def test_warm_up_drafts_leave_no_dspark_evidence(tiny, tmp_path, monkeypatch):
