@@ -358,6 +358,13 @@ def main(argv=None) -> dict:
                                            "methods": summary,
                                            # the scheduler's T(k) (ms) after this workload (online refresh)
                                            "verify_cost_ms_after": [round(t * 1e3, 4) for t in eng.cost.verify_cost]}
+        if eng.dspark is not None:  # the engine-wide DSpark evidence after this workload
+            ds = eng.dspark_stats
+            results["workloads"][w["name"]]["dspark_after"] = {
+                "timed_forwards": ds.timed_forwards, "fastest_forward_ms": round(ds.fastest_forward * 1e3, 3),
+                "draft_cost_ms": round(ds.draft_cost * 1e3, 3), "probe_s": round(ds.probe_seconds, 4),
+                "decode_s": round(ds.decode_seconds, 3), "cycles": ds.cycles,
+                "can_win": ds.can_win(eng.cost, eng.dspark.config.block_size)}
         line = "  ".join(f"{m}: {s['decode_tokens_per_s']:.1f} tok/s x{s['speedup']:.2f}"
                          + (f" [{s['ci95'][0]:.2f}, {s['ci95'][1]:.2f}]" if m != methods[0] and s["ci95"] else "")
                          + (f" acc={s['acceptance_rate']:.2f} mal={s['mean_acceptance_length']:.2f}"

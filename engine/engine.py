@@ -796,13 +796,15 @@ class Engine:
 
     def _runs_dspark(self, request: GenerationRequest) -> bool:
         """Whether ``request``'s sequence will run DSpark, hence read the taps' prefix namespace.
-        Under ``auto``, not once DSpark could not beat plain decoding even with every draft
-        accepted (``DsparkStats.can_win``, e.g. on a CPU): such a request would tap hidden rows
-        and keep them for a drafter that never runs."""
+        Not once DSpark could not beat plain decoding even with every draft accepted
+        (``DsparkStats.can_win``, e.g. on a CPU), unless the request forces drafts
+        (``min_draft_tokens``): such a request would tap hidden rows and keep them for a drafter
+        that never runs."""
         method = request.speculative.method or self.config.speculation
         if self.cost.max_rows <= 1 or self.dspark is None or method not in ("dspark", "auto"):
             return False
-        return method == "dspark" or self.dspark_stats.can_win(self.cost, self.dspark.config.block_size)
+        return (request.speculative.min_draft_tokens > 0
+                or self.dspark_stats.can_win(self.cost, self.dspark.config.block_size))
 
     def _step_all(self) -> None:
         with self._lock:

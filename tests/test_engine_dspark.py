@@ -210,8 +210,8 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
     """On a CPU a DSpark forward costs ~10 one-row passes, so even a block accepted whole would
     lose to plain decoding. The first ``BOUND_AFTER`` probes measure that cost; after them no
     probe runs, however much probe budget is left (here: unlimited) and however many requests
-    arrive (each would probe on its first cycle and after 32 more), and ``auto`` requests
-    start without DSpark at all (no taps). Output stays plain greedy."""
+    arrive (each would probe on its first cycle and after 32 more), and requests start without
+    DSpark at all (no taps), unless they force drafts. Output stays plain greedy."""
     import time
 
     from drafters.dspark import DSparkDrafter
@@ -233,8 +233,9 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
     monkeypatch.setattr(eng.cost, "_curve", [0.003 + 0.0002 * k for k in range(eng.cost.max_rows)])
     eng.dspark_stats.decode_seconds = 1e6  # the budget would allow a probe every time
 
-    def request(method: str) -> GenerationRequest:
-        return GenerationRequest(prompt_tokens=[1, 2, 3], max_tokens=4, speculative=SpeculativeParams(method))
+    def request(method: str, forced: int = 0) -> GenerationRequest:
+        return GenerationRequest(prompt_tokens=[1, 2, 3], max_tokens=4,
+                                 speculative=SpeculativeParams(method, min_draft_tokens=forced))
 
     try:
         assert eng._runs_dspark(request("auto"))  # nothing timed yet
@@ -245,9 +246,11 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
             assert last.stats.num_verify_steps > 32
         assert len(calls) == DsparkStats.BOUND_AFTER
         assert eng.dspark_stats.fastest_forward >= 0.05
-        assert not eng._runs_dspark(request("auto")) and eng._runs_dspark(request("dspark"))
-        ids, _, _ = run(eng, p, "auto", max_tokens=80, ignore_eos=True)
-        assert ids == plain and len(calls) == DsparkStats.BOUND_AFTER
+        assert not eng._runs_dspark(request("auto")) and not eng._runs_dspark(request("dspark"))
+        assert eng._runs_dspark(request("dspark", forced=1))  # forced drafts still run it
+        for method in ("auto", "dspark"):
+            ids, _, _ = run(eng, p, method, max_tokens=80, ignore_eos=True)
+            assert ids == plain and len(calls) == DsparkStats.BOUND_AFTER
     finally:
         eng.stop()
 
