@@ -285,7 +285,7 @@ class DsparkStats:
     """
 
     PROBE_SHARE = 0.02  # losing probes may take at most this share of decode time (engine-wide)
-    PROBE_SHARE_MIN = 0.0025  # ... halved by every probe down to this, until DSpark wins a cycle
+    PROBE_SHARE_MIN = 0.0025  # ... halved by every probe (after BOUND_AFTER timed) down to this, until a win
 
     def __init__(self, positions: int = 16, alpha: float = 0.05):
         self.alpha = alpha
@@ -336,8 +336,9 @@ class DsparkStats:
     def may_probe(self) -> bool:
         """Whether a probe of a losing DSpark fits the probe budget: the time spent on probes
         so far stays within :attr:`probe_share` of the decode time (one probe always runs
-        first). The share starts at :attr:`PROBE_SHARE` (2%); every probe halves it, down to
-        :attr:`PROBE_SHARE_MIN` (0.25%), and a verified DSpark draft that beat the other options
+        first). The share starts at :attr:`PROBE_SHARE` (2%); every probe once
+        :attr:`BOUND_AFTER` forwards were timed halves it, down to :attr:`PROBE_SHARE_MIN`
+        (0.25%), and a verified DSpark draft that beat the other options
         restores it (:meth:`observe_win`: ``(1 + accepted) / (T(L + 1) + draft cost)`` above the
         best alternative's expected rate when it was chosen). Exploration thus costs in proportion
         to the doubt left: a drafter that keeps losing (the shipped one on every benchmark
@@ -347,9 +348,14 @@ class DsparkStats:
         return self.probe_seconds <= self.probe_share * self.decode_seconds
 
     def observe_probe(self, seconds: float) -> None:
-        """A probe's DSpark forward took ``seconds``; the budget's share halves."""
+        """A probe's DSpark forward took ``seconds``; the budget's share halves, once
+        :attr:`BOUND_AFTER` forwards have been timed (the probes before measure what a forward
+        costs, which :meth:`best_case_rate` needs: halving from the first one delayed the third
+        timed forward on the CPU to ~54 s of decoding, and requests tapped hidden rows for a
+        drafter that could not win until then)."""
         self.probe_seconds += seconds
-        self.probe_share = max(self.PROBE_SHARE_MIN, 0.5 * self.probe_share)
+        if self.timed_forwards >= self.BOUND_AFTER:
+            self.probe_share = max(self.PROBE_SHARE_MIN, 0.5 * self.probe_share)
 
     def observe_win(self) -> None:
         """A verified DSpark draft yielded more tokens per second (its forward included) than

@@ -335,6 +335,8 @@ def test_probe_budget_rule():
     from engine.scheduler import DsparkStats
 
     ds = DsparkStats()
+    for _ in range(DsparkStats.BOUND_AFTER):  # a forward's cost is known: losing probes halve the share
+        ds.observe_cost(0.05)
     assert ds.may_probe()  # the first probe always runs
     ds.observe_probe(0.1)
     assert not ds.may_probe()
@@ -350,6 +352,12 @@ def test_probe_share_shrinks_with_every_losing_probe_and_recovers_on_a_win():
     from engine.scheduler import DsparkStats
 
     ds = DsparkStats()
+    for _ in range(DsparkStats.BOUND_AFTER - 1):  # probes that measure a forward's cost keep the share
+        ds.observe_cost(0.01)
+        ds.observe_probe(0.01)
+        assert ds.probe_share == DsparkStats.PROBE_SHARE
+    ds.observe_cost(0.01)
+    ds.probe_seconds = 0.0
     shares = []
     for _ in range(8):
         ds.observe_probe(0.01)
