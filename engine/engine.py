@@ -623,6 +623,7 @@ class Engine:
             self.loaded.context_length, seed, drafters=drafters, constraint=constraint,
             acceptance=RequestAcceptance(self.acceptance), dspark_stats=self.dspark_stats,
             taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
+            speculative=self.cost.max_rows > 1 and method != "off",
         )
         twin = self._prompt_twin(request)
         if twin is not None and twin.prefilled:  # the same prompt, prefilled: copy it (n > 1 choices)

@@ -65,6 +65,7 @@ class Sequence:
         dspark_stats: DsparkStats | None = None,
         taps=None,
         max_draft: int = 0,
+        speculative: bool | None = None,
     ):
         self.request = request
         self.runner = runner
@@ -85,6 +86,9 @@ class Sequence:
         self.stop_ids = frozenset(stop_ids)
         self.context_length = context_length
         self.drafters = drafters or {}
+        # drafts at all: a request's grammar drafts the tokens it forces even when no drafter
+        # runs (a dspark request while DSpark cannot win); not under method off
+        self.speculative = bool(self.drafters) if speculative is None else speculative
         self.acceptance = acceptance
         self.dspark_stats = dspark_stats
         # DSpark reads tapped target hidden states: rows of committed positions not yet given
@@ -236,7 +240,7 @@ class Sequence:
         if self.pending_error is not None:  # the last cycle committed the tokens before it
             raise self.pending_error
         budget = self.draft_budget(min(cost.max_rows, max_rows or cost.max_rows))
-        if budget == 0 or not self.drafters:
+        if budget == 0 or not self.speculative:
             return Draft()
         draft, dspark_ran = self._choose(budget, cost)
         if dspark_ran and not (draft.tokens and draft.drafter == "dspark"):

@@ -11,6 +11,7 @@ import pytest
 from helpers import generate_all, pass_logits, run
 from scipy import stats
 from test_engine import prompts
+from test_structured import GRAMMAR, _json_prompts
 from tiny import tiny_loaded
 
 from drafters.dspark import DSparkModel, init_weights, save_dspark
@@ -251,6 +252,12 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
         for method in ("auto", "dspark"):
             ids, _, _ = run(eng, p, method, max_tokens=80, ignore_eos=True)
             assert ids == plain and len(calls) == DsparkStats.BOUND_AFTER
+        # without DSpark, a dspark request's grammar still drafts the tokens it forces (not under off)
+        json_prompt = _json_prompts(tiny.tokenizer, 1)[0]
+        plain, _, off = run(eng, json_prompt, "off", max_tokens=48, grammar=GRAMMAR)
+        ids, _, last = run(eng, json_prompt, "dspark", max_tokens=48, grammar=GRAMMAR)
+        assert ids == plain and len(calls) == DsparkStats.BOUND_AFTER
+        assert last.stats.by_drafter["grammar"].num_draft_tokens > 0 and off.stats.total.num_draft_tokens == 0
     finally:
         eng.stop()
 
