@@ -805,7 +805,8 @@ class Engine:
         if self.cost.max_rows <= 1 or self.dspark is None or method not in ("dspark", "auto"):
             return False
         return (request.speculative.min_draft_tokens > 0
-                or self.dspark_stats.can_win(self.cost, self.dspark.config.block_size))
+                or self.dspark_stats.can_win(self.cost, self.dspark.config.block_size,
+                                             len(request.prompt_tokens)))
 
     def _step_all(self) -> None:
         with self._lock:

@@ -253,6 +253,10 @@ class Sequence:
                            seed=self.pipeline.seed)
         options = []  # (rate, length, proposal, conditional)
         forced = self.request.speculative.min_draft_tokens > 0
+        dspark = self.drafters.get("dspark")
+        if (dspark is not None and not forced and self.cycles_since_dspark >= self.dspark_probe_every
+                and not self.dspark_stats.can_win(cost, dspark.config.block_size, len(self.tokens))):
+            self._drop_dspark()  # at a due probe, it cannot beat plain decoding: no more taps
         if self.constraint is not None:  # tokens the request's grammar forces next, for free
             tokens = self.constraint.forced_tokens(budget)
             if tokens:
@@ -307,6 +311,13 @@ class Sequence:
             # what its verify pass must yield to beat the other options (observe() judges it)
             self.dspark_bar = (best_so_far, cost.T(length + 1, len(self.tokens)) + self.dspark_stats.draft_cost)
         return proposal, dspark_ran
+
+    def _drop_dspark(self) -> None:
+        """Run the rest of the request without DSpark: no drafter, no taps, no pending rows
+        (after prefill the taps feed only the drafter; the prompt's rows are already stored)."""
+        del self.drafters["dspark"]
+        self.taps = None
+        self.pending_hidden, self.pending_folded = [], 0
 
     def _propose_dspark(self, ctx: DraftContext, budget: int, cost: CostModel):
         self.cycles_since_dspark = 0

@@ -368,23 +368,30 @@ class DsparkStats:
         self.timed_forwards += 1
 
     BOUND_AFTER = 3  # timed forwards before best_case_rate may keep probes from running
+    # what the forwards timed while DSpark loses cost over a steady one: they project a prompt's
+    # rows or the 32+ cycles' rows queued since the last probe (tiny model on the CPU: +40-50% at
+    # 65-100 rows; H200, the default model: 2.86 against 2.27 ms for a request's first forward)
+    ABSORB_MARGIN = 1.5
 
     def best_case_rate(self, cost: CostModel, max_draft: int, context: int | None = None) -> float:
         """Tokens per second DSpark would deliver if every draft were accepted: the best
-        ``(1 + L) / (T(L + 1, context) + fastest forward)`` over ``L = 1..max_draft``. A probe can
-        only find DSpark winning where this beats the other options; where it does not (a CPU,
-        whose DSpark forward costs ~10 one-row passes: 8 tokens would need ~14 T(1)), probing is
-        pure cost. Infinite until :attr:`BOUND_AFTER` forwards were timed, and priced at the
-        fastest of them, so one slow reading (a host stall, a first forward that absorbed a long
-        prompt's rows) cannot shut DSpark out."""
+        ``(1 + L) / (T(L + 1, context) + forward)`` over ``L = 1..max_draft``, the forward being
+        the fastest timed one over :attr:`ABSORB_MARGIN`. A probe can only find DSpark winning
+        where this beats the other options; where it does not (a CPU, whose DSpark forward costs
+        ~9 one-row passes: 8 tokens would need ~10 T(1) even at a third less), probing is pure
+        cost. Infinite until :attr:`BOUND_AFTER` forwards were timed; priced at the fastest of
+        them, so one slow reading (a host stall) cannot shut DSpark out, and with the margin, so
+        forwards that projected many queued rows do not either."""
         if self.timed_forwards < self.BOUND_AFTER:
             return math.inf
-        return max(((1 + n) / (cost.T(n + 1, context) + self.fastest_forward)
+        forward = self.fastest_forward / self.ABSORB_MARGIN
+        return max(((1 + n) / (cost.T(n + 1, context) + forward)
                     for n in range(1, min(max_draft, cost.max_rows - 1) + 1)), default=0.0)
 
     def can_win(self, cost: CostModel, max_draft: int, context: int | None = None) -> bool:
         """Whether DSpark could beat plain decoding at all (:meth:`best_case_rate` over ``1 /
-        T(1)``): a request started while it cannot runs without DSpark (no taps, no probes)."""
+        T(1)``) at ``context`` tokens: a request that starts while it cannot runs without DSpark
+        (no taps, no probes), and a running one drops it at its next due probe."""
         return self.best_case_rate(cost, max_draft, context) > 1.0 / cost.T(1, context)
 
     def expected_rate(self, cost: CostModel, context: int | None = None) -> float:

@@ -216,6 +216,7 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
     import time
 
     from drafters.dspark import DSparkDrafter
+    from engine.generation import Sequence
     from engine.scheduler import DsparkStats
 
     path = make_drafter(tiny, tmp_path / "drafter", {5: 40.0})
@@ -233,6 +234,14 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
     monkeypatch.setattr(eng.cost, "alpha", 0.0)
     monkeypatch.setattr(eng.cost, "_curve", [0.003 + 0.0002 * k for k in range(eng.cost.max_rows)])
     eng.dspark_stats.decode_seconds = 1e6  # the budget would allow a probe every time
+    dropped = []  # requests that started with DSpark and dropped it at a due probe
+    original_drop = Sequence._drop_dspark
+
+    def recording_drop(seq):
+        original_drop(seq)
+        dropped.append((seq.request.request_id, seq.taps, "dspark" in seq.drafters, seq.pending_hidden))
+
+    monkeypatch.setattr(Sequence, "_drop_dspark", recording_drop)
 
     def request(method: str, forced: int = 0) -> GenerationRequest:
         return GenerationRequest(prompt_tokens=[1, 2, 3], max_tokens=4,
@@ -247,6 +256,9 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
             assert last.stats.num_verify_steps > 32
         assert len(calls) == DsparkStats.BOUND_AFTER
         assert eng.dspark_stats.fastest_forward >= 0.05
+        # the request whose probe settled the bound (the second: probes at cycles 0 and 32 in
+        # the first, 0 in the second) dropped DSpark at its next due probe, cycle 64
+        assert [d[1:] for d in dropped] == [(None, False, [])]
         assert not eng._runs_dspark(request("auto")) and not eng._runs_dspark(request("dspark"))
         assert eng._runs_dspark(request("dspark", forced=1))  # forced drafts still run it
         for method in ("auto", "dspark"):
@@ -270,15 +282,16 @@ def test_best_case_rate_bounds_what_a_probe_could_find():
     for seconds in (0.05, 0.002, 0.001):  # one slow reading (a stall) among fast ones
         assert ds.best_case_rate(cost, 7) == float("inf")  # too few forwards timed: probes measure
         ds.observe_cost(seconds)
-    expected = max((1 + n) / (cost.T(n + 1) + 0.001) for n in range(1, 8))
-    assert ds.best_case_rate(cost, 7) == pytest.approx(expected) == pytest.approx(8 / (cost.T(8) + 0.001))
+    forward = 0.001 / DsparkStats.ABSORB_MARGIN  # the fastest, less what absorbing rows may add
+    expected = max((1 + n) / (cost.T(n + 1) + forward) for n in range(1, 8))
+    assert ds.best_case_rate(cost, 7) == pytest.approx(expected) == pytest.approx(8 / (cost.T(8) + forward))
     assert ds.can_win(cost, 7)  # priced at the fastest forward: the stall shuts nothing out
-    assert ds.best_case_rate(cost, 2) == pytest.approx(3 / (cost.T(3) + 0.001))
+    assert ds.best_case_rate(cost, 2) == pytest.approx(3 / (cost.T(3) + forward))
     assert ds.best_case_rate(cost, 0) == 0.0
     short = CostModel([0.003 + 0.0002 * k for k in range(3)])  # widths up to 3 rows: L <= 2
-    assert ds.best_case_rate(short, 7) == pytest.approx(3 / (short.T(3) + 0.001))
+    assert ds.best_case_rate(short, 7) == pytest.approx(3 / (short.T(3) + forward))
     slow = CostModel([0.003 + 0.0002 * k for k in range(16)], context_slope=1e-5, reference_context=100)
-    assert ds.best_case_rate(slow, 7, context=1100) == pytest.approx(8 / (slow.T(8, 1100) + 0.001))
+    assert ds.best_case_rate(slow, 7, context=1100) == pytest.approx(8 / (slow.T(8, 1100) + forward))
     ds = DsparkStats()
     for _ in range(DsparkStats.BOUND_AFTER):
         ds.observe_cost(0.05)
