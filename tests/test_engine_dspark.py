@@ -175,15 +175,13 @@ def test_losing_dspark_is_probed_not_run_every_cycle(tiny, tmp_path, monkeypatch
         eng.stop()
 
 
-def test_losing_dspark_probes_stay_within_the_engine_wide_budget(tiny, tmp_path, monkeypatch):
-    """Every new request would probe DSpark on its first cycle; with a drafter that always
-    loses and costs 50 ms a forward (far more than the tiny target's steps), the engine-wide
-    budget keeps the time spent on probes within 2% of the decode time (plus the probe that
-    always runs first), however many requests arrive."""
+def slow_losing_dspark(tiny, tmp_path, monkeypatch) -> tuple[Engine, list]:
+    """A started engine whose DSpark drafts are never accepted (its Markov bias pushes a token
+    the target never picks) and whose every forward takes 50 ms more (far more than the tiny
+    target's steps), and the list each forward appends to."""
     import time
 
     from drafters.dspark import DSparkDrafter
-    from engine.scheduler import DsparkStats
 
     path = make_drafter(tiny, tmp_path / "drafter", {5: 40.0})
     eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40, 300)),
@@ -197,6 +195,17 @@ def test_losing_dspark_probes_stay_within_the_engine_wide_budget(tiny, tmp_path,
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(DSparkDrafter, "propose", slow_propose)
+    return eng, calls
+
+
+def test_losing_dspark_probes_stay_within_the_engine_wide_budget(tiny, tmp_path, monkeypatch):
+    """Every new request would probe DSpark on its first cycle; with a drafter that always
+    loses and costs 50 ms a forward (far more than the tiny target's steps), the engine-wide
+    budget keeps the time spent on probes within 2% of the decode time (plus the probe that
+    always runs first), however many requests arrive."""
+    from engine.scheduler import DsparkStats
+
+    eng, calls = slow_losing_dspark(tiny, tmp_path, monkeypatch)
     try:
         for p in prompts(8, seed=11):
             run(eng, p, "dspark", max_tokens=24, ignore_eos=True)
@@ -213,24 +222,11 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
     probe runs, however much probe budget is left (here: unlimited) and however many requests
     arrive (each would probe on its first cycle and after 32 more), and requests start without
     DSpark at all (no taps), unless they force drafts. Output stays plain greedy."""
-    import time
-
-    from drafters.dspark import DSparkDrafter
     from engine.generation import Sequence
     from engine.scheduler import DsparkStats
 
-    path = make_drafter(tiny, tmp_path / "drafter", {5: 40.0})
-    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40, 300)),
-                 loaded=tiny).start(wait=True, timeout=300)
-    calls = []
-    original = DSparkDrafter.propose
-
-    def slow_propose(self, *args, **kwargs):
-        calls.append(1)
-        time.sleep(0.05)  # 50 ms: (1 + L) / (T(L + 1) + 50 ms) is far below 1 / T(1) = 1 / 3 ms for any L
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(DSparkDrafter, "propose", slow_propose)
+    # 50 ms forwards: (1 + L) / (T(L + 1) + 50 ms / 1.5) is far below 1 / T(1) = 1 / 3 ms for any L
+    eng, calls = slow_losing_dspark(tiny, tmp_path, monkeypatch)
     monkeypatch.setattr(eng.cost, "alpha", 0.0)
     monkeypatch.setattr(eng.cost, "_curve", [0.003 + 0.0002 * k for k in range(eng.cost.max_rows)])
     eng.dspark_stats.decode_seconds = 1e6  # the budget would allow a probe every time
