@@ -286,6 +286,11 @@ class DsparkStats:
 
     PROBE_SHARE = 0.02  # losing probes may take at most this share of decode time (engine-wide)
     PROBE_SHARE_MIN = 0.0025  # ... halved by every probe (after BOUND_AFTER timed) down to this, until a win
+    BOUND_AFTER = 3  # timed forwards before best_case_rate may keep probes from running
+    # what the forwards timed while DSpark loses cost over a steady one: they project a prompt's
+    # rows or the 32+ cycles' rows queued since the last probe (tiny model on the CPU: +40-50% at
+    # 65-100 rows; H200, the default model: 2.86 against 2.27 ms for a request's first forward)
+    ABSORB_MARGIN = 1.5
 
     def __init__(self, positions: int = 16, alpha: float = 0.05):
         self.alpha = alpha
@@ -366,12 +371,6 @@ class DsparkStats:
         self.draft_cost = seconds if self.draft_cost == 0 else self.draft_cost + 0.1 * (seconds - self.draft_cost)
         self.fastest_forward = min(self.fastest_forward, seconds)
         self.timed_forwards += 1
-
-    BOUND_AFTER = 3  # timed forwards before best_case_rate may keep probes from running
-    # what the forwards timed while DSpark loses cost over a steady one: they project a prompt's
-    # rows or the 32+ cycles' rows queued since the last probe (tiny model on the CPU: +40-50% at
-    # 65-100 rows; H200, the default model: 2.86 against 2.27 ms for a request's first forward)
-    ABSORB_MARGIN = 1.5
 
     def best_case_rate(self, cost: CostModel, max_draft: int, context: int | None = None) -> float:
         """Tokens per second DSpark would deliver if every draft were accepted: the best
