@@ -41,6 +41,7 @@ import engine  # noqa: F401  (OpenBLAS before mlx.core)
 import numpy as np
 
 from engine import (
+    SPECULATION_METHODS,
     Engine,
     EngineConfig,
     GenerationRequest,
@@ -52,9 +53,6 @@ from engine import (
 WORKLOADS = Path(__file__).parent / "workloads"
 USE_SCHEMAS = True  # --schemas off: the same prompts as free text (what the grammar costs)
 VARIANTS: dict[str, list[tuple[object, str, object]]] = {}  # --variant: name -> (owner, attr, value)
-
-
-METHODS = ("off", "prompt_lookup", "dspark", "auto")
 
 
 def parse_variant(spec: str) -> tuple[str, list[tuple[object, str, object]]]:
@@ -106,8 +104,8 @@ def method_variant(method: str):
         ValueError: an unknown method or variant name.
     """
     base, plus, name = method.partition("+")
-    if base not in METHODS:
-        raise ValueError(f"method {method!r}: not one of {', '.join(METHODS)}")
+    if base not in SPECULATION_METHODS:
+        raise ValueError(f"method {method!r}: not one of {', '.join(SPECULATION_METHODS)}")
     if plus and name not in VARIANTS:
         raise ValueError(f"method {method!r}: no --variant {name!r}")
     assigns = VARIANTS.get(name, []) if plus else []
