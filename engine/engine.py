@@ -106,6 +106,7 @@ class _Handle:
     done: bool = False
     deadline: float | None = None  # time.monotonic() past which the request times out
     shared: dict = field(default_factory=dict)  # owner request id -> whole prompt chunks in common
+    dspark: bool | None = None  # whether its sequence runs DSpark (Engine._handle_dspark: decided once)
 
 
 class Engine:
@@ -598,15 +599,18 @@ class Engine:
         log.info("fused DSpark drafts on (one launch per block forward; probe error %.2g)", err)
         return fp
 
-    def _make_sequence(self, request: GenerationRequest) -> Sequence:
+    def _make_sequence(self, request: GenerationRequest, dspark: bool | None = None) -> Sequence:
+        """A new sequence for ``request``; ``dspark``: whether it runs DSpark (None: decide now)."""
         cfg = self.config
+        if dspark is None:
+            dspark = self._runs_dspark(request)
         method = request.speculative.method or cfg.speculation
         drafters = {}
         if self.cost.max_rows > 1:
             if method in ("prompt_lookup", "auto"):
                 drafters["prompt_lookup"] = PromptLookupDrafter(cfg.prompt_lookup_min_ngram,
                                                                 cfg.prompt_lookup_max_ngram)
-            if self._runs_dspark(request):
+            if dspark:
                 drafters["dspark"] = self._dspark_drafter(self.dspark, self.target_taps.embed,
                                                           self.target_taps.lm_head, self._dspark_step)
         seed = request.sampling.seed
@@ -625,7 +629,7 @@ class Engine:
             taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
             speculative=self.cost.max_rows > 1 and method != "off",
         )
-        twin = self._prompt_twin(request)
+        twin = self._prompt_twin(request, dspark)
         if twin is not None and twin.prefilled:  # the same prompt, prefilled: copy it (n > 1 choices)
             seq.reuse_prefix(copy_prefix(twin.cache, seq.prompt_len - 1), None, seq.prompt_len - 1)
             return seq
@@ -715,7 +719,7 @@ class Engine:
             with self._lock:
                 self._queued -= 1
             try:
-                self._active.append((handle, self._make_sequence(handle.request)))
+                self._active.append((handle, self._make_sequence(handle.request, self._handle_dspark(handle))))
             except Exception as exc:
                 log.exception("could not start request %s", handle.request.request_id)
                 self._done(handle.request.request_id)
@@ -742,7 +746,8 @@ class Engine:
         always waits for it: it then copies every position but the anchor, not just whole
         chunks."""
         request = handle.request
-        twin = self._prompt_twin(request)
+        taps = self._handle_dspark(handle)
+        twin = self._prompt_twin(request, taps)
         if twin is not None and not twin.prefilled:  # (its remaining rows, never more than ours)
             return True
         if self.prefix_cache is None or request.prompt_logprobs:
@@ -752,7 +757,6 @@ class Engine:
         block = self.config.prefill_step
         if usable < block:
             return False
-        taps = self._runs_dspark(request)
         for _, seq in self._active:
             other = seq.request
             if (seq.prefilled or seq.finished or other.prompt_logprobs or other.cache_salt != request.cache_salt
@@ -775,7 +779,7 @@ class Engine:
                 return True
         return False
 
-    def _prompt_twin(self, request: GenerationRequest) -> Sequence | None:
+    def _prompt_twin(self, request: GenerationRequest, dspark: bool) -> Sequence | None:
         """An active sequence prefilling or having prefilled ``request``'s whole prompt, which
         ``request`` can then copy instead of prefilling it (the ``n`` choices of one request, or
         the same prompt sent at once by several clients): the same prompt tokens and
@@ -783,9 +787,10 @@ class Engine:
         row's logits) or DSpark taps (the drafter takes the prompt's hidden rows), and only with
         the prefix cache on (copies follow its sharing rules: off, requests share nothing). Its
         rows before the anchor are the ones this request's own prefill would compute: the same
-        chunks of the same tokens at the same positions."""
+        chunks of the same tokens at the same positions. ``dspark``: whether ``request`` runs
+        DSpark."""
         if (self.prefix_cache is None or request.prompt_logprobs or len(request.prompt_tokens) < 2
-                or self._runs_dspark(request)):
+                or dspark):
             return None
         for _, seq in self._active:
             other = seq.request
@@ -795,18 +800,26 @@ class Engine:
                 return seq
         return None
 
+    def _handle_dspark(self, handle: _Handle) -> bool:
+        """:meth:`_runs_dspark` for a queued request, decided once, so that its wait for a prefix
+        owner (:meth:`_awaits_prefill`) and its sequence agree."""
+        if handle.dspark is None:
+            handle.dspark = self._runs_dspark(handle.request)
+        return handle.dspark
+
     def _runs_dspark(self, request: GenerationRequest) -> bool:
         """Whether ``request``'s sequence will run DSpark, hence read the taps' prefix namespace.
-        Not once DSpark could not beat plain decoding even with every draft accepted
-        (``DsparkStats.can_win``, e.g. on a CPU), unless the request forces drafts
+        Not while it is not worth tapping hidden rows for it (``DsparkStats.worth_tapping``:
+        it could not beat plain decoding even with every draft accepted, e.g. on a CPU, or it
+        loses and no probe fits the budget), unless the request forces drafts
         (``min_draft_tokens``): such a request would tap hidden rows and keep them for a drafter
-        that never runs."""
+        that does not run."""
         method = request.speculative.method or self.config.speculation
         if self.cost.max_rows <= 1 or self.dspark is None or method not in ("dspark", "auto"):
             return False
         return (request.speculative.min_draft_tokens > 0
-                or self.dspark_stats.can_win(self.cost, self.dspark.config.block_size,
-                                             len(request.prompt_tokens)))
+                or self.dspark_stats.worth_tapping(self.cost, self.dspark.config.block_size,
+                                                   len(request.prompt_tokens)))
 
     def _step_all(self) -> None:
         with self._lock:

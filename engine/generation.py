@@ -254,9 +254,9 @@ class Sequence:
         options = []  # (rate, length, proposal, conditional)
         forced = self.request.speculative.min_draft_tokens > 0
         dspark = self.drafters.get("dspark")
-        if (dspark is not None and not forced and self.cycles_since_dspark >= self.dspark_probe_every
-                and not self.dspark_stats.can_win(cost, dspark.config.block_size, len(self.tokens))):
-            self._drop_dspark()  # at a due probe, it cannot beat plain decoding: no more taps
+        if (dspark is not None and not forced
+                and not self.dspark_stats.worth_tapping(cost, dspark.config.block_size, len(self.tokens))):
+            self._drop_dspark()  # it can neither be chosen nor probed: no more taps
         if self.constraint is not None:  # tokens the request's grammar forces next, for free
             tokens = self.constraint.forced_tokens(budget)
             if tokens:

@@ -291,6 +291,10 @@ class DsparkStats:
     # rows or the 32+ cycles' rows queued since the last probe (tiny model on the CPU: +40-50% at
     # 65-100 rows; H200, the default model: 2.86 against 2.27 ms for a request's first forward)
     ABSORB_MARGIN = 1.5
+    # whether requests keep DSpark (its taps and queued rows) while it neither delivers more than
+    # plain decoding nor may be probed: False (the rule, :meth:`worth_tapping`); True was the
+    # behaviour before the thirty-third session, kept as a knob for side-by-side benchmarks
+    TAP_WHILE_IDLE = False
 
     def __init__(self, positions: int = 16, alpha: float = 0.05):
         self.alpha = alpha
@@ -392,6 +396,24 @@ class DsparkStats:
         T(1)``) at ``context`` tokens: a request that starts while it cannot runs without DSpark
         (no taps, no probes), and a running one drops it at its next due probe."""
         return self.best_case_rate(cost, max_draft, context) > 1.0 / cost.T(1, context)
+
+    def worth_tapping(self, cost: CostModel, max_draft: int, context: int | None = None) -> bool:
+        """Whether a request should carry DSpark now, tapping the target's hidden rows for it:
+        DSpark :meth:`can_win` at ``context`` tokens, and either it has recently delivered more
+        than plain decoding (:meth:`expected_rate` over ``1 / T(1)``, so it may be chosen) or
+        the probe budget has room (:meth:`may_probe`, so a probe may run). Otherwise the taps
+        feed a drafter that will not run before the budget refills: on the H200 (a block forward
+        of ~1.9 ms against a 1.6-1.8 ms target step, ~2.3 tokens per cycle) requests kept DSpark
+        for their whole life, and auto ran at 0.96-0.97x prompt lookup on agent_session,
+        agent_turn and novel_chat against 0.97-1.01x with no drafter loaded (docs/benchmarks.md,
+        "Thirty-third session"). A request that starts while this is False runs without DSpark,
+        and a running one drops it; the probe budget thus also rations which requests tap: one
+        admitted while it has room probes on its first cycle, and then usually drops DSpark."""
+        if not self.can_win(cost, max_draft, context):
+            return False
+        if self.TAP_WHILE_IDLE or self.may_probe():
+            return True
+        return self.expected_rate(cost, context) > 1.0 / cost.T(1, context)
 
     def expected_rate(self, cost: CostModel, context: int | None = None) -> float:
         """Tokens per second DSpark has recently delivered (draft cost included), at ``context``."""

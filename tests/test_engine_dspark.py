@@ -175,10 +175,10 @@ def test_losing_dspark_is_probed_not_run_every_cycle(tiny, tmp_path, monkeypatch
         eng.stop()
 
 
-def slow_losing_dspark(tiny, tmp_path, monkeypatch) -> tuple[Engine, list]:
+def slow_losing_dspark(tiny, tmp_path, monkeypatch, delay: float = 0.05) -> tuple[Engine, list]:
     """A started engine whose DSpark drafts are never accepted (its Markov bias pushes a token
-    the target never picks) and whose every forward takes 50 ms more (far more than the tiny
-    target's steps), and the list each forward appends to."""
+    the target never picks) and whose every forward takes ``delay`` seconds more (by default
+    50 ms, far more than the tiny target's steps), and the list each forward appends to."""
     import time
 
     from drafters.dspark import DSparkDrafter
@@ -191,7 +191,7 @@ def slow_losing_dspark(tiny, tmp_path, monkeypatch) -> tuple[Engine, list]:
 
     def slow_propose(self, *args, **kwargs):
         calls.append(1)
-        time.sleep(0.05)
+        time.sleep(delay)
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(DSparkDrafter, "propose", slow_propose)
@@ -253,7 +253,7 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
         assert len(calls) == DsparkStats.BOUND_AFTER
         assert eng.dspark_stats.fastest_forward >= 0.05
         # the request whose probe settled the bound (the second: probes at cycles 0 and 32 in
-        # the first, 0 in the second) dropped DSpark at its next due probe, cycle 64
+        # the first, 0 in the second) dropped DSpark on its next cycle
         assert [d[1:] for d in dropped] == [(None, False, [])]
         assert not eng._runs_dspark(request("auto")) and not eng._runs_dspark(request("dspark"))
         assert eng._runs_dspark(request("dspark", forced=1))  # forced drafts still run it
@@ -292,6 +292,83 @@ def test_best_case_rate_bounds_what_a_probe_could_find():
     for _ in range(DsparkStats.BOUND_AFTER):
         ds.observe_cost(0.05)
     assert ds.best_case_rate(cost, 7) < 1 / cost.T(1) and not ds.can_win(cost, 7)  # a dear one could not
+
+
+def test_worth_tapping_needs_a_drafter_that_could_be_chosen_or_probed(monkeypatch):
+    from engine.scheduler import CostModel, DsparkStats
+
+    cost = CostModel([0.003 + 0.0002 * k for k in range(16)])
+    ds = DsparkStats()
+    assert ds.worth_tapping(cost, 7)  # no evidence yet: the first probe always fits the budget
+    for _ in range(DsparkStats.BOUND_AFTER):
+        ds.observe_cost(0.002)  # forwards cheap enough that a block accepted whole would win
+    ds.observe([0.9] * 7, 7, 0)  # ... but nothing it drafted was accepted
+    ds.observe_probe(0.002)  # and its probe spent the budget (no decode time earned yet)
+    assert ds.can_win(cost, 7) and not ds.may_probe()
+    assert ds.expected_rate(cost) < 1 / cost.T(1)
+    assert not ds.worth_tapping(cost, 7)  # neither chosen nor probed: taps would feed nothing
+    with monkeypatch.context() as m:  # the knob for side-by-side benchmarks: the old behaviour
+        m.setattr(DsparkStats, "TAP_WHILE_IDLE", True)
+        assert ds.worth_tapping(cost, 7)
+    ds.observe_cycle(10.0)  # decode time refills the budget: it may be probed again
+    assert ds.worth_tapping(cost, 7)
+    ds.probe_seconds = 1e9
+    ds.accepted_ema = 6.0  # it delivers more than plain decoding: worth tapping without probes
+    assert ds.expected_rate(cost) > 1 / cost.T(1) and ds.worth_tapping(cost, 7)
+    dear = DsparkStats()
+    for _ in range(DsparkStats.BOUND_AFTER):
+        dear.observe_cost(0.05)
+    dear.accepted_ema = 6.0
+    assert dear.may_probe() and not dear.worth_tapping(cost, 7)  # could not win even then
+
+
+def test_a_losing_dspark_is_tapped_only_while_a_probe_fits_the_budget(tiny, tmp_path, monkeypatch):
+    """A DSpark that could win (a block accepted whole would beat plain decoding) but loses
+    (nothing accepted), with no probe budget left after a request's first probe: that request
+    drops DSpark on its next cycle instead of tapping hidden rows to its end, the next request
+    starts without it, and once the budget refills one is admitted again to probe. Output stays
+    plain greedy."""
+    from engine.generation import Sequence
+    from engine.scheduler import DsparkStats
+
+    eng, calls = slow_losing_dspark(tiny, tmp_path, monkeypatch, delay=0.0)
+    monkeypatch.setattr(DsparkStats, "ABSORB_MARGIN", 1e6)  # any forward: a whole block would win
+    for knob in ("PROBE_SHARE", "PROBE_SHARE_MIN"):  # no probe budget beyond the first probe
+        monkeypatch.setattr(DsparkStats, knob, 0.0)
+    eng.dspark_stats.probe_share = 0.0
+    started, dropped = [], []  # (request id, runs DSpark); (request id, tokens generated)
+    original_make, original_drop = Engine._make_sequence, Sequence._drop_dspark
+
+    def recording_make(self, request, dspark=None):
+        seq = original_make(self, request, dspark)
+        started.append((request.request_id, "dspark" in seq.drafters))
+        return seq
+
+    def recording_drop(seq):
+        dropped.append((seq.request.request_id, seq.num_generated))
+        original_drop(seq)
+
+    monkeypatch.setattr(Engine, "_make_sequence", recording_make)
+    monkeypatch.setattr(Sequence, "_drop_dspark", recording_drop)
+    try:
+        p = prompts(1, seed=9)[0]
+        plain, _, _ = run(eng, p, "off", max_tokens=60, ignore_eos=True)
+        ids, _, first = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
+        assert ids == plain and len(calls) == 1  # the first cycle's probe, then no more
+        assert started[-1] == (first.request_id, True)
+        assert [d[0] for d in dropped] == [first.request_id] and dropped[0][1] <= 2  # on its next cycle
+        ids, _, second = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
+        assert ids == plain and started[-1] == (second.request_id, False) and len(calls) == 1
+        with monkeypatch.context() as m:  # the old behaviour: tapped to the end, never probed
+            m.setattr(DsparkStats, "TAP_WHILE_IDLE", True)
+            ids, _, idle = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
+        assert ids == plain and started[-1] == (idle.request_id, True) and len(dropped) == 1
+        eng.dspark_stats.probe_share = 0.02  # the budget refills: a request may probe again
+        eng.dspark_stats.decode_seconds = 1e6
+        ids, _, again = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
+        assert ids == plain and started[-1] == (again.request_id, True) and len(calls) == 2
+    finally:
+        eng.stop()
 
 
 def test_warm_up_drafts_leave_no_dspark_evidence(tiny, tmp_path, monkeypatch):
