@@ -112,3 +112,15 @@ def test_the_command_line_refuses_bad_variants_before_loading_a_model():
                   "--variant", "x:engine.scheduler.RequestAcceptance.OPTIMISM=1"]):
         with pytest.raises(SystemExit):
             bench.main(argv)
+
+
+@pytest.mark.parametrize("repeats", [1, 2, 3])
+def test_method_order_gives_every_method_every_position_equally_often(repeats):
+    methods = ["off", "prompt_lookup", "dspark", "auto"]
+    for rep in range(repeats):
+        orders = [bench.method_order(methods, rep, i) for i in range(len(methods))]
+        assert all(sorted(o) == sorted(methods) for o in orders)  # each runs once per prompt
+        for pos in range(len(methods)):  # ... and once in each position over len(methods) prompts
+            assert sorted(o[pos] for o in orders) == sorted(methods)
+    assert bench.method_order(methods, 0, 0) == methods  # the first prompt keeps the given order
+    assert bench.method_order(methods, 1, 3) == methods[::-1]  # (1 + 3) % 4 = 0: reversed only
