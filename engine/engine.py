@@ -625,7 +625,9 @@ class Engine:
         seq = Sequence(
             request, self.runner, self.loaded.token_table, self.loaded.eos_token_ids,
             self.loaded.context_length, seed, drafters=drafters, constraint=constraint,
-            acceptance=RequestAcceptance(self.acceptance), dspark_stats=self.dspark_stats,
+            acceptance=RequestAcceptance(self.acceptance),
+            # a request that may run DSpark earns its probe budget, carrying it or not
+            dspark_stats=self.dspark_stats if self._may_run_dspark(request) else None,
             taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
             speculative=self.cost.max_rows > 1 and method != "off",
         )
@@ -807,19 +809,28 @@ class Engine:
             handle.dspark = self._runs_dspark(handle.request)
         return handle.dspark
 
-    def _runs_dspark(self, request: GenerationRequest) -> bool:
-        """Whether ``request``'s sequence will run DSpark, hence read the taps' prefix namespace.
-        Not while it is not worth tapping hidden rows for it (``DsparkStats.worth_tapping``:
-        it could not beat plain decoding even with every draft accepted, e.g. on a CPU, or it
-        loses and no probe fits the budget), unless the request forces drafts
-        (``min_draft_tokens``): such a request would tap hidden rows and keep them for a drafter
-        that does not run."""
+    def _may_run_dspark(self, request: GenerationRequest) -> bool:
+        """Whether ``request``'s method may run DSpark at all (DSpark loaded, method ``auto`` or
+        ``dspark``, verify passes wider than one row, drafts allowed)."""
         method = request.speculative.method or self.config.speculation
-        if self.cost.max_rows <= 1 or self.dspark is None or method not in ("dspark", "auto"):
+        return (self.cost.max_rows > 1 and self.dspark is not None and method in ("dspark", "auto")
+                and request.speculative.max_draft_tokens != 0)
+
+    def _runs_dspark(self, request: GenerationRequest) -> bool:
+        """Whether ``request``'s sequence will start with DSpark, hence tap hidden rows in its
+        prefill and read the taps' prefix namespace. Not once DSpark could not beat plain
+        decoding even with every draft accepted (``DsparkStats.can_win``, e.g. on a CPU), unless
+        the request forces drafts (``min_draft_tokens``): such a request would tap hidden rows
+        for a drafter that never runs. A request that starts with it drops it on a cycle where
+        it can neither be chosen nor probed (``DsparkStats.worth_tapping``): usually its first
+        one while DSpark loses, or its second after a probe. (Admitting only requests that may
+        probe would leave the prefix cache's taps namespace cold: such a request would prefill a
+        long agent prompt again to run one probe.)"""
+        if not self._may_run_dspark(request):
             return False
         return (request.speculative.min_draft_tokens > 0
-                or self.dspark_stats.worth_tapping(self.cost, self.dspark.config.block_size,
-                                                   len(request.prompt_tokens)))
+                or self.dspark_stats.can_win(self.cost, self.dspark.config.block_size,
+                                             len(request.prompt_tokens)))
 
     def _step_all(self) -> None:
         with self._lock:

@@ -87,10 +87,10 @@ class Sequence:
         self.context_length = context_length
         self.drafters = drafters or {}
         # drafts at all: a request's grammar drafts the tokens it forces even when no drafter
-        # runs (a dspark request while DSpark cannot win); not under method off
+        # runs (a dspark request without DSpark, or after dropping it); not under method off
         self.speculative = bool(self.drafters) if speculative is None else speculative
         self.acceptance = acceptance
-        self.dspark_stats = dspark_stats
+        self.dspark_stats = dspark_stats  # engine-wide; None for a request that may not run DSpark
         # DSpark reads tapped target hidden states: rows of committed positions not yet given
         # to the drafter wait here (every row is handed over exactly once).
         self.taps = taps if "dspark" in self.drafters else None
@@ -231,7 +231,9 @@ class Sequence:
         every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets once it wins, as
         long as the engine's probes fit their budget (at most 2% of its decode time, shrinking to
         0.25% while probes keep losing: ``DsparkStats.may_probe``); it always runs when the request
-        sets ``min_draft_tokens``. A DSpark forward whose draft is cut to nothing counts as a cycle
+        sets ``min_draft_tokens``. A request carrying DSpark drops it (taps, queued rows) on the
+        first cycle where it can neither be chosen nor probed (``DsparkStats.worth_tapping``),
+        unless it sets ``min_draft_tokens``. A DSpark forward whose draft is cut to nothing counts as a cycle
         that yielded nothing, and any DSpark forward whose proposal is not verified counts in the
         request's stats (``num_unused_proposals``). Each proposal is cut to the length maximising
         ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding when
@@ -239,6 +241,10 @@ class Sequence:
         """
         if self.pending_error is not None:  # the last cycle committed the tokens before it
             raise self.pending_error
+        dspark = self.drafters.get("dspark")
+        if (dspark is not None and self.request.speculative.min_draft_tokens == 0
+                and not self.dspark_stats.worth_tapping(cost, dspark.config.block_size, len(self.tokens))):
+            self._drop_dspark()  # it can neither be chosen nor probed: no more taps
         budget = self.draft_budget(min(cost.max_rows, max_rows or cost.max_rows))
         if budget == 0 or not self.speculative:
             return Draft()
@@ -253,10 +259,6 @@ class Sequence:
                            seed=self.pipeline.seed)
         options = []  # (rate, length, proposal, conditional)
         forced = self.request.speculative.min_draft_tokens > 0
-        dspark = self.drafters.get("dspark")
-        if (dspark is not None and not forced
-                and not self.dspark_stats.worth_tapping(cost, dspark.config.block_size, len(self.tokens))):
-            self._drop_dspark()  # it can neither be chosen nor probed: no more taps
         if self.constraint is not None:  # tokens the request's grammar forces next, for free
             tokens = self.constraint.forced_tokens(budget)
             if tokens:
@@ -460,7 +462,7 @@ def speculative_step(seq: Sequence, cost: CostModel) -> CommitResult:
     elapsed = time.perf_counter() - started
     if seq.num_generated:  # a request's first pass runs cold after its prefill: not a width's cost
         cost.observe(len(rows), elapsed, context=len(seq.tokens))
-    if "dspark" in seq.drafters:
+    if seq.dspark_stats is not None:  # a request that may run DSpark, carrying it or not
         seq.dspark_stats.observe_cycle(elapsed)  # (earns DSpark's probe budget)
 
     # 3-5. Accept, roll back, commit.
@@ -515,8 +517,8 @@ def speculative_batch_step(seqs: list[Sequence], cost: CostModel,
         mx.eval(*(a for v in verdicts.values() for a in v),  # the cycle's only host sync (and the taps, as above)
                 *(hidden for i, (_, hidden) in zip(live, outs)
                   if i in verdicts and hidden is not None and seqs[i].taps is not None))
-        stats = next((seqs[i].dspark_stats for i in live if "dspark" in seqs[i].drafters), None)
-        if stats is not None:  # one pass, credited once
+        stats = next((seqs[i].dspark_stats for i in live if seqs[i].dspark_stats is not None), None)
+        if stats is not None:  # one pass, credited once (as above: DSpark carried or not)
             stats.observe_cycle(time.perf_counter() - started)
         for i, (_, hidden) in zip(live, outs):
             if i not in verdicts:

@@ -298,7 +298,7 @@ class DsparkStats:
 
     def __init__(self, positions: int = 16, alpha: float = 0.05):
         self.alpha = alpha
-        self.decode_seconds = 0.0  # measured target-pass time of every cycle with DSpark loaded
+        self.decode_seconds = 0.0  # measured target-pass time of every cycle of a request that may run DSpark
         self.probe_seconds = 0.0  # time spent on DSpark forwards that ran as probes
         self.probe_share = self.PROBE_SHARE  # the probe budget's current share of decode time
         self.realised = [1.0] * positions
@@ -338,8 +338,8 @@ class DsparkStats:
             self.length_ema += max(self.alpha, 1.0 / self.drafted_cycles) * (num_draft - self.length_ema)
 
     def observe_cycle(self, seconds: float) -> None:
-        """A target pass of ``seconds`` (measured; any drafter or none, one per batched pass):
-        it earns probe time."""
+        """A target pass of ``seconds`` of a request that may run DSpark (measured; any drafter
+        or none, DSpark carried or dropped; one per batched pass): it earns probe time."""
         self.decode_seconds += seconds
 
     def may_probe(self) -> bool:
@@ -394,7 +394,8 @@ class DsparkStats:
     def can_win(self, cost: CostModel, max_draft: int, context: int | None = None) -> bool:
         """Whether DSpark could beat plain decoding at all (:meth:`best_case_rate` over ``1 /
         T(1)``) at ``context`` tokens: a request that starts while it cannot runs without DSpark
-        (no taps, no probes), and a running one drops it at its next due probe."""
+        (no taps, no probes), and a running one drops it on its next cycle
+        (:meth:`worth_tapping`)."""
         return self.best_case_rate(cost, max_draft, context) > 1.0 / cost.T(1, context)
 
     def worth_tapping(self, cost: CostModel, max_draft: int, context: int | None = None) -> bool:
@@ -403,12 +404,13 @@ class DsparkStats:
         than plain decoding (:meth:`expected_rate` over ``1 / T(1)``, so it may be chosen) or
         the probe budget has room (:meth:`may_probe`, so a probe may run). Otherwise the taps
         feed a drafter that will not run before the budget refills: on the H200 (a block forward
-        of ~1.9 ms against a 1.6-1.8 ms target step, ~2.3 tokens per cycle) requests kept DSpark
-        for their whole life, and auto ran at 0.96-0.97x prompt lookup on agent_session,
-        agent_turn and novel_chat against 0.97-1.01x with no drafter loaded (docs/benchmarks.md,
-        "Thirty-third session"). A request that starts while this is False runs without DSpark,
-        and a running one drops it; the probe budget thus also rations which requests tap: one
-        admitted while it has room probes on its first cycle, and then usually drops DSpark."""
+        of ~1.9 ms against a 1.6-1.8 ms target step) requests kept DSpark for their whole life,
+        and auto ran at 0.96-0.97x prompt lookup on agent_session, agent_turn and novel_chat
+        against 0.97-1.01x with no drafter loaded (docs/benchmarks.md, "Thirty-third session").
+        A request that carries DSpark drops it on the first cycle where this is False (it still
+        taps its prefill, so the prefix cache's taps namespace stays warm). The budget is earned
+        by every pass of every request that may run DSpark, carrying it or not
+        (:meth:`observe_cycle`), so it refills, and a later request probes again."""
         if not self.can_win(cost, max_draft, context):
             return False
         if self.TAP_WHILE_IDLE or self.may_probe():

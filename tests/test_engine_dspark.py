@@ -230,7 +230,7 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
     monkeypatch.setattr(eng.cost, "alpha", 0.0)
     monkeypatch.setattr(eng.cost, "_curve", [0.003 + 0.0002 * k for k in range(eng.cost.max_rows)])
     eng.dspark_stats.decode_seconds = 1e6  # the budget would allow a probe every time
-    dropped = []  # requests that started with DSpark and dropped it at a due probe
+    dropped = []  # requests that started with DSpark and dropped it
     original_drop = Sequence._drop_dspark
 
     def recording_drop(seq):
@@ -325,19 +325,25 @@ def test_worth_tapping_needs_a_drafter_that_could_be_chosen_or_probed(monkeypatc
 def test_a_losing_dspark_is_tapped_only_while_a_probe_fits_the_budget(tiny, tmp_path, monkeypatch):
     """A DSpark that could win (a block accepted whole would beat plain decoding) but loses
     (nothing accepted), with no probe budget left after a request's first probe: that request
-    drops DSpark on its next cycle instead of tapping hidden rows to its end, the next request
-    starts without it, and once the budget refills one is admitted again to probe. Output stays
-    plain greedy."""
+    drops DSpark on its next cycle instead of tapping hidden rows to its end, and the next one
+    drops it on its first cycle, without a probe. Every pass of a request that may run DSpark
+    earns the budget, carried or dropped (off and prompt-lookup requests do not), so once it
+    has room again a request probes. Output stays plain greedy."""
     from engine.generation import Sequence
     from engine.scheduler import DsparkStats
 
     eng, calls = slow_losing_dspark(tiny, tmp_path, monkeypatch, delay=0.0)
+    # a fixed T(k), steep enough that the optimistic prior (2 tokens in T(5)) does not beat plain
+    # decoding, so the first forward is a probe; a block accepted whole still would
+    monkeypatch.setattr(eng.cost, "alpha", 0.0)
+    monkeypatch.setattr(eng.cost, "_curve", [0.003 + 0.0009 * k for k in range(eng.cost.max_rows)])
     monkeypatch.setattr(DsparkStats, "ABSORB_MARGIN", 1e6)  # any forward: a whole block would win
     for knob in ("PROBE_SHARE", "PROBE_SHARE_MIN"):  # no probe budget beyond the first probe
         monkeypatch.setattr(DsparkStats, knob, 0.0)
     eng.dspark_stats.probe_share = 0.0
-    started, dropped = [], []  # (request id, runs DSpark); (request id, tokens generated)
+    started, dropped, earned = [], [], []  # (request id, carries DSpark); (request id, tokens); passes
     original_make, original_drop = Engine._make_sequence, Sequence._drop_dspark
+    original_earn = DsparkStats.observe_cycle
 
     def recording_make(self, request, dspark=None):
         seq = original_make(self, request, dspark)
@@ -348,25 +354,40 @@ def test_a_losing_dspark_is_tapped_only_while_a_probe_fits_the_budget(tiny, tmp_
         dropped.append((seq.request.request_id, seq.num_generated))
         original_drop(seq)
 
+    def recording_earn(self, seconds):
+        earned.append(seconds)
+        original_earn(self, seconds)
+
     monkeypatch.setattr(Engine, "_make_sequence", recording_make)
     monkeypatch.setattr(Sequence, "_drop_dspark", recording_drop)
+    monkeypatch.setattr(DsparkStats, "observe_cycle", recording_earn)
     try:
         p = prompts(1, seed=9)[0]
         plain, _, _ = run(eng, p, "off", max_tokens=60, ignore_eos=True)
+        ids, _, _ = run(eng, p, "prompt_lookup", max_tokens=60, ignore_eos=True)
+        assert ids == plain and not earned  # requests that may not run DSpark earn nothing
         ids, _, first = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
         assert ids == plain and len(calls) == 1  # the first cycle's probe, then no more
         assert started[-1] == (first.request_id, True)
         assert [d[0] for d in dropped] == [first.request_id] and dropped[0][1] <= 2  # on its next cycle
+        assert len(earned) == first.stats.num_verify_steps  # every pass earned, DSpark dropped or not
         ids, _, second = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
-        assert ids == plain and started[-1] == (second.request_id, False) and len(calls) == 1
+        assert ids == plain and started[-1] == (second.request_id, True) and len(calls) == 1
+        assert dropped[-1][0] == second.request_id and dropped[-1][1] <= 1  # on its first cycle, no probe
+        ids, _, last_token = run(eng, p, "dspark", max_tokens=2, ignore_eos=True)
+        assert ids == plain[:2] and dropped[-1][0] == last_token.request_id  # also with no room to draft
         with monkeypatch.context() as m:  # the old behaviour: tapped to the end, never probed
             m.setattr(DsparkStats, "TAP_WHILE_IDLE", True)
             ids, _, idle = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
-        assert ids == plain and started[-1] == (idle.request_id, True) and len(dropped) == 1
-        eng.dspark_stats.probe_share = 0.02  # the budget refills: a request may probe again
-        eng.dspark_stats.decode_seconds = 1e6
+        assert ids == plain and started[-1] == (idle.request_id, True) and len(dropped) == 3
+        assert len(calls) == 1
+        # the budget as a share of the decode time earned: ~180 passes against one forward
+        eng.dspark_stats.probe_share = 1.0
         ids, _, again = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
-        assert ids == plain and started[-1] == (again.request_id, True) and len(calls) == 2
+        assert ids == plain and len(calls) == 2  # probed again
+        no_drafts = GenerationRequest(prompt_tokens=p, max_tokens=4,
+                                      speculative=SpeculativeParams("dspark", max_draft_tokens=0))
+        assert not eng._runs_dspark(no_drafts) and not eng._may_run_dspark(no_drafts)
     finally:
         eng.stop()
 

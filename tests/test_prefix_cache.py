@@ -480,14 +480,12 @@ def test_a_prompt_twin_is_copied_only_where_it_computes_the_same_rows(engines, m
     owner.num_prefilled = owner.prompt_len  # (white-box: an active, prefilled owner)
     saved_active, warm._active = warm._active, [(None, owner)]
     try:
-        assert warm._prompt_twin(_req("same", prompt)) is owner
+        assert warm._prompt_twin(_req("same", prompt), False) is owner
         for kw in ({"cache_salt": "tenant-b"}, {"prompt_logprobs": True}, {"prompt_tokens": prompt[:-1]}):
-            assert warm._prompt_twin(dataclasses.replace(_req("other", prompt), **kw)) is None, kw
-        monkeypatch.setattr(warm, "_runs_dspark", lambda request: True)
-        assert warm._prompt_twin(_req("same", prompt)) is None
-        monkeypatch.undo()
+            assert warm._prompt_twin(dataclasses.replace(_req("other", prompt), **kw), False) is None, kw
+        assert warm._prompt_twin(_req("same", prompt), True) is None  # a request that runs DSpark
         monkeypatch.setattr(warm, "prefix_cache", None)  # (copies follow the cache's sharing rules)
-        assert warm._prompt_twin(_req("same", prompt)) is None
+        assert warm._prompt_twin(_req("same", prompt), False) is None
     finally:
         warm._active = saved_active
 
