@@ -374,8 +374,8 @@ def test_a_losing_dspark_is_tapped_only_while_a_probe_fits_the_budget(tiny, tmp_
         ids, _, second = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
         assert ids == plain and started[-1] == (second.request_id, True) and len(calls) == 1
         assert dropped[-1][0] == second.request_id and dropped[-1][1] <= 1  # on its first cycle, no probe
-        ids, _, last_token = run(eng, p, "dspark", max_tokens=2, ignore_eos=True)
-        assert ids == plain[:2] and dropped[-1][0] == last_token.request_id  # also with no room to draft
+        ids, _, one = run(eng, p, "dspark", max_tokens=1, ignore_eos=True)  # no room to draft
+        assert ids == plain[:1] and dropped[-1][0] == one.request_id  # dropped all the same
         with monkeypatch.context() as m:  # the old behaviour: tapped to the end, never probed
             m.setattr(DsparkStats, "TAP_WHILE_IDLE", True)
             ids, _, idle = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
