@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
         for r in range(args.rounds):
             order = list(runs) if r % 2 == 0 else list(reversed(runs))
             for name in order:
-                eng._prompt_twin = copy if name == "one prefill, copied" else (lambda request: None)
+                eng._prompt_twin = copy if name == "one prefill, copied" else (lambda request, dspark: None)
                 seconds, outs, cached = choices_at_once(eng, prompt, args.n, args.max_tokens, f"r{r}-{name}")
                 outputs.setdefault(name, outs)
                 runs[name].append({"seconds": seconds, "cached_tokens": cached, "same_outputs": outs == outputs[name]})

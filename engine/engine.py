@@ -106,7 +106,10 @@ class _Handle:
     done: bool = False
     deadline: float | None = None  # time.monotonic() past which the request times out
     shared: dict = field(default_factory=dict)  # owner request id -> whole prompt chunks in common
-    dspark: bool | None = None  # whether its sequence runs DSpark (Engine._handle_dspark: decided once)
+    # whether its sequence starts with DSpark (Engine._handle_dspark: decided once, when first
+    # considered for admission; a request deferred meanwhile may start with it after DSpark
+    # stopped being able to win, and then drops it on its first cycle)
+    dspark: bool | None = None
 
 
 class Engine:
@@ -627,7 +630,7 @@ class Engine:
             self.loaded.context_length, seed, drafters=drafters, constraint=constraint,
             acceptance=RequestAcceptance(self.acceptance),
             # a request that may run DSpark earns its probe budget, carrying it or not
-            dspark_stats=self.dspark_stats if self._may_run_dspark(request) else None,
+            dspark_stats=self.dspark_stats if dspark or self._may_run_dspark(request) else None,
             taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
             speculative=self.cost.max_rows > 1 and method != "off",
         )

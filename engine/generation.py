@@ -231,21 +231,24 @@ class Sequence:
         every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets once it wins, as
         long as the engine's probes fit their budget (at most 2% of its decode time, shrinking to
         0.25% while probes keep losing: ``DsparkStats.may_probe``); it always runs when the request
-        sets ``min_draft_tokens``. A request carrying DSpark drops it (taps, queued rows) on the
-        first cycle where it can neither be chosen nor probed (``DsparkStats.worth_tapping``),
-        unless it sets ``min_draft_tokens``. A DSpark forward whose draft is cut to nothing counts as a cycle
-        that yielded nothing, and any DSpark forward whose proposal is not verified counts in the
-        request's stats (``num_unused_proposals``). Each proposal is cut to the length maximising
+        sets ``min_draft_tokens``. A request carrying DSpark drops it (taps, queued rows) for
+        good on the first cycle where DSpark could not win with this cycle's room to draft, or
+        has recently yielded less than plain decoding while the engine's probe budget is spent
+        (``DsparkStats.worth_tapping``), unless it sets ``min_draft_tokens``. (No room to draft
+        includes a full batched pass, whose share leaves one row per sequence.) A DSpark forward
+        whose draft is cut to nothing counts as a cycle that yielded nothing, and any DSpark
+        forward whose proposal is not verified counts in the request's stats (``num_unused_proposals``). Each proposal is cut to the length maximising
         ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding when
         none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched pass).
         """
         if self.pending_error is not None:  # the last cycle committed the tokens before it
             raise self.pending_error
+        budget = self.draft_budget(min(cost.max_rows, max_rows or cost.max_rows))
         dspark = self.drafters.get("dspark")
         if (dspark is not None and self.request.speculative.min_draft_tokens == 0
-                and not self.dspark_stats.worth_tapping(cost, dspark.config.block_size, len(self.tokens))):
-            self._drop_dspark()  # it can neither be chosen nor probed: no more taps
-        budget = self.draft_budget(min(cost.max_rows, max_rows or cost.max_rows))
+                and not self.dspark_stats.worth_tapping(cost, min(budget, dspark.config.block_size),
+                                                        len(self.tokens))):
+            self._drop_dspark()  # not chosen, and no probe before the budget refills: no more taps
         if budget == 0 or not self.speculative:
             return Draft()
         draft, dspark_ran = self._choose(budget, cost)

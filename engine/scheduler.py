@@ -292,8 +292,9 @@ class DsparkStats:
     # 65-100 rows; H200, the default model: 2.86 against 2.27 ms for a request's first forward)
     ABSORB_MARGIN = 1.5
     # whether requests keep DSpark (its taps and queued rows) while it neither delivers more than
-    # plain decoding nor may be probed: False (the rule, :meth:`worth_tapping`); True was the
-    # behaviour before the thirty-third session, kept as a knob for side-by-side benchmarks
+    # plain decoding nor may be probed: False (the rule, :meth:`worth_tapping`); True keeps it
+    # whenever it could win, as before the thirty-third session (except that a cycle without room
+    # to draft drops it now), a knob for side-by-side benchmarks
     TAP_WHILE_IDLE = False
 
     def __init__(self, positions: int = 16, alpha: float = 0.05):
@@ -385,6 +386,8 @@ class DsparkStats:
         cost. Infinite until :attr:`BOUND_AFTER` forwards were timed; priced at the fastest of
         them, so one slow reading (a host stall) cannot shut DSpark out, and with the margin, so
         forwards that projected many queued rows do not either."""
+        if max_draft <= 0 or cost.max_rows <= 1:  # no room to draft: nothing to win
+            return 0.0
         if self.timed_forwards < self.BOUND_AFTER:
             return math.inf
         forward = self.fastest_forward / self.ABSORB_MARGIN
@@ -400,9 +403,11 @@ class DsparkStats:
 
     def worth_tapping(self, cost: CostModel, max_draft: int, context: int | None = None) -> bool:
         """Whether a request should carry DSpark now, tapping the target's hidden rows for it:
-        DSpark :meth:`can_win` at ``context`` tokens, and either it has recently delivered more
-        than plain decoding (:meth:`expected_rate` over ``1 / T(1)``, so it may be chosen) or
-        the probe budget has room (:meth:`may_probe`, so a probe may run). Otherwise the taps
+        DSpark :meth:`can_win` at ``context`` tokens with ``max_draft`` drafts (the request's
+        room this cycle; 0: never), and either it has recently delivered more than plain
+        decoding (:meth:`expected_rate` over ``1 / T(1)``, so it may be chosen) or the
+        engine-wide probe budget has room (:meth:`may_probe`, so a probe may run; whether this
+        request's probe would run also depends on its other options). Otherwise the taps
         feed a drafter that will not run before the budget refills: on the H200 (a block forward
         of ~1.9 ms against a 1.6-1.8 ms target step) requests kept DSpark for their whole life,
         and auto ran at 0.96-0.97x prompt lookup on agent_session, agent_turn and novel_chat

@@ -252,9 +252,10 @@ def test_a_dspark_that_could_not_win_with_every_draft_accepted_stops_being_probe
             assert last.stats.num_verify_steps > 32
         assert len(calls) == DsparkStats.BOUND_AFTER
         assert eng.dspark_stats.fastest_forward >= 0.05
-        # the request whose probe settled the bound (the second: probes at cycles 0 and 32 in
-        # the first, 0 in the second) dropped DSpark on its next cycle
-        assert [d[1:] for d in dropped] == [(None, False, [])]
+        # the first request dropped DSpark on its last cycle (no room to draft), and the one
+        # whose probe settled the bound (the second: probes at cycles 0 and 32 in the first, 0
+        # in the second) on its next cycle
+        assert [d[1:] for d in dropped] == [(None, False, [])] * 2
         assert not eng._runs_dspark(request("auto")) and not eng._runs_dspark(request("dspark"))
         assert eng._runs_dspark(request("dspark", forced=1))  # forced drafts still run it
         for method in ("auto", "dspark"):
@@ -277,6 +278,7 @@ def test_best_case_rate_bounds_what_a_probe_could_find():
     ds = DsparkStats()
     for seconds in (0.05, 0.002, 0.001):  # one slow reading (a stall) among fast ones
         assert ds.best_case_rate(cost, 7) == float("inf")  # too few forwards timed: probes measure
+        assert ds.best_case_rate(cost, 0) == 0.0 and not ds.can_win(cost, 0)  # but no room, no win
         ds.observe_cost(seconds)
     forward = 0.001 / DsparkStats.ABSORB_MARGIN  # the fastest, less what absorbing rows may add
     expected = max((1 + n) / (cost.T(n + 1) + forward) for n in range(1, 8))
@@ -379,7 +381,9 @@ def test_a_losing_dspark_is_tapped_only_while_a_probe_fits_the_budget(tiny, tmp_
         with monkeypatch.context() as m:  # the old behaviour: tapped to the end, never probed
             m.setattr(DsparkStats, "TAP_WHILE_IDLE", True)
             ids, _, idle = run(eng, p, "dspark", max_tokens=60, ignore_eos=True)
-        assert ids == plain and started[-1] == (idle.request_id, True) and len(dropped) == 3
+        # (dropped only on its last cycle, which has no room to draft)
+        assert ids == plain and started[-1] == (idle.request_id, True)
+        assert dropped[-1] == (idle.request_id, 59) and len(dropped) == 4
         assert len(calls) == 1
         # the budget as a share of the decode time earned: ~180 passes against one forward
         eng.dspark_stats.probe_share = 1.0
@@ -388,6 +392,48 @@ def test_a_losing_dspark_is_tapped_only_while_a_probe_fits_the_budget(tiny, tmp_
         no_drafts = GenerationRequest(prompt_tokens=p, max_tokens=4,
                                       speculative=SpeculativeParams("dspark", max_draft_tokens=0))
         assert not eng._runs_dspark(no_drafts) and not eng._may_run_dspark(no_drafts)
+    finally:
+        eng.stop()
+
+
+def test_batched_passes_earn_the_probe_budget_once_and_only_for_requests_that_may_run_dspark(
+        tiny, tmp_path, monkeypatch):
+    """Continuous batching: each target pass that carries a request that may run DSpark earns
+    the probe budget once, whether it verifies one sequence or several; passes of off requests
+    earn nothing."""
+    from engine.scheduler import DsparkStats
+
+    eng, _ = slow_losing_dspark(tiny, tmp_path, monkeypatch, delay=0.0)
+    assert eng.batch_rows >= 2, "needs continuous batching"
+    passes, earned = {"single": 0, "batched": 0}, []
+    single, batched, earn = eng.runner.verify, eng.runner.verify_batch, DsparkStats.observe_cycle
+
+    def counting_single(*args, **kwargs):
+        passes["single"] += 1
+        return single(*args, **kwargs)
+
+    def counting_batched(*args, **kwargs):
+        passes["batched"] += 1
+        return batched(*args, **kwargs)
+
+    def recording_earn(self, seconds):
+        earned.append(seconds)
+        earn(self, seconds)
+
+    monkeypatch.setattr(eng.runner, "verify", counting_single)
+    monkeypatch.setattr(eng.runner, "verify_batch", counting_batched)
+    monkeypatch.setattr(DsparkStats, "observe_cycle", recording_earn)
+    try:
+        def requests(method):
+            return [GenerationRequest(prompt_tokens=p, max_tokens=40, ignore_eos=True,
+                                      speculative=SpeculativeParams(method)) for p in prompts(4, seed=21)]
+
+        generate_all(eng, requests("off"), workers=4)
+        assert passes["batched"] > 0 and not earned  # batched, and off requests earn nothing
+        passes.update(single=0, batched=0)
+        generate_all(eng, requests("dspark"), workers=4)
+        assert passes["batched"] > 0
+        assert len(earned) == passes["single"] + passes["batched"]  # one credit per pass
     finally:
         eng.stop()
 
