@@ -724,7 +724,8 @@ class Engine:
             with self._lock:
                 self._queued -= 1
             try:
-                self._active.append((handle, self._make_sequence(handle.request, self._handle_dspark(handle))))
+                seq = self._make_sequence(handle.request, self._handle_dspark(handle))
+                self._active.append((handle, seq))
             except Exception as exc:
                 log.exception("could not start request %s", handle.request.request_id)
                 self._done(handle.request.request_id)

@@ -237,9 +237,10 @@ class Sequence:
         (``DsparkStats.worth_tapping``), unless it sets ``min_draft_tokens``. (No room to draft
         includes a full batched pass, whose share leaves one row per sequence.) A DSpark forward
         whose draft is cut to nothing counts as a cycle that yielded nothing, and any DSpark
-        forward whose proposal is not verified counts in the request's stats (``num_unused_proposals``). Each proposal is cut to the length maximising
-        ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins, plain decoding when
-        none beats it. ``max_rows`` caps the verify rows (a sequence's share of a batched pass).
+        forward whose proposal is not verified counts in the request's stats
+        (``num_unused_proposals``). Each proposal is cut to the length maximising ``E(L) / T(L +
+        1)`` under its acceptance estimate; the best rate wins, plain decoding when none beats
+        it. ``max_rows`` caps the verify rows (a sequence's share of a batched pass).
         """
         if self.pending_error is not None:  # the last cycle committed the tokens before it
             raise self.pending_error

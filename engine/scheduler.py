@@ -299,7 +299,8 @@ class DsparkStats:
 
     def __init__(self, positions: int = 16, alpha: float = 0.05):
         self.alpha = alpha
-        self.decode_seconds = 0.0  # measured target-pass time of every cycle of a request that may run DSpark
+        # measured target-pass time of every cycle of a request that may run DSpark (earns probes)
+        self.decode_seconds = 0.0
         self.probe_seconds = 0.0  # time spent on DSpark forwards that ran as probes
         self.probe_share = self.PROBE_SHARE  # the probe budget's current share of decode time
         self.realised = [1.0] * positions
