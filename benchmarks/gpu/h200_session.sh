@@ -28,8 +28,8 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECSERVE_CACHE_DIR=${SPECSE
 mkdir -p "$SPECSERVE_CACHE_DIR/models" && cp -n "$stage"/files/*.gguf "$SPECSERVE_CACHE_DIR/models/" 2>/dev/null || true
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 run=$root/dspark-run
-# One drafter recipe (dspark.md section 4): 3 layers (LAYERS), 5 taps, block 7, Markov rank 128 (RANK). The
-# defaults are v3's run (docs/benchmarks.md): a bfloat16 target for generation and training,
+# One drafter recipe (dspark.md section 4): 3 layers (LAYERS), 5 taps, block 7, Markov rank
+# 128 (RANK). The defaults are v3's run (docs/benchmarks.md): a bfloat16 target for generation and training,
 # self-instruct questions, package code from the staged site directory (CODE_ROOTS); HumanEval
 # is not staged (HUMANEVAL=1 if it is; evaluate on a CPU with dspark_eval.py --run-prompts).
 # INIT=target starts a new drafter from the target's last layers (docs/dspark.md, Initialisation).
