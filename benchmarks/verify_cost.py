@@ -148,6 +148,20 @@ def tune(args, shapes, bits=4, gs=64):
     return out
 
 
+def install_configs(path):
+    """Install the launch configurations of ``mma_sweep.py --pick`` (``{"NxK:GROUP": {"8": cfg,
+    "16": cfg}}``, cfg = mma_sweep.CONFIG_FIELDS) for 4-bit weights; 8-row-bucket ones leave
+    one-row launches to the defaults. Returns what was installed."""
+    from benchmarks.gpu.mma_sweep import apply_config
+    with open(path) as fh:
+        picks = json.load(fh)
+    for shape, buckets in picks.items():
+        n, k = (int(v) for v in shape.split(":")[0].split("x"))
+        for bucket, cfg in buckets.items():
+            apply_config(n, k, int(bucket), tuple(cfg), multi_row_only=True)
+    return picks
+
+
 # ------------------------------------------------------------------ models
 
 
@@ -273,10 +287,12 @@ def bench_model(name, model, args, tuned):
     if backend() == "cuda" and "row" in args.attention.split(","):
         paths += [("mlx", None, "row", False), ("kernel", "tuned" if tuned else "default", "row", False)]
     if args.compiled:
-        paths += [("mlx", None, "mlx", True), ("kernel", "tuned" if tuned else "default", "mlx", True)]
+        paths += [("mlx", None, "mlx", True), ("kernel", "default", "mlx", True)]
+        if tuned:
+            paths.append(("kernel", "tuned", "mlx", True))
     for path, cfg, attention, compiled in paths:
         report = None
-        saved = (dict(qmv._WK_OVERRIDE), dict(qmv._NTU_OVERRIDE))
+        saved = (dict(qmv._WK_OVERRIDE), dict(qmv._NTU_OVERRIDE), dict(qmv._PATH_OVERRIDE))
         if cfg == "default":
             qmv.clear_mma_config()
         if path == "kernel":
@@ -305,6 +321,8 @@ def bench_model(name, model, args, tuned):
                 qmv.set_mma_config(n, k, b, wk=wk)
             for (n, k, b, mb), ntu in saved[1].items():
                 qmv.set_mma_config(n, k, b, nt_u={mb: ntu})
+            for (n, k, b, mb), opts in saved[2].items():
+                qmv.set_mma_config(n, k, b, path={mb: opts})
         rows.append(row)
     return rows
 
@@ -335,6 +353,10 @@ def main(argv=None):
                          "of each round's median of --reps forwards)")
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--tune", action="store_true")
+    ap.add_argument("--mma-configs", default=None,
+                    help="JSON from benchmarks/gpu/mma_sweep.py --pick: launch configurations per shape "
+                         "for 2..8 and 9..16 rows (one-row launches keep their defaults); the models are "
+                         "then timed with both the default and these ('kernel-tuned')")
     ap.add_argument("--attention", default="mlx,row",
                     help="comma-separated: 'mlx' (always timed) and 'row' (also the row-attention kernel, CUDA only)")
     ap.add_argument("--compiled", action="store_true",
@@ -367,7 +389,11 @@ def main(argv=None):
         print(_table(result["matrices"], "t_us", "us", "== single 4-bit matrices (per matmul)"),
               flush=True)
     tuned = False
-    if args.tune and "llama8b" in parts:
+    if args.mma_configs and "llama8b" in parts:
+        result["mma_configs"] = install_configs(args.mma_configs)
+        tuned = bool(result["mma_configs"])
+        print("== installed mma configurations:", json.dumps(result["mma_configs"]), flush=True)
+    elif args.tune and "llama8b" in parts:
         # the projections' own shapes and, with sibling launches (patch_model's default), the
         # fused q/k/v (4096 + 2 x 1024) and gate/up (2 x 14336) shapes
         shapes = [(4096, 4096), (14336, 4096), (4096, 14336), (6144, 4096), (28672, 4096)]

@@ -104,8 +104,8 @@ def _pow2_at_most(n: int, cap: int) -> int:
 _WK_OVERRIDE: dict[tuple[int, int, int], int] = {}
 _NTU_OVERRIDE: dict[tuple[int, int, int, int], tuple[int, int]] = {}
 # (n, k, bits, mb) -> {"const_shape": bool, "xl": bool, "min_blocks": int, "fixed_rows": bool,
-# "unroll": bool, "l2_prefetch": int, "x_shuffle": bool}: how a row bucket's launch is built
-# (none of them changes a row's arithmetic).
+# "unroll": bool, "l2_prefetch": int, "x_shuffle": bool, "multi_row_only": bool}: how a row
+# bucket's launch is built (none of them changes a row's arithmetic).
 _PATH_OVERRIDE: dict[tuple[int, int, int, int], dict] = {}
 _CONFIG_GENERATION = [0]  # bumped by every override change: cached launch decisions keyed on it
 
@@ -132,7 +132,8 @@ def set_mma_config(n: int, k: int, bits: int, *, wk: int | None = None,
     the weight loads; ``x_shuffle``: for one fixed row, the activations held two registers per
     lane and passed by shuffles), none of which changes any row's arithmetic. Any ``nt_u`` or
     ``path`` for the 8-row bucket also replaces the one-row launch form of
-    :func:`_one_row_launch`.
+    :func:`_one_row_launch`, unless its ``path`` has ``multi_row_only`` True: then one-row
+    launches keep their defaults and the override applies to 2..8 rows only.
     """
     for mb, opts in (path or {}).items():
         _PATH_OVERRIDE[(n, k, bits, mb)] = dict(opts)
@@ -256,6 +257,9 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     # launch) follows N = 4096 untimed.
     nt, u = (2 if n % 32 == 0 and (n >= 8192 or (mb == 16 and n >= 4096)) else 1), 1
     path = {}
+    key = (n, k, bits, mb)
+    # an 8-row-bucket override marked "multi_row_only" leaves one-row launches to the defaults
+    overridden = not (m == 1 and _PATH_OVERRIDE.get(key, {}).get("multi_row_only", False))
     one_row = m == 1 and bits == 4 and k >= 4096 and n <= 16384
     if one_row:
         # One row over a long K: twice the blocks of one tile each keep more loads in flight.
@@ -265,11 +269,12 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
         # launch) and 8-bit weights were not timed at NT = 1 and keep two tiles. NT changes no
         # row's arithmetic, so rows stay bit-identical across M.
         nt = 1
-        tuned = (n, k, bits, mb) in _NTU_OVERRIDE or (n, k, bits, mb) in _PATH_OVERRIDE
+        tuned = overridden and (key in _NTU_OVERRIDE or key in _PATH_OVERRIDE)
         if ONE_ROW_FORMS and CONST_SHAPE and sc % gs == 0 and not tuned:
             u, path = _one_row_launch(n, k)
-    nt, u = _NTU_OVERRIDE.get((n, k, bits, mb), (nt, u))
-    path = _PATH_OVERRIDE.get((n, k, bits, mb), path)
+    if overridden:
+        nt, u = _NTU_OVERRIDE.get(key, (nt, u))
+        path = _PATH_OVERRIDE.get(key, path)
     # K as a compile-time constant (addresses as immediates): where a chunk holds whole groups.
     const_shape = bool(path.get("const_shape", CONST_SHAPE) and sc % gs == 0)
     xl = bool(const_shape and path.get("xl", False))

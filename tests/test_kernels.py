@@ -248,6 +248,27 @@ def test_set_mma_config_keeps_split_shared_across_rows():
     assert plan(3, 256, 1024, 4, 64, mx.float16, "cuda").const("WK") != 2
 
 
+def test_multi_row_only_override_keeps_the_one_row_launch():
+    """An 8-row-bucket override marked multi_row_only changes the 2..8-row launches and leaves
+    the one-row launch form (here the shuffled-activation one of 4096x4096) as it was."""
+    shape = (4096, 4096, 4, 64, mx.bfloat16, "cuda")
+    default = {m: plan(m, *shape) for m in (1, 2, 8, 16)}
+    try:
+        qmv.set_mma_config(4096, 4096, 4, nt_u={8: (2, 2)},
+                           path={8: {"xl": True, "min_blocks": 2, "multi_row_only": True}})
+        got = {m: plan(m, *shape) for m in (1, 2, 8, 16)}
+        assert got[1] == default[1] and got[1].const("XS") == 1
+        assert got[16] == default[16]
+        for m in (2, 8):
+            assert (got[m].const("NT"), got[m].const("U"), got[m].const("XL"), got[m].min_blocks) == (2, 2, 1, 2)
+            assert got[m].k_split == default[1].k_split
+        # without the mark the same override replaces the one-row form too
+        qmv.set_mma_config(4096, 4096, 4, path={8: {"xl": True, "min_blocks": 2}})
+        assert plan(1, *shape).const("XS") == 0 and plan(1, *shape).const("U") == 2
+    finally:
+        qmv.clear_mma_config()
+
+
 # ---------------------------------------------------------------- CPU: reference path
 
 

@@ -23,6 +23,13 @@
 #                            # (WK,NT,U,KC,XL,LB[,MR,FU,LP,XS];...; or the WK/NT/U product),
 #                            # LAUNCHES per case (median after the first), parsed into
 #                            # $OUT/mma_ncu.json
+#   kernels_h200.sh rows     # the 2..16-row launches on the 8B stack's shapes (SHAPES): two mma
+#                            # sweeps under Nsight Compute (8 rows: CONFIGS8, 16 rows: CONFIGS16),
+#                            # then mma_sweep --pick: the configurations that beat the default by
+#                            # more than MARGIN, in $OUT/mma_picks.json and /root/mma_picks.json
+#   kernels_h200.sh stack    # verify_cost.py on the 8B stack, compiled and eager, MLX against the
+#                            # kernels' defaults and (when /root/mma_picks.json exists) the picks
+#                            # of `rows` for 2..16 rows (one-row launches keep their defaults)
 #   kernels_h200.sh draft    # the fused DSpark draft: its GPU tests first (a launch that fails
 #                            # cannot be recovered in-process, so before any engine starts), then
 #                            # benchmarks/gpu/dspark_forward.py and benchmarks/dspark_cost.py
@@ -134,5 +141,24 @@ EOF
       python3 benchmarks/gpu/mma_sweep.py --ncu --launches "${LAUNCHES:-6}" "${sweep[@]}" > "$out/mma_order.txt" 2>&1 || true
     python3 benchmarks/gpu/mma_sweep.py --parse "$out/mma_ncu.csv" --order "$out/mma_order.txt" \
       --out "$out/mma_ncu.json" 2>&1 | tail -40 ;;
-  *) echo "usage: $0 cal|spec|verify|check|checkpar|attn|overhead|probe|fused|draft|mma" >&2; exit 2 ;;
+  rows)
+    shapes=${SHAPES:-4096x4096:64,6144x4096:64,28672x4096:64,4096x14336:64,128256x4096:64}
+    c8=${CONFIGS8:-"-1,1,1,1,0,0;-1,2,1,1,0,0;-1,1,2,1,1,2;-1,2,2,1,1,2;-1,2,2,1,1,0;-1,1,2,1,1,2,-1,0,256;-1,2,1,1,0,0,-1,0,256;-1,1,1,1,0,0,1;-1,1,1,1,0,0,-1,0,256"}
+    c16=${CONFIGS16:-"-1,1,1,1,0,0;-1,2,1,1,0,0;-1,1,2,1,1,2;-1,2,2,1,1,0;-1,1,2,1,1,2,-1,0,256;-1,2,1,1,0,0,-1,0,256;-1,1,1,1,0,0,1"}
+    for r in 8 16; do
+      [ "$r" = 8 ] && cfgs=$c8 || cfgs=$c16
+      timeout -k 5 "${NCU_LIMIT:-240}" ncu --clock-control none --kernel-name regex:"qmv|qmm|specserve" \
+        --metrics gpu__time_duration.sum --csv --log-file "$out/mma_ncu_rows$r.csv" \
+        python3 benchmarks/gpu/mma_sweep.py --ncu --launches "${LAUNCHES:-7}" --shapes "$shapes" --rows "$r" \
+        --configs="$cfgs" > "$out/mma_order_rows$r.txt" 2>&1 || true
+      python3 benchmarks/gpu/mma_sweep.py --parse "$out/mma_ncu_rows$r.csv" --order "$out/mma_order_rows$r.txt" \
+        --out "$out/mma_ncu_rows$r.json" 2>&1 | tail -30
+    done
+    python3 benchmarks/gpu/mma_sweep.py --pick "$out/mma_ncu_rows8.json,$out/mma_ncu_rows16.json" \
+      --margin "${MARGIN:-0.03}" --out "$out/mma_picks.json" && cp "$out/mma_picks.json" /root/mma_picks.json ;;
+  stack)
+    picks=(); [ -f /root/mma_picks.json ] && picks=(--mma-configs /root/mma_picks.json)
+    python3 benchmarks/verify_cost.py --parts llama8b --compiled --rounds "${ROUNDS:-7}" --reps "${REPS:-5}" \
+      --attention mlx "${picks[@]}" --out "$out/verify_cost_stack${TAG:-}.json" 2>&1 | tail -40 ;;
+  *) echo "usage: $0 cal|spec|verify|check|checkpar|attn|overhead|probe|fused|draft|mma|rows|stack" >&2; exit 2 ;;
 esac

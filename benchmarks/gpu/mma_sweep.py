@@ -71,12 +71,13 @@ CONFIG_FIELDS = ("WK", "NT", "U", "KC", "XL", "LB", "MR", "FU", "LP", "XS")
 CONFIG_TAIL = (-1, -1, 0, 0)  # MR, FU, LP, XS where --configs leaves them out
 
 
-def apply_config(n, k, m, cfg):
-    """Install one configuration for the (n, k) 4-bit shape at m rows (qmv.set_mma_config)."""
+def apply_config(n, k, m, cfg, multi_row_only=False):
+    """Install one configuration for the (n, k) 4-bit shape at m rows (qmv.set_mma_config);
+    ``multi_row_only``: an 8-row-bucket configuration leaves one-row launches to the defaults."""
     wk, nt, u, kc, xl, lb, mr, fu, lp, xs = cfg
     mb = 8 if m <= 8 else 16
     opts = {"const_shape": bool(kc), "xl": bool(xl), "min_blocks": lb, "exact": True, "l2_prefetch": lp,
-            "x_shuffle": bool(xs)}
+            "x_shuffle": bool(xs), "multi_row_only": bool(multi_row_only)}
     for key, v in (("fixed_rows", mr), ("unroll", fu)):
         if v >= 0:
             opts[key] = bool(v)
@@ -197,6 +198,33 @@ def parse(csv_path, order_path, out):
                 print(f"    {c['config']} {c['us']:.2f} us" + (f" ({mlx['us'] / c['us']:.2f}x MLX)" if mlx else ""))
 
 
+def pick(paths, margin, out_path):
+    """From parsed sweeps (``--parse`` output; one or more files), the configuration per shape
+    and row bucket (8: M <= 8, 16: M > 8) whose Nsight median beats the default plan's at the
+    same row count by more than ``margin`` (a fraction); written as ``{"NxK:GROUP": {"8": cfg,
+    "16": cfg}}`` for ``verify_cost.py --mma-configs``. A bucket timed at several row counts
+    takes its largest one. Returns the picks."""
+    cases = [c for path in paths for c in json.load(open(path))]
+    picks, report = {}, []
+    for shape, gs in sorted({(c["shape"], c["group_size"]) for c in cases}):
+        for m in sorted({c["m"] for c in cases if c["shape"] == shape}):
+            at = [c for c in cases if c["shape"] == shape and c["m"] == m]
+            default = next((c for c in at if c["path"] == "default"), None)
+            configs = [c for c in at if c["path"] == "config" and c.get("us")]
+            if default is None or not configs:
+                continue
+            best = min(configs, key=lambda c: c["us"])
+            gain = 1 - best["us"] / default["us"]
+            report.append(f"{shape} M={m}: default {default['us']:.2f} us, best {best['config']} "
+                          f"{best['us']:.2f} us ({gain:+.1%})")
+            if gain > margin and m > 1:
+                picks.setdefault(f"{shape}:{gs}", {})["8" if m <= 8 else "16"] = list(best["config"])
+    print("\n".join(report) + f"\npicked (margin {margin:.0%}): {json.dumps(picks)}")
+    with open(out_path, "w") as fh:
+        json.dump(picks, fh, indent=1)
+    return picks
+
+
 def _choices(*allowed):
     """argparse type: comma-separated integers, each one of ``allowed``."""
     def parse_list(text):
@@ -256,6 +284,10 @@ def main():
                     help="explicit cases WK,NT,U,KC,XL,LB[,MR,FU,LP,XS] separated by ';' (WK -1: the default plan's), "
                          "instead of the --wk/--nt/--u product")
     ap.add_argument("--parse", default=None)
+    ap.add_argument("--pick", default=None,
+                    help="comma-separated --parse outputs: write the configurations that beat the default "
+                         "by more than --margin to --out (for verify_cost.py --mma-configs)")
+    ap.add_argument("--margin", type=float, default=0.03)
     ap.add_argument("--order", default=None)
     ap.add_argument("--out", default="mma_sweep.json")
     ap.add_argument("--reps", type=int, default=9)
@@ -273,8 +305,10 @@ def main():
                     help="weight shapes NxK:GROUP, comma-separated (default: the four of SHAPES)")
     args = ap.parse_args()
     dtype = getattr(mx, args.dtype)
-    if sum((args.floor, args.ncu, args.regs, args.parse is not None)) > 1:
-        ap.error("--floor, --ncu, --regs and --parse are separate runs: give one")
+    if sum((args.floor, args.ncu, args.regs, args.parse is not None, args.pick is not None)) > 1:
+        ap.error("--floor, --ncu, --regs, --parse and --pick are separate runs: give one")
+    if args.pick:
+        return pick(args.pick.split(","), args.margin, args.out)
     if args.floor:
         return floor_run(dtype, args.shapes)
     if args.ncu:
