@@ -17,7 +17,9 @@ with the same quantity those rules approximate: expected tokens per second.
 from __future__ import annotations
 
 import math
+import statistics
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -296,6 +298,11 @@ class DsparkStats:
     # whenever it could win, as before the thirty-third session (except that a cycle without room
     # to draft drops it now), a knob for side-by-side benchmarks
     TAP_WHILE_IDLE = False
+    # draft_cost is the median of this many most recent timed forwards: one outlier (a forward
+    # that compiled CUDA kernels on a fresh machine took ~20 s on an H100; an EMA seeded with it
+    # still read 147 ms after 45 forwards of ~2 ms, docs/benchmarks.md "Thirty-fourth session")
+    # is ignored from the third forward on, and a lasting change is followed within a few
+    COST_WINDOW = 9
 
     def __init__(self, positions: int = 16, alpha: float = 0.05):
         self.alpha = alpha
@@ -305,7 +312,8 @@ class DsparkStats:
         self.probe_share = self.PROBE_SHARE  # the probe budget's current share of decode time
         self.realised = [1.0] * positions
         self.predicted = [1.0] * positions
-        self.draft_cost = 0.0  # seconds per propose (EMA)
+        self.draft_cost = 0.0  # seconds per propose (median of the recent timed ones)
+        self.recent_costs: deque[float] = deque(maxlen=self.COST_WINDOW)
         self.fastest_forward = math.inf  # the fastest timed propose (seconds)
         self.timed_forwards = 0  # proposes timed (a forward that compiled a graph is not)
         self.accepted_ema = 1.0  # accepted drafts per DSpark cycle (EMA; the first cycle sets it)
@@ -374,7 +382,10 @@ class DsparkStats:
         self.probe_share = self.PROBE_SHARE
 
     def observe_cost(self, seconds: float) -> None:
-        self.draft_cost = seconds if self.draft_cost == 0 else self.draft_cost + 0.1 * (seconds - self.draft_cost)
+        """A timed DSpark forward (propose) took ``seconds``: :attr:`draft_cost` becomes the
+        median of the last :attr:`COST_WINDOW` of them."""
+        self.recent_costs.append(seconds)
+        self.draft_cost = statistics.median(self.recent_costs)
         self.fastest_forward = min(self.fastest_forward, seconds)
         self.timed_forwards += 1
 

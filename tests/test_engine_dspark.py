@@ -491,6 +491,26 @@ def test_early_dspark_evidence_is_a_running_mean():
     assert ds.length_ema == 2.0 and ds.accepted_ema == pytest.approx(0.5)
 
 
+def test_draft_cost_ignores_a_first_forward_that_compiled_kernels():
+    """The draft cost is the median of the recent timed forwards: a first forward that compiled
+    CUDA kernels (~17 s on a fresh H100) stops counting from the third forward on, where an
+    average seeded with it read 147 ms after 45 forwards of ~2 ms; a lasting change is followed."""
+    from engine.scheduler import CostModel, DsparkStats
+
+    cost = CostModel([0.0015 + 0.0001 * k for k in range(16)])
+    ds = DsparkStats()
+    ds.observe_cost(17.0)
+    assert ds.draft_cost == 17.0
+    ds.observe_cost(0.002)
+    ds.observe_cost(0.0021)
+    assert ds.draft_cost == pytest.approx(0.0021)
+    ds.accepted_ema, ds.length_ema = 6.0, 7.0  # blocks accepted nearly whole: DSpark wins
+    assert ds.expected_rate(cost) > 1 / cost.T(1)
+    for _ in range(DsparkStats.COST_WINDOW):  # forwards got dearer for good
+        ds.observe_cost(0.05)
+    assert ds.draft_cost == 0.05 and ds.expected_rate(cost) < 1 / cost.T(1)
+
+
 def test_probe_budget_rule():
     from engine.scheduler import DsparkStats
 
