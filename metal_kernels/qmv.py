@@ -253,10 +253,16 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     # 16 rows NT 2 took 8.45 against 10.30 us on 4096x4096 and 19.68 against 26.02 on
     # 4096x14336 (twenty-fifth session, one launch each), 8.80 / 21.41 against 11.62 / 28.48
     # with U = 2 and late activations (twenty-fourth); at 8 rows and one row it was slower
-    # (7.87 against 7.62, 7.68 against 6.69 on 4096x4096). N = 6144 (the 8B stack's q/k/v
-    # launch) follows N = 4096 untimed.
-    nt, u = (2 if n % 32 == 0 and (n >= 8192 or (mb == 16 and n >= 4096)) else 1), 1
+    # (7.87 against 7.62, 7.68 against 6.69 on 4096x4096). In the 8-row bucket from N = 6144
+    # (the 8B stack's q/k/v sibling launch): 11.39 against 13.90 us at 8 rows on the H100
+    # (thirty-fourth session, medians of 6 launches; 4096x4096 8.58 against 8.51, a tie).
+    nt, u = (2 if n % 32 == 0 and n >= (6144 if mb == 8 else 4096) else 1), 1
     path = {}
+    if mb == 8 and m > 1 and bits == 4 and n >= 65536 and k >= 4096:
+        # A vocabulary-wide LM head (8B stack: 128256x4096) at 2..8 rows: two chunks in flight
+        # under launch bounds, activations loaded late: 128.3 against 153.7 us at 8 rows on the
+        # H100 (thirty-fourth session). One row keeps the plain launch (untimed there).
+        u, path = 2, {"xl": True, "min_blocks": 2}
     key = (n, k, bits, mb)
     # an 8-row-bucket override marked "multi_row_only" leaves one-row launches to the defaults
     overridden = not (m == 1 and _PATH_OVERRIDE.get(key, {}).get("multi_row_only", False))

@@ -151,13 +151,16 @@ def test_one_row_plan_over_long_k_takes_one_tile_per_warp():
 
 
 def test_sixteen_row_bucket_takes_two_tiles_from_n_4096():
-    """NT = 2 in the 16-row bucket from N = 4096 (faster on the H200 at 16 rows), one tile at 1..8
-    rows there and below N = 4096 at every row count; the K split, hence the bits, is shared."""
+    """NT = 2 in the 16-row bucket from N = 4096 (faster on the H200 at 16 rows) and in the
+    8-row bucket from N = 6144 (the 8B q/k/v launch, faster on the H100 at 8 rows), one tile
+    at 1..8 rows at N = 4096, at one row up to N = 16384 and below N = 4096 at every row count;
+    the K split, hence the bits, is shared."""
     def nt(m, n, k=4096):
         return plan(m, n, k, 4, 64, mx.bfloat16, "cuda").const("NT")
 
     assert [nt(m, 4096) for m in (1, 2, 8, 9, 16)] == [1, 1, 1, 2, 2]
-    assert [nt(m, 6144) for m in (8, 16)] == [1, 2]
+    assert [nt(m, 6144) for m in (1, 2, 8, 16)] == [1, 2, 2, 2]
+    assert len({plan(m, 6144, 4096, 4, 64, mx.bfloat16, "cuda").k_split for m in range(1, 17)}) == 1
     assert [nt(m, 4096, 14336) for m in (8, 16)] == [1, 2]
     assert [nt(m, 2048) for m in (8, 16)] == [1, 1]
     assert [nt(m, 4112) for m in (8, 16)] == [1, 1]  # N not a multiple of 32
@@ -735,6 +738,45 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
                     assert mx.array_equal(y, base[m]).item(), (opts, ntu8, ntu16, m, n, k)
             finally:
                 qmv.clear_mma_config()
+
+
+def test_vocabulary_wide_lm_head_takes_two_chunks_in_flight_at_2_to_8_rows():
+    """A 4-bit LM head of N >= 65536 and K >= 4096 (the 8B stack's 128256x4096) launches 2..8
+    rows with two tiles and two chunks in flight under launch bounds, activations loaded late;
+    one row, 9..16 rows, 8-bit weights and short K keep their plans, and the K split is shared."""
+    def form(m, n=128256, k=4096, bits=4):
+        p = plan(m, n, k, bits, 64, mx.bfloat16, "cuda")
+        return p.const("NT"), p.const("U"), p.const("XL"), p.min_blocks
+
+    assert [form(m) for m in (2, 5, 8)] == [(2, 2, 1, 2)] * 3
+    assert form(1) == (2, 1, 0, 0) and form(16)[2:] == (0, 0)
+    assert form(8, bits=8)[1:] == (1, 0, 0) and form(8, n=49152, k=576)[1:] == (1, 0, 0)
+    assert form(8, n=32768)[1:] == (1, 0, 0)
+    assert len({plan(m, 128256, 4096, 4, 64, mx.bfloat16, "cuda").k_split for m in range(1, 17)}) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="the 8-row bucket's forms at 8B width are the CUDA mma kernel's")
+@pytest.mark.parametrize("n,k,form", [(6144, 4096, (2, 1, 0, 0)), (128256, 4096, (2, 2, 1, 2))])
+def test_eight_row_forms_at_8b_width_keep_every_row_exact(n, k, form):
+    """The 8-row bucket's launch forms at the 8B stack's widths (NT 2 on the 6144-wide q/k/v
+    launch; two chunks in flight under launch bounds on the 128256-wide LM head): every row of
+    a 2..8-row call equals the one-row call bit for bit, and its first and last 1024 outputs
+    are close to the float64 reference."""
+    p = plan(8, n, k, 4, 64, mx.bfloat16)
+    assert (p.const("NT"), p.const("U"), p.const("XL"), p.min_blocks) == form
+    for dt in (mx.float16, mx.bfloat16):
+        wq, s, b = _quantized(n, k, 64, 4, dt, seed=7 + n)
+        x = mx.random.normal((8, k)).astype(dt)
+        ones = [quantized_matmul(x[i:i + 1], wq, s, b, group_size=64, bits=4) for i in range(8)]
+        for lo in (0, n - 1024):
+            ref = _reference(x, wq[lo:lo + 1024], s[lo:lo + 1024], b[lo:lo + 1024], 64, 4)
+            got = np.array(mx.concatenate(ones).astype(mx.float32)[:, lo:lo + 1024], dtype=np.float64)
+            assert np.abs(got - ref).max() < TOL[dt] * np.abs(ref).max(), (dt, lo)
+        for m in (2, 3, 8):
+            y = quantized_matmul(x[:m], wq, s, b, group_size=64, bits=4)
+            for i in range(m):
+                assert mx.array_equal(y[i:i + 1], ones[i]).item(), (dt, m, i)
 
 
 @pytest.mark.gpu
