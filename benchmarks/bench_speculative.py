@@ -2,7 +2,9 @@
 
 Every (workload, prompt, repeat) runs each method back to back in the same process, so machine
 noise hits all methods alike; the order of methods rotates by one place from prompt to prompt
-and reverses between repeats (:func:`method_order`), so no method keeps a position. Greedy
+(and in a multi-turn session from turn to turn, every method answering a turn before the next:
+:func:`run_methods`) and reverses between repeats (:func:`method_order`), so no method keeps a
+position. Greedy
 decoding; outputs are checked token for token across methods (speculation must not change
 them).
 
@@ -196,6 +198,39 @@ def run_prompt(eng: Engine, tok, prompt: dict, method: str, max_tokens: int) -> 
     return [t for r in rows for t in r.pop("ids")], rows
 
 
+def run_methods(eng: Engine, tok, prompt: dict, methods: list[str], repeat: int, index: int,
+                max_tokens: int) -> tuple[dict[str, list[int]], dict[str, list[dict]]]:
+    """Every method on one prompt, back to back: ``({method: generated ids}, {method: rows})``,
+    one row per request (ids removed).
+
+    A prompt runs each method in :func:`method_order` for (``repeat``, ``index``). A session
+    runs turn by turn: every method answers turn ``t`` before turn ``t + 1`` starts, in
+    :func:`method_order` for (``repeat``, ``index + t``), and the history grows with the first
+    method's reply (every method's, when outputs are identical). So over a session of
+    ``len(methods)`` turns each method runs in each position once per repeat; run whole, one
+    method after another, a one-session workload only rotated between repeats, and with 3
+    repeats of 4 methods two of them ran last twice."""
+    if prompt["kind"] != "session":
+        outs, rows = {}, {}
+        for m in method_order(methods, repeat, index):
+            outs[m], rows[m] = run_prompt(eng, tok, prompt, m, max_tokens)
+        return outs, rows
+    outs: dict[str, list[int]] = {m: [] for m in methods}
+    rows: dict[str, list[dict]] = {m: [] for m in methods}
+    messages: list[dict] = []
+    for t, turn in enumerate(prompt["turns"]):
+        messages.append({"role": "user", "content": turn})
+        tokens = list(tok.apply_chat_template(messages, add_generation_prompt=True))
+        replies = {}
+        for m in method_order(methods, repeat, index + t):
+            row = run_once(eng, tokens, m, max_tokens)
+            replies[m] = row.pop("ids")
+            outs[m] += replies[m]
+            rows[m].append(row)
+        messages.append({"role": "assistant", "content": eng.loaded.token_table.decode(replies[methods[0]])})
+    return outs, rows
+
+
 def method_order(methods: list[str], repeat: int, prompt: int) -> list[str]:
     """The order in which ``methods`` run for one (repeat, prompt): reversed on odd repeats,
     then rotated by ``repeat + prompt`` places. Over ``len(methods)`` consecutive prompts each
@@ -354,10 +389,9 @@ def main(argv=None) -> dict:
         max_tokens = args.max_tokens or w["max_tokens"]
         for rep in range(args.repeats):
             for i, p in enumerate(w["prompts"]):
-                outs = {}
-                for m in method_order(methods, rep, i):
-                    outs[m], measured = run_prompt(eng, tok, p, m, max_tokens)
-                    rows[m] += [{**r, "prompt": i} for r in measured]  # paired_interval's groups
+                outs, measured = run_methods(eng, tok, p, methods, rep, i, max_tokens)
+                for m in methods:
+                    rows[m] += [{**r, "prompt": i} for r in measured[m]]  # paired_interval's groups
                 identical &= all(o == outs[methods[0]] for o in outs.values())
         summary = {m: summarize(rows[m]) for m in methods}
         base = summary[methods[0]]["decode_tokens_per_s"]

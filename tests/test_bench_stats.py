@@ -124,3 +124,47 @@ def test_method_order_gives_every_method_every_position_equally_often(repeats):
             assert sorted(o[pos] for o in orders) == sorted(methods)
     assert bench.method_order(methods, 0, 0) == methods  # the first prompt keeps the given order
     assert bench.method_order(methods, 1, 3) == methods[::-1]  # (1 + 3) % 4 = 0: reversed only
+
+
+def test_a_session_runs_turn_by_turn_with_every_method_in_every_position(monkeypatch):
+    """run_methods on a 4-turn session: every method answers a turn (same prompt tokens) before
+    the next turn starts, the order rotates from turn to turn so each method runs in each
+    position once, the history grows with the first method's reply, and each method's rows
+    and ids come in turn order."""
+    from types import SimpleNamespace
+
+    methods = ["off", "prompt_lookup", "dspark", "auto"]
+    calls = []
+
+    def fake_run_once(eng, tokens, method, max_tokens, grammar=None):
+        calls.append((tuple(tokens), method))
+        turn = sum(1 for c in calls if c[1] == method) - 1
+        return {"ids": [100 * turn + methods.index(method)], "tokens": 1, "decode_s": 1.0, "turn": turn}
+
+    class Tok:
+        def apply_chat_template(self, messages, add_generation_prompt):
+            return [len(m["content"]) for m in messages] + [hash(messages[-1]["content"]) % 97]
+
+    eng = SimpleNamespace(loaded=SimpleNamespace(token_table=SimpleNamespace(
+        decode=lambda ids: "reply" + "x" * ids[0])))
+    monkeypatch.setattr(bench, "run_once", fake_run_once)
+    session = {"kind": "session", "turns": ["a", "bb", "ccc", "dddd"]}
+    outs, rows = bench.run_methods(eng, Tok(), session, methods, 1, 0, 8)
+    turns = [calls[4 * t:4 * t + 4] for t in range(4)]
+    for t, block in enumerate(turns):
+        assert sorted(m for _, m in block) == sorted(methods)  # every method on this turn ...
+        assert len({tokens for tokens, _ in block}) == 1  # ... with the same prompt
+        assert [m for _, m in block] == bench.method_order(methods, 1, t)
+    for pos in range(4):
+        assert sorted(block[pos][1] for block in turns) == sorted(methods)
+    # turn 2's prompt holds turn 1's reply of methods[0] ("off": ids [100], "reply" + 100 x's)
+    # turn 2's prompt: user, reply, user, reply, user (+ a marker); the replies are methods[0]'s
+    # ("off": ids [0] and [100], decoded to "reply" and "reply" + 100 x's)
+    assert turns[2][0][0][:5] == (1, len("reply"), 2, len("reply" + "x" * 100), 3)
+    for m in methods:
+        assert [r["turn"] for r in rows[m]] == [0, 1, 2, 3] and all("ids" not in r for r in rows[m])
+        assert outs[m] == [100 * t + methods.index(m) for t in range(4)]
+    calls.clear()  # a plain prompt runs each method whole, in method_order
+    monkeypatch.setattr(bench, "run_prompt", lambda eng, tok, p, m, n: (calls.append(((), m)) or [1], [{}]))
+    outs, rows = bench.run_methods(eng, Tok(), {"kind": "raw", "prompt": "p"}, methods, 0, 2, 8)
+    assert [m for _, m in calls] == bench.method_order(methods, 0, 2) and set(outs) == set(methods)
