@@ -156,8 +156,14 @@ def install_configs(path):
     with open(path) as fh:
         picks = json.load(fh)
     for shape, buckets in picks.items():
-        n, k = (int(v) for v in shape.split(":")[0].split("x"))
+        nk, gs = shape.split(":")
+        n, k = (int(v) for v in nk.split("x"))
         for bucket, cfg in buckets.items():
+            # WK (the K split) is shared by every row count: another one would change the bits
+            # of one-row launches too, which these configurations must leave alone
+            wk = plan(1, n, k, 4, int(gs), mx.bfloat16, "cuda").const("WK")
+            if cfg[0] != wk:
+                raise ValueError(f"{shape} rows {bucket}: WK {cfg[0]} is not the default {wk}")
             apply_config(n, k, int(bucket), tuple(cfg), multi_row_only=True)
     return picks
 

@@ -256,7 +256,8 @@ def _mma_plan(m: int, n: int, k: int, bits: int, gs: int = 64) -> KernelPlan:
     # (7.87 against 7.62, 7.68 against 6.69 on 4096x4096). In the 8-row bucket from N = 6144
     # (the 8B stack's q/k/v sibling launch): 11.39 against 13.90 us at 8 rows on the H100
     # (thirty-fourth session, medians of 6 launches; 4096x4096 8.58 against 8.51, a tie).
-    nt, u = (2 if n % 32 == 0 and n >= (6144 if mb == 8 else 4096) else 1), 1
+    # (one row outside the one-row forms below, e.g. 8-bit weights, keeps one tile below 8192)
+    nt, u = (2 if n % 32 == 0 and n >= (4096 if mb == 16 else 6144 if m > 1 else 8192) else 1), 1
     path = {}
     if mb == 8 and m > 1 and bits == 4 and n >= 65536 and k >= 4096:
         # A vocabulary-wide LM head (8B stack: 128256x4096) at 2..8 rows: two chunks in flight

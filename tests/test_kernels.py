@@ -160,6 +160,9 @@ def test_sixteen_row_bucket_takes_two_tiles_from_n_4096():
 
     assert [nt(m, 4096) for m in (1, 2, 8, 9, 16)] == [1, 1, 1, 2, 2]
     assert [nt(m, 6144) for m in (1, 2, 8, 16)] == [1, 2, 2, 2]
+    # one row outside the one-row forms (8-bit, K < 4096) keeps one tile below N = 8192
+    assert [plan(1, 6144, k, b, 64, mx.bfloat16, "cuda").const("NT") for k, b in ((4096, 8), (2560, 4))] == [1, 1]
+    assert plan(1, 8192, 2560, 4, 64, mx.bfloat16, "cuda").const("NT") == 2
     assert len({plan(m, 6144, 4096, 4, 64, mx.bfloat16, "cuda").k_split for m in range(1, 17)}) == 1
     assert [nt(m, 4096, 14336) for m in (8, 16)] == [1, 2]
     assert [nt(m, 2048) for m in (8, 16)] == [1, 1]
@@ -523,6 +526,9 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
             for m, n, k in ((1, 4096, 4096), (16, 14336, 4096), (12, 6144, 4096), (9, 576, 576), (4, 208, 640),
                             (1, 14336, 4096), (1, 4096, 14336)):  # (one-row launch forms)
                 cases.append((plan(m, n, k, bits, 32, xdt, "cuda"), xdt, sdt))
+    # the vocabulary-wide LM head's 2..8-row form (two chunks in flight under launch bounds)
+    cases.append((plan(8, 128256, 4096, 4, 64, mx.bfloat16, "cuda"), mx.bfloat16, mx.bfloat16))
+    assert (cases[-1][0].const("U"), cases[-1][0].min_blocks) == (2, 2)
     try:  # the compile-time-shape loop: both row buckets, 4/8 bits, XL, launch bounds
         for bits in (4, 8):
             for k, mb, ntu, opts in ((4096, 8, (2, 2), {"const_shape": True, "exact": True}),
@@ -565,15 +571,18 @@ def test_cuda_kernels_compile_for_sm90_without_spills(tmp_path):
     for i, (p, x, s) in enumerate(cases):
         srcs[p.source_options()[2]] += render_qmv(p, x, s, f"k{i}")
     assert srcs[True] != MLX_PRELUDE
-    # sibling variants: 8B q/k/v (4096 + 1024 + 1024) and gate/up (2 x 14336), 1 and 16 rows
-    for i, (m, n, cuts) in enumerate(((1, 6144, (4096, 5120)), (16, 6144, (4096, 5120)),
-                                      (1, 28672, (14336,)), (16, 28672, (14336,)))):
+    # sibling variants: 8B q/k/v (4096 + 1024 + 1024; 1, 8 (two tiles) and 16 rows) and gate/up
+    # (2 x 14336; 1 and 16 rows)
+    sibs = ((1, 6144, (4096, 5120)), (8, 6144, (4096, 5120)), (16, 6144, (4096, 5120)),
+            (1, 28672, (14336,)), (16, 28672, (14336,)))
+    for i, (m, n, cuts) in enumerate(sibs):
         p = plan(m, n, 4096, 4, 64, mx.bfloat16, "cuda")
         srcs[False] += render_qmv(p, mx.bfloat16, mx.bfloat16, f"sib{i}", cuts)
         cases.append((p, mx.bfloat16, mx.bfloat16))
+    assert cases[-4][0].const("NT") == 2
     usage = {**ptxas_usage(srcs[False]), **ptxas_usage(srcs[True])}
     assert {p.kind for p, _, _ in cases} == {"mma", "simd"}
-    names = [f"k{i}" for i in range(len(cases) - 4)] + [f"sib{i}" for i in range(4)]
+    names = [f"k{i}" for i in range(len(cases) - len(sibs))] + [f"sib{i}" for i in range(len(sibs))]
     assert sorted(usage) == sorted(names)
     for name, (p, _, _) in zip(names, cases):
         u = usage[name]
@@ -813,7 +822,9 @@ def test_sibling_matmul_matches_reference_and_rows_are_exact(dtype):
     nan = float("nan")
     # q/k/v-like (NT = 1; a cut inside a 16-row block) and gate/up at 8B width (NT = 2)
     # (and a 12288-wide one: one row takes the launch form of 8192 <= N <= 16384, _one_row_launch)
-    for k, gs, ns in ((512, 64, (256, 120, 136)), (4096, 64, (14336, 14336)), (4096, 64, (8192, 2048, 2048))):
+    # (and the 8B q/k/v launch, 4096 + 1024 + 1024: two tiles from 2 rows, one at one row)
+    for k, gs, ns in ((512, 64, (256, 120, 136)), (4096, 64, (14336, 14336)), (4096, 64, (8192, 2048, 2048)),
+                      (4096, 64, (4096, 1024, 1024))):
         parts = [_quantized(n, k, gs, 4, dt, seed=101 * i + n) for i, n in enumerate(ns)]
         w, s_, b = (mx.concatenate([p[i] for p in parts]) for i in range(3))
         cuts = tuple(sum(ns[:i + 1]) for i in range(len(ns) - 1))
