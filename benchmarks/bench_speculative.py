@@ -140,7 +140,7 @@ def load_workloads(names: list[str] | None) -> list[dict]:
 
 def prompt_tokens(tokenizer, prompt: dict) -> list[int]:
     if prompt["kind"] == "session":
-        raise ValueError("sessions run turn by turn (run_session)")
+        raise ValueError("sessions run turn by turn (run_turns, run_methods)")
     if prompt["kind"] == "chat":
         return list(tokenizer.apply_chat_template(prompt["messages"], add_generation_prompt=True))
     return tokenizer.encode(prompt["prompt"])

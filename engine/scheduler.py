@@ -299,9 +299,9 @@ class DsparkStats:
     # to draft drops it now), a knob for side-by-side benchmarks
     TAP_WHILE_IDLE = False
     # draft_cost is the median of this many most recent timed forwards: one outlier (a forward
-    # that compiled CUDA kernels on a fresh machine took ~20 s on an H100; an EMA seeded with it
+    # that compiled CUDA kernels on a fresh machine took ~17 s on an H100; an EMA seeded with it
     # still read 147 ms after 45 forwards of ~2 ms, docs/benchmarks.md "Thirty-fourth session")
-    # is ignored from the third forward on, and a lasting change is followed within a few
+    # is ignored from the third forward on, and a lasting change is followed within five
     COST_WINDOW = 9
 
     def __init__(self, positions: int = 16, alpha: float = 0.05):

@@ -157,7 +157,6 @@ def test_a_session_runs_turn_by_turn_with_every_method_in_every_position(monkeyp
         assert [m for _, m in block] == bench.method_order(methods, 1, t)
     for pos in range(4):
         assert sorted(block[pos][1] for block in turns) == sorted(methods)
-    # turn 2's prompt holds turn 1's reply of methods[0] ("off": ids [100], "reply" + 100 x's)
     # turn 2's prompt: user, reply, user, reply, user (+ a marker); the replies are methods[0]'s
     # ("off": ids [0] and [100], decoded to "reply" and "reply" + 100 x's)
     assert turns[2][0][0][:5] == (1, len("reply"), 2, len("reply" + "x" * 100), 3)
