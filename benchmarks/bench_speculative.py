@@ -209,7 +209,7 @@ def run_methods(eng: Engine, tok, prompt: dict, methods: list[str], repeat: int,
     method's reply (every method's, when outputs are identical). So over a session of
     ``len(methods)`` turns each method runs in each position once per repeat; run whole, one
     method after another, a one-session workload only rotated between repeats, and with 3
-    repeats of 4 methods two of them ran last twice."""
+    repeats of 4 methods the last one (auto) ran last in two of them."""
     if prompt["kind"] != "session":
         outs, rows = {}, {}
         for m in method_order(methods, repeat, index):
