@@ -4,9 +4,8 @@ Every (workload, prompt, repeat) runs each method back to back in the same proce
 noise hits all methods alike; the order of methods rotates by one place from prompt to prompt
 (and in a multi-turn session from turn to turn, every method answering a turn before the next:
 :func:`run_methods`) and reverses between repeats (:func:`method_order`), so no method keeps a
-position. Greedy
-decoding; outputs are checked token for token across methods (speculation must not change
-them).
+position. Greedy decoding; outputs are checked token for token across methods (speculation must
+not change them).
 
 Reported per workload and method: decode tokens/s (tokens after the first over the time after
 the first token), the ratio to plain decoding, acceptance rate (accepted / drafted), mean
