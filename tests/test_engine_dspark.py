@@ -582,14 +582,16 @@ def test_a_winning_dspark_restores_the_probe_share(dspark_engine, monkeypatch):
     assert ds.probe_share == DsparkStats.PROBE_SHARE
 
 
-def test_unused_dspark_forwards_are_counted(dspark_engine):
-    """DSpark probes on the first cycle of an auto request; on a repeated pattern prompt lookup
-    wins, so that forward is paid for and not verified: the request's stats and the server's
-    counter say so."""
+def test_unused_dspark_forwards_are_counted(dspark_engine, monkeypatch):
+    """DSpark runs on the first cycle of an auto request and its proposal loses (here: its
+    calibrated acceptance is zero, so it is cut to nothing; which option wins otherwise depends
+    on the measured forward cost and on earlier tests' evidence), so that forward is paid for
+    and not verified: the request's stats and the server's counter say so."""
     from server.metrics import Metrics
 
     p = [9, 10, 11, 12, 13] * 6
     dspark_engine.dspark_stats.decode_seconds += 1e6  # probe budget to spare (tested above)
+    monkeypatch.setattr(dspark_engine.dspark_stats, "calibrated", lambda conditional: [0.0] * len(conditional))
     _, _, last = run(dspark_engine, p, "x", max_tokens=30, speculative=SpeculativeParams("auto"))
     ds = last.stats.by_drafter["dspark"]
     assert ds.num_unused_proposals >= 1 and last.stats.total.num_unused_proposals == ds.num_unused_proposals
