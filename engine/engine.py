@@ -629,8 +629,9 @@ class Engine:
             request, self.runner, self.loaded.token_table, self.loaded.eos_token_ids,
             self.loaded.context_length, seed, drafters=drafters, constraint=constraint,
             acceptance=RequestAcceptance(self.acceptance),
-            # a request that may run DSpark earns its probe budget, carrying it or not
-            dspark_stats=self.dspark_stats if dspark or self._may_run_dspark(request) else None,
+            # a request that may run DSpark earns its probe budget, carrying it or not (one that
+            # starts with it may run it: _runs_dspark implies _may_run_dspark)
+            dspark_stats=self.dspark_stats if self._may_run_dspark(request) else None,
             taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
             speculative=self.cost.max_rows > 1 and method != "off",
         )
