@@ -66,13 +66,28 @@ class NgramIndex:
                     break
                 self._last_end[tuple(self.tokens[end - n + 1 : end + 1])] = end
 
-    def lookup(self, k: int) -> tuple[list[int], int]:
+    def find(self) -> tuple[int, int]:
+        """``(end, n)``: where the longest indexed suffix n-gram last ended, and its length;
+        ``(-1, 0)`` when no suffix n-gram occurred before."""
         size = len(self.tokens)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
             end = self._last_end.get(tuple(self.tokens[size - n :]))
             if end is not None:
-                return _continue(self.tokens, end, k), n
-        return [], 0
+                return end, n
+        return -1, 0
+
+    def lookup(self, k: int) -> tuple[list[int], int]:
+        end, n = self.find()
+        return (_continue(self.tokens, end, k), n) if n else ([], 0)
+
+    def extent(self, end: int, n: int, cap: int) -> int:
+        """How many tokens before the current end agree with those before ``end`` (at least the
+        matched ``n``, at most ``cap``): an n-gram matched at ``max_n`` extended backwards."""
+        tokens, size = self.tokens, len(self.tokens)
+        length = n
+        while length < cap and end - length >= 0 and tokens[end - length] == tokens[size - 1 - length]:
+            length += 1
+        return length
 
 
 class PromptLookupDrafter:
@@ -80,9 +95,17 @@ class PromptLookupDrafter:
 
     Args:
         min_n, max_n: n-gram lengths tried, longest first.
+
+    A proposal's ``match_length`` is the match's extent: the n-gram found, extended backwards
+    while the tokens before both occurrences agree, up to :attr:`MAX_EXTENT`. The scheduler
+    buckets its acceptance evidence by it, so text being copied (a match tens of tokens long)
+    and a phrase recurring by chance in novel text (a match of ``max_n``) do not share one
+    estimate (SuffixDecoding, Oliaro et al. 2024, likewise scales its drafts with the match
+    length).
     """
 
     name = "prompt_lookup"
+    MAX_EXTENT = 32
 
     def __init__(self, min_n: int = 2, max_n: int = 5):
         self.min_n, self.max_n = min_n, max_n
@@ -99,8 +122,11 @@ class PromptLookupDrafter:
         if max_len <= 0:
             return Draft()
         self._sync(ctx.tokens)
-        continuation, n = self.index.lookup(max_len)
-        return Draft(tokens=list(continuation), match_length=n)
+        end, n = self.index.find()
+        if not n:
+            return Draft()
+        return Draft(tokens=_continue(self.index.tokens, end, max_len),
+                     match_length=self.index.extent(end, n, self.MAX_EXTENT))
 
     def on_commit(self, num_accepted: int, ctx: DraftContext) -> None:
         self._sync(ctx.tokens)

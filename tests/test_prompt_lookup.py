@@ -84,3 +84,19 @@ def test_index_lookup_cost_does_not_grow_with_context():
     index._last_end = Counting()
     index.lookup(8)
     assert probes <= 4
+
+
+def test_match_length_is_the_extent_of_the_match_up_to_its_cap():
+    """An n-gram matched at max_n is extended backwards while both occurrences agree: a copied
+    span reports how long it has been copied, a chance phrase only the n-gram."""
+    copied = list(range(10, 30))  # 20 distinct tokens, then the first 12 of them again
+    drafter = PromptLookupDrafter(min_n=2, max_n=4)
+    draft = drafter.propose(DraftContext(copied + copied[:12]), max_len=3)
+    assert draft.tokens == [22, 23, 24] and draft.match_length == 12
+    drafter.MAX_EXTENT = 7
+    assert drafter.propose(DraftContext(copied + copied[:12]), max_len=3).match_length == 7
+    chance = [1, 2, 3, 4, 5, 6, 9, 3, 4, 5, 6]  # "3 4 5 6" recurs after a different token
+    draft = PromptLookupDrafter(min_n=2, max_n=4).propose(DraftContext(chance), max_len=2)
+    assert draft.tokens == [9, 3] and draft.match_length == 4
+    short = [7, 8, 1, 2, 9, 1, 2]  # below max_n: the (n+1)-gram did not occur, so no extension
+    assert PromptLookupDrafter(min_n=2, max_n=4).propose(DraftContext(short), max_len=1).match_length == 2
