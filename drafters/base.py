@@ -38,7 +38,8 @@ class Draft:
             deterministic (one-hot) drafter such as prompt lookup.
         confidence: per-token conditional survival estimates ``c_k`` (probability that draft k is
             accepted given drafts 1..k-1 were), or None when the drafter has none.
-        match_length: for prompt lookup, the length of the matched n-gram (0 otherwise).
+        match_length: for prompt lookup, the match's extent in tokens: the n-gram found,
+            extended backwards while the tokens before both occurrences agree (0 otherwise).
         drafter: the proposing drafter's name (set by the engine's scheduler).
         expected_accepted: the scheduler's estimate of accepted drafts, ``sum_k a_k`` over the
             tokens kept (for calibration metrics).

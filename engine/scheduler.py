@@ -8,8 +8,9 @@ online by a shift shared by every width, :class:`CostModel`). The scheduler pick
 rate ``1 / T(1)``) whenever no draft length beats it. ``L`` is fixed before verification, so
 the admission of draft ``k`` never depends on draft ``k`` being accepted (lossless).
 
-Prompt-lookup ``c_i`` estimates are Beta-smoothed counts, per request and per matched n-gram
-length bucket, shrunk toward engine-wide counts of earlier requests.
+Prompt-lookup ``c_i`` estimates are Beta-smoothed counts per request, per bucket of the match's
+extent (:func:`_bucket`) and per draft position, shrunk toward engine-wide counts of earlier
+requests.
 This replaces ds4's fixed growth/back-off rules (7 -> 15 after 8 full accepts, 64-token back-off)
 with the same quantity those rules approximate: expected tokens per second.
 """
@@ -172,12 +173,23 @@ class CostModel:
 
 
 def _bucket(match_length: int) -> int:
+    """Evidence bucket of a prompt-lookup match extent (``Draft.match_length``): 1, 2 and 3 on
+    their own, 4-5 (a match no longer than the drafter's longest n-gram, 5: a phrase recurring
+    by chance, or the start of a copy), 6-15 and 16+ (text being copied). Before the
+    thirty-fifth session every match of 4 or more shared bucket 4, so after copy-like requests a
+    4-token chance match in novel chat drew the rates copied spans had earned (0.95 and more at
+    every position) and was drafted 6-8 tokens deep (docs/benchmarks.md, "Thirty-fifth
+    session")."""
+    if match_length >= 16:
+        return 6
+    if match_length >= 6:
+        return 5
     return min(max(match_length, 1), 4)
 
 
 @dataclass
 class AcceptanceCounts:
-    """Counts of drafts reaching / passing each position, per n-gram length bucket."""
+    """Counts of drafts reaching / passing each position, per match-extent bucket."""
 
     reached: dict[tuple[int, int], float] = field(default_factory=dict)
     accepted: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -191,7 +203,7 @@ class AcceptanceCounts:
 
 
 # Prior conditional acceptance by matched n-gram length before any evidence.
-_PRIOR = {1: 0.2, 2: 0.35, 3: 0.5, 4: 0.65}
+_PRIOR = {1: 0.2, 2: 0.35, 3: 0.5, 4: 0.65, 5: 0.75, 6: 0.85}
 
 
 class AcceptanceModel:

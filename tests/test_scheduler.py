@@ -160,3 +160,24 @@ def test_a_slope_fitted_twice_too_steep_does_not_rescale_the_shared_curve():
     for _ in range(3):  # the machine got 3x slower
         cost.observe(1, 3 * cost.T(1, 2500), context=2500)
     assert cost.T(1, 2500) == pytest.approx(3 * (shape[0] + 2 * true_a * 2244), rel=0.2)
+
+
+def test_copied_spans_do_not_lend_their_rates_to_a_chance_match():
+    """Evidence from matches 6+ tokens long (text being copied) stays in their own buckets: a
+    4-token match, all that a phrase recurring by chance in novel text gets, keeps the
+    estimate its own bucket earned. When every match of 4+ shared one bucket, a chance match
+    after copy-like requests was estimated at 0.95+ per position and drafted 6-8 deep."""
+    from engine.scheduler import AcceptanceModel, RequestAcceptance
+
+    model = AcceptanceModel()
+    earlier = RequestAcceptance(model)  # (earlier requests' drafts feed the engine-wide model)
+    for _ in range(200):  # copying: 8-token drafts after long matches, all accepted
+        earlier.observe(24, 8, 8)
+        earlier.observe(8, 8, 8)
+    for _ in range(30):  # chance matches of 4: the first draft is rejected
+        earlier.observe(4, 1, 0)
+    request = RequestAcceptance(model)
+    chance, copied = request.survival(4, 8), request.survival(24, 8)
+    assert chance[0] < 0.2 and copied[0] > 0.95 and min(copied) > 0.9
+    cost = CostModel([MS * (1 + 0.3 * k) for k in range(16)])  # a CPU-like curve, T(2) = 1.3 T(1)
+    assert choose_length(chance, cost)[0] == 0 and choose_length(copied, cost)[0] == 8
