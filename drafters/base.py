@@ -39,7 +39,8 @@ class Draft:
         confidence: per-token conditional survival estimates ``c_k`` (probability that draft k is
             accepted given drafts 1..k-1 were), or None when the drafter has none.
         match_length: for prompt lookup, the match's extent in tokens: the n-gram found,
-            extended backwards while the tokens before both occurrences agree (0 otherwise).
+            extended backwards while the tokens before both occurrences agree, up to
+            ``PromptLookupDrafter.MAX_EXTENT`` (32); 0 otherwise.
         drafter: the proposing drafter's name (set by the engine's scheduler).
         expected_accepted: the scheduler's estimate of accepted drafts, ``sum_k a_k`` over the
             tokens kept (for calibration metrics).

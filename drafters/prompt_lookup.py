@@ -47,7 +47,8 @@ class NgramIndex:
     """Incremental index from n-gram to the most recent position where it ended.
 
     Only n-grams that already have a following token are indexed, so the current suffix never
-    matches itself. ``extend`` costs O(max_n - min_n) per token; ``lookup`` O(max_n - min_n).
+    matches itself. ``extend`` costs O(max_n - min_n) per token; ``lookup`` O(max_n - min_n);
+    ``extent`` O(cap).
     """
 
     def __init__(self, min_n: int, max_n: int):
@@ -81,8 +82,10 @@ class NgramIndex:
         return (_continue(self.tokens, end, k), n) if n else ([], 0)
 
     def extent(self, end: int, n: int, cap: int) -> int:
-        """How many tokens before the current end agree with those before ``end`` (at least the
-        matched ``n``, at most ``cap``): an n-gram matched at ``max_n`` extended backwards."""
+        """The match's extent: how many tokens, ending at the last one, agree with those ending
+        at ``end``: the matched ``n``, extended backwards up to ``cap`` (``n`` if ``n >= cap``).
+        Only a match of ``max_n`` can extend: for a shorter one, the (n+1)-gram occurred
+        nowhere before, or :meth:`find` would have returned it."""
         tokens, size = self.tokens, len(self.tokens)
         length = n
         while length < cap and end - length >= 0 and tokens[end - length] == tokens[size - 1 - length]:
@@ -99,7 +102,7 @@ class PromptLookupDrafter:
     A proposal's ``match_length`` is the match's extent: the n-gram found, extended backwards
     while the tokens before both occurrences agree, up to :attr:`MAX_EXTENT`. The scheduler
     buckets its acceptance evidence by it, so text being copied (a match tens of tokens long)
-    and a phrase recurring by chance in novel text (a match of ``max_n``) do not share one
+    and a phrase recurring by chance in novel text (a match of a few tokens) do not share one
     estimate (SuffixDecoding, Oliaro et al. 2024, likewise scales its drafts with the match
     length).
     """

@@ -174,12 +174,14 @@ class CostModel:
 
 def _bucket(match_length: int) -> int:
     """Evidence bucket of a prompt-lookup match extent (``Draft.match_length``): 1, 2 and 3 on
-    their own, 4-5 (a match no longer than the drafter's longest n-gram, 5: a phrase recurring
-    by chance, or the start of a copy), 6-15 and 16+ (text being copied). Before the
-    thirty-fifth session every match of 4 or more shared bucket 4, so after copy-like requests a
-    4-token chance match in novel chat drew the rates copied spans had earned (0.95 and more at
-    every position) and was drafted 6-8 tokens deep (docs/benchmarks.md, "Thirty-fifth
-    session")."""
+    their own, 4-5 (with the drafter's default longest n-gram, 5, a match found but not
+    extended: a phrase recurring by chance, or the start of a copy), 6-15 and 16+ (text being
+    copied). The edges are absolute, not relative to the drafter's ``max_n``: a deployment
+    that raises it to 8 files unextended matches of 6-8 with copied text, which they more
+    likely are than shorter ones. Before the thirty-fifth session every match of 4 or more
+    shared bucket 4, so after copy-like requests a 4-token chance match in novel chat drew the
+    rates copied spans had earned (0.95 and more at every position) and was drafted 6-8 tokens
+    deep (docs/benchmarks.md, scheduler section, "Thirty-fifth session")."""
     if match_length >= 16:
         return 6
     if match_length >= 6:
@@ -202,7 +204,7 @@ class AcceptanceCounts:
                 self.accepted[key] = self.accepted.get(key, 0.0) + weight
 
 
-# Prior conditional acceptance by matched n-gram length before any evidence.
+# Prior conditional acceptance per match-extent bucket (:func:`_bucket`) before any evidence.
 _PRIOR = {1: 0.2, 2: 0.35, 3: 0.5, 4: 0.65, 5: 0.75, 6: 0.85}
 
 

@@ -167,7 +167,9 @@ def test_copied_spans_do_not_lend_their_rates_to_a_chance_match():
     4-token match, all that a phrase recurring by chance in novel text gets, keeps the
     estimate its own bucket earned. When every match of 4+ shared one bucket, a chance match
     after copy-like requests was estimated at 0.95+ per position and drafted 6-8 deep."""
-    from engine.scheduler import AcceptanceModel, RequestAcceptance
+    from engine.scheduler import AcceptanceModel, RequestAcceptance, _bucket
+
+    assert [_bucket(m) for m in (0, 1, 2, 3, 4, 5, 6, 15, 16, 32)] == [1, 1, 2, 3, 4, 4, 5, 5, 6, 6]
 
     model = AcceptanceModel()
     earlier = RequestAcceptance(model)  # (earlier requests' drafts feed the engine-wide model)
