@@ -100,3 +100,55 @@ def test_match_length_is_the_extent_of_the_match_up_to_its_cap():
     assert draft.tokens == [9, 3] and draft.match_length == 4
     short = [7, 8, 1, 2, 9, 1, 2]  # below max_n: the (n+1)-gram did not occur, so no extension
     assert PromptLookupDrafter(min_n=2, max_n=4).propose(DraftContext(short), max_len=1).match_length == 2
+
+
+def test_the_occurrence_whose_match_extends_furthest_back_is_copied():
+    """The last occurrence of the 4-gram "3 4 5 6" is a chance repeat (after 9); an older one
+    follows "1 2" as the current suffix does: that one's continuation is drafted, and its
+    extent reported. Among equally long extents the most recent occurrence still wins."""
+    tokens = [1, 2, 3, 4, 5, 6, 70, 71, 9, 3, 4, 5, 6, 80, 81, 1, 2, 3, 4, 5, 6]
+    draft = PromptLookupDrafter(min_n=2, max_n=4).propose(DraftContext(tokens), max_len=2)
+    assert draft.tokens == [70, 71] and draft.match_length == 6
+    tied = [8, 3, 4, 5, 6, 70, 8, 3, 4, 5, 6, 80, 8, 3, 4, 5, 6]
+    draft = PromptLookupDrafter(min_n=2, max_n=4).propose(DraftContext(tied), max_len=1)
+    assert draft.tokens == [80] and draft.match_length == 5
+    one = PromptLookupDrafter(min_n=2, max_n=4)
+    one.MATCH_CANDIDATES = 1  # only the most recent occurrence: the chance repeat
+    assert one.propose(DraftContext(tokens), max_len=2).tokens == [80, 81]
+
+
+def _longest_match_brute_force(tokens, min_n, max_n, cap, candidates):
+    """find_ngram_continuation's match; for a max_n-gram, the longest extent among its last
+    ``candidates`` earlier occurrences (the most recent among equals)."""
+    size = len(tokens)
+
+    def extent(end):
+        length = 0
+        while length < cap and end - length >= 0 and tokens[end - length] == tokens[size - 1 - length]:
+            length += 1
+        return length
+
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        ends = [e for e in range(n - 1, size - 1) if tokens[e - n + 1 : e + 1] == tokens[size - n :]]
+        if ends:
+            pool = ends[-candidates:] if n == max_n else ends[-1:]
+            best = max(reversed(pool), key=extent)  # max keeps the first (most recent) of equals
+            return best, max(n, extent(best)) if n < cap else n
+    return -1, 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=80),
+    min_n=st.integers(1, 3),
+    extra=st.integers(0, 3),
+    cap=st.sampled_from([3, 6, 32]),
+    candidates=st.integers(1, 5),
+)
+def test_longest_match_matches_brute_force(tokens, min_n, extra, cap, candidates):
+    max_n = min_n + extra
+    index = NgramIndex(min_n, max_n)
+    for i, t in enumerate(tokens):
+        index.extend([t])
+        assert index.longest_match(cap, candidates) == _longest_match_brute_force(
+            tokens[: i + 1], min_n, max_n, cap, candidates)
