@@ -46,20 +46,28 @@ def find_ngram_continuation(
 
 
 class NgramIndex:
-    """Incremental index from n-gram to the most recent position where it ended.
+    """Incremental index from n-gram to the most recent position where it ended, and from each
+    ``max_n``-gram to its last ``keep`` end positions (:meth:`longest_match`'s candidates).
 
     Only n-grams that already have a following token are indexed, so the current suffix never
     matches itself. ``extend`` costs O(max_n - min_n) per token; ``lookup`` O(max_n - min_n);
-    ``extent`` O(cap).
+    ``extent`` O(cap); ``longest_match`` O(keep * cap) at worst.
+
+    Raises:
+        ValueError: unless ``1 <= min_n <= max_n`` and ``keep >= 1``.
     """
 
-    def __init__(self, min_n: int, max_n: int):
+    def __init__(self, min_n: int, max_n: int, keep: int = 8):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        self.min_n, self.max_n = min_n, max_n
+        if keep < 1:
+            raise ValueError(f"need keep >= 1, got {keep}")
+        self.min_n, self.max_n, self.keep = min_n, max_n, keep
         self.tokens: list[int] = []
         self._last_end: dict[tuple[int, ...], int] = {}
-        self._ends: dict[tuple[int, ...], list[int]] = {}  # every end of each max_n-gram, in order
+        # the ends of each max_n-gram, in order; a list is cut back to the last `keep` once it
+        # holds 2 * keep (a list per distinct n-gram is far smaller than a deque)
+        self._ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, new_tokens: Sequence[int]) -> None:
         for token in new_tokens:
@@ -71,7 +79,10 @@ class NgramIndex:
                 key = tuple(self.tokens[end - n + 1 : end + 1])
                 self._last_end[key] = end
                 if n == self.max_n:
-                    self._ends.setdefault(key, []).append(end)
+                    ends = self._ends.setdefault(key, [])
+                    ends.append(end)
+                    if len(ends) >= 2 * self.keep:
+                        del ends[: -self.keep]
 
     def find(self) -> tuple[int, int]:
         """``(end, n)``: where the longest indexed suffix n-gram last ended, and its length;
@@ -98,12 +109,12 @@ class NgramIndex:
             length += 1
         return length
 
-    def longest_match(self, cap: int, candidates: int) -> tuple[int, int]:
+    def longest_match(self, cap: int) -> tuple[int, int]:
         """``(end, extent)`` of the match :meth:`find` returns or, for a ``max_n``-gram, of the
-        one among its last ``candidates`` occurrences whose :meth:`extent` (up to ``cap``) is
-        longest, the most recent among equals; ``(-1, 0)`` without a match. Costs
-        O(candidates + cap): an occurrence is measured only past a slice comparison showing it
-        beats the best so far."""
+        one among its last ``keep`` occurrences whose :meth:`extent` (up to ``cap``; ``n`` if
+        ``n >= cap``) is longest, the most recent among equals; ``(-1, 0)`` without a match.
+        Each candidate costs one slice comparison of ``best + 1`` tokens (so O(keep * cap) at
+        worst), and only one that beats the best so far is measured further."""
         end, n = self.find()
         if not n:
             return -1, 0
@@ -112,7 +123,7 @@ class NgramIndex:
             return end, best
         tokens, size = self.tokens, len(self.tokens)
         suffix = tokens[size - 1 - best : size]  # best + 1 tokens: what an occurrence must match to beat it
-        for other in reversed(self._ends[tuple(tokens[size - n :])][-candidates:]):
+        for other in reversed(self._ends[tuple(tokens[size - n :])][-self.keep :]):
             if other < end and other - best >= 0 and tokens[other - best : other + 1] == suffix:
                 end, best = other, self.extent(other, best + 1, cap)
                 if best >= cap:
@@ -144,7 +155,7 @@ class PromptLookupDrafter:
 
     def __init__(self, min_n: int = 2, max_n: int = 5):
         self.min_n, self.max_n = min_n, max_n
-        self.index = NgramIndex(min_n, max_n)
+        self.index = NgramIndex(min_n, max_n, self.MATCH_CANDIDATES)
 
     def _sync(self, tokens: Sequence[int]) -> None:
         have = len(self.index.tokens)
@@ -157,7 +168,7 @@ class PromptLookupDrafter:
         if max_len <= 0:
             return Draft()
         self._sync(ctx.tokens)
-        end, extent = self.index.longest_match(self.MAX_EXTENT, self.MATCH_CANDIDATES)
+        end, extent = self.index.longest_match(self.MAX_EXTENT)
         if not extent:
             return Draft()
         return Draft(tokens=_continue(self.index.tokens, end, max_len), match_length=extent)
@@ -166,4 +177,4 @@ class PromptLookupDrafter:
         self._sync(ctx.tokens)
 
     def reset(self) -> None:
-        self.index = NgramIndex(self.min_n, self.max_n)
+        self.index = NgramIndex(self.min_n, self.max_n, self.MATCH_CANDIDATES)

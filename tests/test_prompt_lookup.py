@@ -70,7 +70,7 @@ def test_index_lookup_cost_does_not_grow_with_context():
     rng = random.Random(0)
     index = NgramIndex(2, 5)
     index.extend([rng.randrange(50_000) for _ in range(32_000)])
-    # the index holds at most (max_n - min_n + 1) entries per position and lookup touches
+    # the index holds at most (max_n - min_n + 1) keys per position and lookup touches
     # at most that many keys: count dictionary probes by wrapping the dict
     probes = 0
     original = index._last_end
@@ -109,12 +109,15 @@ def test_the_occurrence_whose_match_extends_furthest_back_is_copied():
     tokens = [1, 2, 3, 4, 5, 6, 70, 71, 9, 3, 4, 5, 6, 80, 81, 1, 2, 3, 4, 5, 6]
     draft = PromptLookupDrafter(min_n=2, max_n=4).propose(DraftContext(tokens), max_len=2)
     assert draft.tokens == [70, 71] and draft.match_length == 6
-    tied = [8, 3, 4, 5, 6, 70, 8, 3, 4, 5, 6, 80, 8, 3, 4, 5, 6]
+    tied = [9, 8, 3, 4, 5, 6, 70, 7, 8, 3, 4, 5, 6, 80, 8, 3, 4, 5, 6]  # both extend to 5
     draft = PromptLookupDrafter(min_n=2, max_n=4).propose(DraftContext(tied), max_len=1)
     assert draft.tokens == [80] and draft.match_length == 5
     one = PromptLookupDrafter(min_n=2, max_n=4)
     one.MATCH_CANDIDATES = 1  # only the most recent occurrence: the chance repeat
+    one.reset()
     assert one.propose(DraftContext(tokens), max_len=2).tokens == [80, 81]
+    with pytest.raises(ValueError):
+        NgramIndex(2, 4, keep=0)
 
 
 def _longest_match_brute_force(tokens, min_n, max_n, cap, candidates):
@@ -139,7 +142,7 @@ def _longest_match_brute_force(tokens, min_n, max_n, cap, candidates):
 
 @settings(max_examples=300, deadline=None)
 @given(
-    tokens=st.lists(st.integers(0, 3), min_size=1, max_size=80),
+    tokens=st.lists(st.integers(0, 3), min_size=30, max_size=70),  # long enough to repeat 5-grams often
     min_n=st.integers(1, 3),
     extra=st.integers(0, 3),
     cap=st.sampled_from([3, 6, 32]),
@@ -147,8 +150,8 @@ def _longest_match_brute_force(tokens, min_n, max_n, cap, candidates):
 )
 def test_longest_match_matches_brute_force(tokens, min_n, extra, cap, candidates):
     max_n = min_n + extra
-    index = NgramIndex(min_n, max_n)
+    index = NgramIndex(min_n, max_n, keep=candidates)
     for i, t in enumerate(tokens):
         index.extend([t])
-        assert index.longest_match(cap, candidates) == _longest_match_brute_force(
+        assert index.longest_match(cap) == _longest_match_brute_force(
             tokens[: i + 1], min_n, max_n, cap, candidates)
