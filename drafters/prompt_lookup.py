@@ -50,7 +50,7 @@ class NgramIndex:
     ``max_n``-gram to its last ``keep`` end positions (:meth:`longest_match`'s candidates).
 
     Only n-grams that already have a following token are indexed, so the current suffix never
-    matches itself. ``extend`` costs O(max_n - min_n) per token; ``lookup`` O(max_n - min_n);
+    matches itself. ``extend`` costs O(max_n - min_n) per token; ``find`` O(max_n - min_n);
     ``extent`` O(cap); ``longest_match`` O(keep * cap) at worst.
 
     Raises:
@@ -93,10 +93,6 @@ class NgramIndex:
             if end is not None:
                 return end, n
         return -1, 0
-
-    def lookup(self, k: int) -> tuple[list[int], int]:
-        end, n = self.find()
-        return (_continue(self.tokens, end, k), n) if n else ([], 0)
 
     def extent(self, end: int, n: int, cap: int) -> int:
         """The match's extent: how many tokens, ending at the last one, agree with those ending

@@ -5,7 +5,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from drafters import DraftContext, PromptLookupDrafter, find_ngram_continuation
-from drafters.prompt_lookup import NgramIndex
+from drafters.prompt_lookup import NgramIndex, _continue
 
 
 @pytest.mark.parametrize(
@@ -44,7 +44,9 @@ def test_incremental_index_matches_reference(tokens, min_n, extra, k):
     index = NgramIndex(min_n, max_n)
     for i, t in enumerate(tokens):  # grow one token at a time, checking every prefix
         index.extend([t])
-        assert index.lookup(k) == find_ngram_continuation(tokens[: i + 1], min_n, max_n, k)
+        end, n = index.find()
+        found = (_continue(index.tokens, end, k), n) if n else ([], 0)
+        assert found == find_ngram_continuation(tokens[: i + 1], min_n, max_n, k)
 
 
 def test_drafter_follows_growing_context_and_respects_max_len():
@@ -82,7 +84,7 @@ def test_index_lookup_cost_does_not_grow_with_context():
             return original.get(key, default)
 
     index._last_end = Counting()
-    index.lookup(8)
+    index.find()
     assert probes <= 4
 
 
