@@ -125,7 +125,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server.run()
     except BaseException as exc:  # SystemExit (uvicorn's start-up failures), KeyboardInterrupt, bugs
-        _leave_if_engine_runs(engine, exit_status(server.signalled, exc), exc)
+        status = exit_status(server.signalled, exc)
+        _leave_if_engine_runs(engine, status, exc)
+        if isinstance(exc, KeyboardInterrupt) and server.signalled is not None:
+            # uvicorn re-raises a Ctrl-C it already shut down for (`signal.raise_signal` after the
+            # graceful exit): a finished shutdown, not a crash, so no traceback; status 130
+            raise SystemExit(status) from None
         raise
     _leave_if_engine_runs(engine, exit_status(server.signalled, None), None)
 

@@ -27,7 +27,7 @@ def model_dir(tmp_path_factory):
 class Proc:
     """`python -m server` on a free loopback port; output goes to a log file."""
 
-    def __init__(self, model_dir: Path, log: Path, *flags: str):
+    def __init__(self, model_dir: Path, log: Path, *flags: str, interruptible: bool = False):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -37,7 +37,9 @@ class Proc:
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "server", "--model", str(model_dir), "--port", str(self.port),
-                 "--log-level", "info", *flags], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+                 "--log-level", "info", *flags], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                # a terminal's Ctrl-C: the test runner's workers ignore SIGINT, and children inherit that
+                preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if interruptible else None)
         deadline = time.time() + 180
         while True:
             assert self.proc.poll() is None, self.output()
@@ -154,6 +156,21 @@ def test_a_second_signal_ends_running_streams_at_once_with_their_error(long_mode
         assert last["error"]["type"] == "unavailable_error" and last["error"]["code"] == "shutting_down", last
         assert "drain cut short: aborting 1 request(s)" in srv.output()
         assert "Exception in ASGI application" not in srv.output()
+    finally:
+        srv.kill()
+
+
+def test_ctrl_c_on_a_ready_server_exits_130_without_a_traceback(model_dir, tmp_path):
+    """A Ctrl-C (SIGINT where it is not ignored, as in a terminal) shuts a ready server down
+    cleanly: exit status 130, and uvicorn's re-raised interrupt prints no traceback."""
+    srv = Proc(model_dir, tmp_path / "server.log", interruptible=True)
+    try:
+        srv.proc.send_signal(signal.SIGINT)
+        code = srv.proc.wait(60)
+        text = srv.output()
+        assert code == 130, text
+        assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+        assert "Application shutdown complete" in text, text
     finally:
         srv.kill()
 
