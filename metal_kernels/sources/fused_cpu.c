@@ -250,15 +250,20 @@ static inline __attribute__((always_inline)) void dot_tile(const int R, const in
 #endif
 
 // Outputs [lo, hi) of a projection (each thread takes one contiguous range), in blocks of 16
-// outputs (flush), each output's rows in tiles of TILE (CASE(R): one tile of R rows).
+// outputs (flush); within a block, tile by tile of T rows (CASE(R): one tile of R rows), each
+// tile over the block's 16 outputs, so a tile's activations stay in L1 across the outputs while
+// the block's codes (a few KB) are reread from it. Outputs first (every tile per output) made a
+// 16-row integer pass read 16 rows x 2 digits of activations per output (32 KB at 576 inputs):
+// out of L1, 1.6x the time of two 8-row passes. Each output's arithmetic is the same either way.
 #define OUTPUT_LOOP(CASE, T, CASES)                                                               \
     v16f part[MAX_ROWS * 16];                                                                     \
     for (int ob = lo, o; ob < hi; ob += 16) {                                                     \
         if (hi - ob < 16) memset(part, 0, sizeof part);                                           \
-        for (o = ob; o < hi && o < ob + 16; o++)                                                  \
-            for (int r0 = 0; r0 < M; r0 += T)                                                     \
+        const int oe = hi < ob + 16 ? hi : ob + 16;                                               \
+        for (int r0 = 0; r0 < M; r0 += T)                                                         \
+            for (o = ob; o < oe; o++)                                                             \
                 switch (M - r0 < T ? M - r0 : T) { CASES(CASE) }                                  \
-        flush(part, o - ob, M, y, ys, ob, add);                                                   \
+        flush(part, oe - ob, M, y, ys, ob, add);                                                  \
     }
 
 static void qmv(const QMat *q, int lo, int hi, const float *x, int xs, int M, float *y, int ys, int add) {
@@ -406,8 +411,8 @@ typedef float v8f __attribute__((vector_size(32)));
 // set): the group's codes (4 or 8 segments of 4n bytes) against each row's QAct.
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define Q8_VNNI 1
-#define TILE_Q8 TILE
-#define TILE_CASES_Q8 TILE_CASES
+#define TILE_Q8 8  // (16-row tiles were no faster per row than 8, and 2x the activations in L1)
+#define TILE_CASES_Q8(C) C(1) C(2) C(3) C(4) C(5) C(6) C(7) C(8)
 static inline __m512i seg512(const uint8_t *w, int n, int t) {
     return n == 16 ? _mm512_loadu_si512(w + 64 * t) : _mm512_maskz_loadu_epi8((1ULL << (4 * n)) - 1, w + 4 * n * t);
 }
