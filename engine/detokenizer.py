@@ -37,6 +37,10 @@ class TokenTable:
     token_bytes: list[bytes] | None
     tokenizer: object  # the Hugging Face tokenizer, for the fallback path
     special_text: dict[int, str] = field(default_factory=dict)  # hidden special ids -> their spelling
+    # The most UTF-8 bytes of text one token can stand for, where the tokenizer maps text to
+    # tokens byte for byte (byte-level BPE without a normalizer), else None: then a text of B
+    # bytes is at least ceil(B / max_token_bytes) tokens, known before tokenizing it.
+    max_token_bytes: int | None = None
 
     @classmethod
     def from_tokenizer(cls, tokenizer, visible=()) -> TokenTable:
@@ -61,7 +65,9 @@ class TokenTable:
                     table.append(bytes(bmap[c] for c in piece))
                 else:  # an added token spelled in plain text
                     table.append(piece.encode("utf-8"))
-            return cls(table, hf, spelled)
+            exact = backend.normalizer is None  # (a normalizer may shorten the text it tokenizes)
+            longest = max([len(b) for b in table] + [len(t.encode("utf-8")) for t in spelled.values()])
+            return cls(table, hf, spelled, max_token_bytes=longest if exact and longest > 0 else None)
         if decoder and ("Metaspace" in decoder or "\u2581" in decoder or "ByteFallback" in decoder):
             for i, piece in enumerate(pieces):
                 if i in special or piece is None:

@@ -162,10 +162,37 @@ def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int],
     out = []
     for item in items:
         if isinstance(item, str):
+            check_text_length(request, item)
             out.append((tokenizer.encode(item), item))
         else:
             out.append((list(item), None))
     return out
+
+
+def check_text_length(request: Request, text: str) -> None:
+    """Refuse a text prompt that is too long for the context window (or the server's
+    ``max_prompt_tokens``) by its byte length alone, without tokenizing it: a text of B bytes is
+    at least B / ``TokenTable.max_token_bytes`` tokens where the tokenizer maps text to tokens
+    byte for byte (no check otherwise). Tokenizing 8 MB of text takes ~8 s of a core.
+
+    Raises:
+        APIError: 400 ``context_length_exceeded`` or ``prompt_too_long`` (``param: prompt``).
+    """
+    loaded = _state(request).engine.loaded
+    per = loaded.token_table.max_token_bytes
+    limit = _state(request).settings.max_prompt_tokens
+    if not per or len(text) * 4 <= per * min(loaded.context_length, limit or loaded.context_length):
+        return  # (UTF-8 takes at most 4 bytes a character: it cannot be too long)
+    size = len(text.encode("utf-8"))
+    least = -(-size // per)
+    if least > loaded.context_length:
+        _state(request).metrics.request_rejected("ContextLengthExceeded")  # (as the engine's check counts it)
+        raise APIError(400, f"This model's maximum context length is {loaded.context_length} tokens. However, "
+                       f"the prompt alone has at least {least} tokens ({size} bytes of text, at most {per} "
+                       "per token). Please reduce the prompt.", param="prompt", code="context_length_exceeded")
+    if limit and least > limit:
+        raise APIError(400, f"The prompt has at least {least} tokens ({size} bytes of text, at most {per} per "
+                       f"token); this server accepts at most {limit}.", param="prompt", code="prompt_too_long")
 
 
 def typed_specials(tokenizer, hidden, text: str, ids: list[int]) -> dict[int, str]:
@@ -656,7 +683,9 @@ async def completions(request: Request, body: CompletionRequest):
     model = check_model(request, body.model)
     check_ready(request)
     rid = f"cmpl-{uuid.uuid4().hex}"
-    jobs = completion_jobs(request, body, rid)
+    # (tokenizing runs off the event loop: a megabyte of prompt takes a second, which would stall
+    # every other connection, /health and running streams included)
+    jobs = await asyncio.to_thread(completion_jobs, request, body, rid)
     response, created, table = await _run(request, body, jobs, rid, model, stream_completions)
     if response is not None:
         return response
@@ -714,7 +743,7 @@ async def chat_completions(request: Request, body: ChatCompletionRequest):
     model = check_model(request, body.model)
     check_ready(request)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    jobs = chat_jobs(request, body, rid)
+    jobs = await asyncio.to_thread(chat_jobs, request, body, rid)  # (the template, off the event loop)
     response, created, table = await _run(request, body, jobs, rid, model, stream_chat)
     if response is not None:
         return response

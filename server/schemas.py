@@ -11,6 +11,7 @@ requests with the same salt share prefix-cache entries). Chat takes OpenAI's ``t
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -20,11 +21,16 @@ SpecMethod = Literal["auto", "prompt_lookup", "dspark", "off"]
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-def surrogate_path(value, path: str = "") -> str | None:
-    """Where in decoded JSON a string holds a lone surrogate (JSON allows ``"\\ud800"``; such a
-    string is not Unicode text and cannot be tokenized or encoded as UTF-8), else None."""
+def invalid_value(value, path: str = "") -> tuple[str, str] | None:
+    """Where decoded JSON holds a value that is not JSON text, and what: a string with a lone
+    surrogate (JSON allows ``"\\ud800"``; such a string is not Unicode text and cannot be
+    tokenized or encoded as UTF-8), or NaN / +-Infinity (Python's JSON parser reads them; inside
+    a schema they would turn into ``null``). Returns ``(path, message)`` for the first one, else
+    None."""
     if isinstance(value, str):
-        return path if _SURROGATE.search(value) else None
+        return (path, _NOT_UNICODE) if _SURROGATE.search(value) else None
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (path or "body", f"{value} is not a finite number (not JSON)")
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list):
@@ -34,11 +40,14 @@ def surrogate_path(value, path: str = "") -> str | None:
     for key, item in items:
         here = f"{path}.{key}" if path else str(key)
         if isinstance(key, str) and _SURROGATE.search(key):
-            return path or "body"
-        found = surrogate_path(item, here)
+            return path or "body", _NOT_UNICODE
+        found = invalid_value(item, here)
         if found is not None:
             return found
     return None
+
+
+_NOT_UNICODE = "strings must be valid Unicode (found a lone surrogate escape)"
 
 
 class ParamError(ValueError):
@@ -114,19 +123,20 @@ class StructuredOutputs(_Part):
         return self
 
 
-class _UnicodeOnly(BaseModel):
-    """A request body whose strings must be Unicode text (no lone surrogate escapes)."""
+class _JsonText(BaseModel):
+    """A request body that is JSON text: Unicode strings (no lone surrogate escapes) and finite
+    numbers (no NaN or Infinity), anywhere in it (:func:`invalid_value`)."""
 
     @model_validator(mode="before")
     @classmethod
-    def _unicode(cls, data):
-        where = surrogate_path(data)
-        if where is not None:  # (param: the field holding it)
-            raise ParamError(where, "strings must be valid Unicode (found a lone surrogate escape)")
+    def _json_text(cls, data):
+        found = invalid_value(data)
+        if found is not None:  # (param: the field holding it)
+            raise ParamError(*found)
         return data
 
 
-class SamplingFields(_UnicodeOnly):
+class SamplingFields(_JsonText):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     # (allow_inf_nan: NaN and +-Infinity, which Python's JSON parser reads, fail as "not a finite
@@ -171,11 +181,13 @@ class SamplingFields(_UnicodeOnly):
             return v
         if len(v) > 1024:
             raise ValueError("logit_bias may hold at most 1024 entries")
-        for key in v:
-            try:
-                int(key)
-            except ValueError:
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}") from None
+        seen = {}
+        for key in v:  # (int() would also take " 300", "+300", "3_00" and non-ASCII digits)
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"logit_bias keys must be token ids (decimal digits), got {key!r}")
+            if int(key) in seen:
+                raise ValueError(f"logit_bias names token {int(key)} twice ({seen[int(key)]!r} and {key!r})")
+            seen[int(key)] = key
         return v
 
     @model_validator(mode="after")
@@ -267,8 +279,8 @@ class FunctionCall(_Part):
             value = json.loads(self.arguments or "{}")
         except (ValueError, RecursionError):
             return self.arguments
-        # (an escaped lone surrogate decodes to text no tokenizer takes: keep the string)
-        return value if isinstance(value, dict) and surrogate_path(value) is None else self.arguments
+        # (an escaped lone surrogate decodes to text no tokenizer takes, and NaN is no JSON: keep the string)
+        return value if isinstance(value, dict) and invalid_value(value) is None else self.arguments
 
 
 class ToolCall(_Part):
@@ -416,7 +428,7 @@ class ChatCompletionRequest(SamplingFields, ToolFields):
         return self
 
 
-class TokenizeRequest(_UnicodeOnly, ToolFields):
+class TokenizeRequest(_JsonText, ToolFields):
     """``POST /tokenize`` (vLLM's extension): the token ids the server would run for a completion
     ``prompt`` (a string, as ``/v1/completions`` encodes it) or for chat ``messages`` (with
     ``tools`` unless ``tool_choice`` is ``"none"``) through the model's chat template, as

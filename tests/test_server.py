@@ -239,6 +239,16 @@ def test_chat_logprobs(tiny_server):
         ({"prompt": "x", "stop": ["ok", "\udfff"]}, 400, "stop.1"),
         ({"prompt": "x", "top_p": float("inf")}, 400, "top_p"),
         ({"prompt": "x", "n": 1000}, 400, "n"),  # (the server's max_n: one message, "at most 4")
+        # NaN and Infinity anywhere (Python's JSON parser reads them; in a schema they became null)
+        ({"prompt": "x", "structured_outputs": {"json": {"const": float("inf")}}}, 400,
+         "structured_outputs.json.const"),
+        ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {
+            "schema": {"enum": [1, float("nan")]}}}}, 400, "response_format.json_schema.schema.enum.1"),
+        # logit_bias keys: token ids in decimal digits, each once
+        ({"prompt": "x", "logit_bias": {" 5": 1}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"+5": 1}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"\u0665": 1}}, 400, "logit_bias"),  # (an Arabic-Indic 5: int() reads it)
+        ({"prompt": "x", "logit_bias": {"5": 1, "05": -1}}, 400, "logit_bias"),
     ],
 )
 def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
@@ -319,6 +329,65 @@ def test_context_length_exceeded(tiny_server):
     assert r.json()["error"]["code"] == "context_length_exceeded"
     # and the server keeps serving
     assert post(tiny_server, "/v1/completions", {"prompt": "ab", "max_tokens": 2}).status_code == 200
+
+
+def test_a_text_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(tiny_server):
+    """A text of B bytes is at least B / max_token_bytes tokens (13 bytes here: the special
+    tokens' spellings), so 30,000 bytes cannot fit 2,048 tokens, whatever they tokenize to; the
+    refusal says so without tokenizing. 20,000 bytes could, so they are tokenized (and refused by
+    the engine's check, which counts the tokens)."""
+    loaded = tiny_server.engine.loaded
+    assert loaded.token_table.max_token_bytes == 13 and loaded.context_length == 2048
+    labels = 'reason="ContextLengthExceeded"'
+    before = metric(tiny_server, "requests_rejected_total", labels)
+    r = post(tiny_server, "/v1/completions", {"prompt": "x" * 30_000, "max_tokens": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt", r.text
+    assert "at least 2308 tokens (30000 bytes" in err["message"], err["message"]
+    r = post(tiny_server, "/v1/completions", {"prompt": ["ab", "\u00e9" * 15_000], "max_tokens": 1})  # 2-byte chars
+    assert r.status_code == 400 and "at least 2308 tokens (30000 bytes" in r.json()["error"]["message"], r.text
+    r = post(tiny_server, "/v1/completions", {"prompt": "x" * 20_000, "max_tokens": 1})
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded", r.text
+    assert "20001 tokens (20000 in the prompt" in err["message"], err["message"]
+    assert metric(tiny_server, "requests_rejected_total", labels) == before + 3
+
+
+def test_tokenizing_a_prompt_does_not_stall_other_requests(tiny_server, monkeypatch):
+    """Prompts are tokenized (and chat templates rendered) off the event loop: while one is held
+    inside the tokenizer, /health and other requests are answered."""
+    tokenizer = tiny_server.engine.loaded.tokenizer._tokenizer  # (the Hugging Face tokenizer inside the wrapper)
+    inside, release = threading.Event(), threading.Event()
+    encode, template = tokenizer.encode, tokenizer.apply_chat_template
+
+    def held(fn):
+        def call(first, *args, **kwargs):
+            if "HOLD" in str(first):
+                inside.set()
+                release.wait(120)
+            return fn(first, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(tokenizer, "encode", held(encode))
+    monkeypatch.setattr(tokenizer, "apply_chat_template", held(template))
+    for path, body in (("/v1/completions", {"prompt": "HOLD ab", "max_tokens": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "HOLD"}], "max_tokens": 2})):
+        inside.clear()
+        release.clear()
+        result = {}
+        held_request = threading.Thread(
+            target=lambda out, path, body: out.setdefault("r", post(tiny_server, path, body)), args=(result, path, body))
+        held_request.start()
+        try:
+            assert inside.wait(60)
+            assert httpx.get(tiny_server.url + "/health", timeout=60).status_code == 200
+            r = post(tiny_server, "/v1/completions", {"prompt": "ab", "max_tokens": 2, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+            assert held_request.is_alive()  # (still inside the tokenizer)
+        finally:
+            release.set()
+            held_request.join(120)
+        assert result["r"].status_code == 200, result["r"].text
 
 
 def test_chat_errors(tiny_server):

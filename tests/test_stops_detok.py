@@ -70,3 +70,19 @@ def test_invalid_utf8_becomes_replacement_only_at_the_end(tiny):
     detok = StreamingDetokenizer(table)
     out = detok.add(lone) + detok.add(tiny.tokenizer.encode("a")[0]) + detok.flush()
     assert out == "\ufffda"
+
+
+def test_max_token_bytes_bounds_a_text_only_where_tokens_are_its_bytes():
+    """Byte-level BPE without a normalizer: the longest token's bytes (the special tokens'
+    spellings count, since typed text tokenizes to them). With a normalizer, which may shorten
+    the text it tokenizes, there is no such bound."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tiny import byte_tokenizer
+    from tokenizers import normalizers
+
+    hf = byte_tokenizer()
+    table = TokenTable.from_tokenizer(TokenizerWrapper(hf))
+    assert table.max_token_bytes == len(b"<|endoftext|>") == 13
+    assert max(len(b) for b in table.token_bytes) == 1  # (the bytes themselves; specials decode to nothing)
+    hf.backend_tokenizer.normalizer = normalizers.NFKC()
+    assert TokenTable.from_tokenizer(TokenizerWrapper(hf)).max_token_bytes is None
