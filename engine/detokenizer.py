@@ -14,7 +14,39 @@ Tokenizers of neither family fall back to re-decoding a growing window with the 
 from __future__ import annotations
 
 import codecs
+import re
 from dataclasses import dataclass, field
+
+# pre-tokenizers that split text without dropping any of it (a Split may remove its matches)
+_KEEPS_TEXT = {"Sequence", "ByteLevel", "Digits", "Split", "Regex", "Punctuation"}
+
+
+def _text_bound(hf, backend, table: list[bytes], bmap: dict[str, int]) -> tuple[int | None, bytes]:
+    """``TokenTable.max_token_bytes`` and ``dropped_bytes`` for a byte-level BPE: the most
+    UTF-8 bytes of input text one token can consume, and the bytes the tokenizer drops (those
+    whose byte symbol its vocabulary lacks: SmolLM2's lacks 21, among them 0x04 and 0xF1).
+    ``(None, b"")`` where text can vanish in other ways or one token can swallow any amount of
+    it: a normalizer; a pre-tokenizer that may drop text; a model other than plain BPE
+    (``fuse_unk`` merges a run of unknown symbols); an added token that strips whitespace
+    around itself (``lstrip``/``rstrip``) or matches whole words only. Added tokens are matched
+    in the text as their literal spelling, so that spelling's length counts too (a token
+    spelled in byte symbols decodes to fewer bytes)."""
+    if backend.normalizer is not None:
+        return None, b""
+    pre = str(backend.pre_tokenizer) if backend.pre_tokenizer is not None else ""
+    if not set(re.findall(r"(\w+)\(", pre)) <= _KEEPS_TEXT or "Removed" in pre:
+        return None, b""
+    model = backend.model
+    if type(model).__name__ != "BPE" or getattr(model, "fuse_unk", False):
+        return None, b""
+    added = list(getattr(hf, "added_tokens_decoder", {}).values())
+    if any(getattr(t, "lstrip", False) or getattr(t, "rstrip", False) or getattr(t, "single_word", False)
+           for t in added):
+        return None, b""
+    vocab = backend.get_vocab(with_added_tokens=False)
+    dropped = bytes(sorted(bmap[c] for c in bmap if c not in vocab))
+    longest = max([len(b) for b in table] + [len(str(t).encode("utf-8")) for t in added])
+    return (longest, dropped) if longest else (None, b"")
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -37,10 +69,22 @@ class TokenTable:
     token_bytes: list[bytes] | None
     tokenizer: object  # the Hugging Face tokenizer, for the fallback path
     special_text: dict[int, str] = field(default_factory=dict)  # hidden special ids -> their spelling
-    # The most UTF-8 bytes of text one token can stand for, where the tokenizer maps text to
-    # tokens byte for byte (byte-level BPE without a normalizer), else None: then a text of B
-    # bytes is at least ceil(B / max_token_bytes) tokens, known before tokenizing it.
+    # The most UTF-8 bytes of text one token can consume, where the tokenizer maps text to
+    # tokens byte for byte (a byte-level BPE; see _text_bound), else None; and the bytes it drops.
+    # A text of B bytes, D of them dropped ones, is at least ceil((B - D) / max_token_bytes)
+    # tokens, known before tokenizing it (``min_tokens``).
     max_token_bytes: int | None = None
+    dropped_bytes: bytes = b""
+
+    def min_tokens(self, text: str) -> int | None:
+        """A lower bound on the number of tokens ``text`` encodes to (special tokens the
+        tokenizer adds, a BOS, come on top), or None where none is known."""
+        if not self.max_token_bytes:
+            return None
+        data = text.encode("utf-8")
+        if self.dropped_bytes:
+            data = data.translate(None, self.dropped_bytes)
+        return -(-len(data) // self.max_token_bytes)
 
     @classmethod
     def from_tokenizer(cls, tokenizer, visible=()) -> TokenTable:
@@ -65,9 +109,8 @@ class TokenTable:
                     table.append(bytes(bmap[c] for c in piece))
                 else:  # an added token spelled in plain text
                     table.append(piece.encode("utf-8"))
-            exact = backend.normalizer is None  # (a normalizer may shorten the text it tokenizes)
-            longest = max([len(b) for b in table] + [len(t.encode("utf-8")) for t in spelled.values()])
-            return cls(table, hf, spelled, max_token_bytes=longest if exact and longest > 0 else None)
+            longest, dropped = _text_bound(hf, backend, table, bmap)
+            return cls(table, hf, spelled, max_token_bytes=longest, dropped_bytes=dropped)
         if decoder and ("Metaspace" in decoder or "\u2581" in decoder or "ByteFallback" in decoder):
             for i, piece in enumerate(pieces):
                 if i in special or piece is None:

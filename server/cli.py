@@ -125,14 +125,28 @@ def main(argv: list[str] | None = None) -> None:
     try:
         server.run()
     except BaseException as exc:  # SystemExit (uvicorn's start-up failures), KeyboardInterrupt, bugs
-        status = exit_status(server.signalled, exc)
-        _leave_if_engine_runs(engine, status, exc)
+        _leave_if_engine_runs(engine, exit_status(server.signalled, exc), exc)
         if isinstance(exc, KeyboardInterrupt) and server.signalled is not None:
-            # uvicorn re-raises a Ctrl-C it already shut down for (`signal.raise_signal` after the
-            # graceful exit): a finished shutdown, not a crash, so no traceback; status 130
-            raise SystemExit(status) from None
+            _quiet_interrupt()
         raise
-    _leave_if_engine_runs(engine, exit_status(server.signalled, None), None)
+    status = exit_status(server.signalled, None)
+    _leave_if_engine_runs(engine, status, None)
+    if status:  # (a SIGINT where SIGINT was ignored at launch: uvicorn's re-raise did nothing)
+        raise SystemExit(status)
+
+
+def _quiet_interrupt() -> None:
+    """No traceback for the KeyboardInterrupt leaving :func:`main`: uvicorn re-raises a Ctrl-C
+    (`signal.raise_signal`) after the graceful shutdown it ran for it, so it is a finished
+    shutdown, not a crash. Python still ends the process by SIGINT after its teardown, as for
+    any uncaught KeyboardInterrupt, so a calling shell or supervisor sees the interrupt."""
+    previous = sys.excepthook
+
+    def hook(kind, value, tb):
+        if not issubclass(kind, KeyboardInterrupt):
+            previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def raise_open_file_limit(target: int = 65536) -> int | str:

@@ -170,29 +170,31 @@ def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int],
 
 
 def check_text_length(request: Request, text: str) -> None:
-    """Refuse a text prompt that is too long for the context window (or the server's
-    ``max_prompt_tokens``) by its byte length alone, without tokenizing it: a text of B bytes is
-    at least B / ``TokenTable.max_token_bytes`` tokens where the tokenizer maps text to tokens
-    byte for byte (no check otherwise). Tokenizing 8 MB of text takes ~8 s of a core.
+    """Refuse a text prompt that is too long for the server's ``max_prompt_tokens`` or the
+    context window by its bytes alone, without tokenizing it (8 MB of text take ~8 s of a core):
+    ``TokenTable.min_tokens`` bounds its token count from below where the tokenizer maps text to
+    tokens byte for byte (no check otherwise). The checks and their order are the tokenized
+    prompt's (:func:`check_prompt_length`, then the engine's context check, which is counted).
 
     Raises:
-        APIError: 400 ``context_length_exceeded`` or ``prompt_too_long`` (``param: prompt``).
+        APIError: 400 ``prompt_too_long`` or ``context_length_exceeded`` (``param: prompt``).
     """
     loaded = _state(request).engine.loaded
-    per = loaded.token_table.max_token_bytes
+    table = loaded.token_table
     limit = _state(request).settings.max_prompt_tokens
-    if not per or len(text) * 4 <= per * min(loaded.context_length, limit or loaded.context_length):
+    cap = min(loaded.context_length, limit or loaded.context_length)
+    if not table.max_token_bytes or len(text) * 4 <= table.max_token_bytes * cap:
         return  # (UTF-8 takes at most 4 bytes a character: it cannot be too long)
-    size = len(text.encode("utf-8"))
-    least = -(-size // per)
+    least = table.min_tokens(text)
+    why = f"at least {least} tokens ({len(text.encode('utf-8'))} bytes of text, at most {table.max_token_bytes} per token)"
+    if limit and least > limit:
+        raise APIError(400, f"The prompt has {why}; this server accepts at most {limit}.", param="prompt",
+                       code="prompt_too_long")
     if least > loaded.context_length:
         _state(request).metrics.request_rejected("ContextLengthExceeded")  # (as the engine's check counts it)
         raise APIError(400, f"This model's maximum context length is {loaded.context_length} tokens. However, "
-                       f"the prompt alone has at least {least} tokens ({size} bytes of text, at most {per} "
-                       "per token). Please reduce the prompt.", param="prompt", code="context_length_exceeded")
-    if limit and least > limit:
-        raise APIError(400, f"The prompt has at least {least} tokens ({size} bytes of text, at most {per} per "
-                       f"token); this server accepts at most {limit}.", param="prompt", code="prompt_too_long")
+                       f"the prompt alone has {why}. Please reduce the prompt.", param="prompt",
+                       code="context_length_exceeded")
 
 
 def typed_specials(tokenizer, hidden, text: str, ids: list[int]) -> dict[int, str]:

@@ -30,7 +30,7 @@ def invalid_value(value, path: str = "") -> tuple[str, str] | None:
     if isinstance(value, str):
         return (path, _NOT_UNICODE) if _SURROGATE.search(value) else None
     if isinstance(value, float):
-        return None if math.isfinite(value) else (path or "body", f"{value} is not a finite number (not JSON)")
+        return None if math.isfinite(value) else (path or "body", f"{value} is not a finite number")
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list):

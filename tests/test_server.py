@@ -331,13 +331,21 @@ def test_context_length_exceeded(tiny_server):
     assert post(tiny_server, "/v1/completions", {"prompt": "ab", "max_tokens": 2}).status_code == 200
 
 
-def test_a_text_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(tiny_server):
+def test_a_text_prompt_too_long_by_its_bytes_is_refused_before_tokenizing(tiny_server, monkeypatch):
     """A text of B bytes is at least B / max_token_bytes tokens (13 bytes here: the special
     tokens' spellings), so 30,000 bytes cannot fit 2,048 tokens, whatever they tokenize to; the
     refusal says so without tokenizing. 20,000 bytes could, so they are tokenized (and refused by
     the engine's check, which counts the tokens)."""
     loaded = tiny_server.engine.loaded
     assert loaded.token_table.max_token_bytes == 13 and loaded.context_length == 2048
+    hf = loaded.tokenizer._tokenizer
+    encode = hf.encode
+
+    def encode_short(text, *args, **kwargs):
+        assert len(text) < 25_000, "a prompt refused by its length was tokenized"
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(hf, "encode", encode_short)
     labels = 'reason="ContextLengthExceeded"'
     before = metric(tiny_server, "requests_rejected_total", labels)
     r = post(tiny_server, "/v1/completions", {"prompt": "x" * 30_000, "max_tokens": 1})

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 
 from engine.detokenizer import StreamingDetokenizer, TokenTable
@@ -78,11 +80,36 @@ def test_max_token_bytes_bounds_a_text_only_where_tokens_are_its_bytes():
     the text it tokenizes, there is no such bound."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from tiny import byte_tokenizer
-    from tokenizers import normalizers
+    from tokenizers import AddedToken, normalizers
 
     hf = byte_tokenizer()
     table = TokenTable.from_tokenizer(TokenizerWrapper(hf))
-    assert table.max_token_bytes == len(b"<|endoftext|>") == 13
+    assert table.max_token_bytes == len(b"<|endoftext|>") == 13 and table.dropped_bytes == b""
     assert max(len(b) for b in table.token_bytes) == 1  # (the bytes themselves; specials decode to nothing)
+    for text in ("", "a", "<|im_start|>" * 50, "\u00e9<|im_end|>" * 40 + "x" * 7, "\U0001f600 ab" * 30):
+        assert 0 <= table.min_tokens(text) <= len(hf.encode(text, add_special_tokens=False)), text
+    assert table.min_tokens("<|im_start|>" * 50) == 47  # (600 bytes; each is 1 token of 12)
     hf.backend_tokenizer.normalizer = normalizers.NFKC()
     assert TokenTable.from_tokenizer(TokenizerWrapper(hf)).max_token_bytes is None
+    # an added token that swallows the whitespace around it: no bound (3 tokens for 200 kB)
+    hf = byte_tokenizer()
+    hf.add_special_tokens({"additional_special_tokens": [AddedToken("<|sep|>", lstrip=True, rstrip=True, special=True)]})
+    assert len(hf.encode("a" + " " * 100_000 + "<|sep|>" + " " * 100_000 + "b", add_special_tokens=False)) == 3
+    table = TokenTable.from_tokenizer(TokenizerWrapper(hf))
+    assert table.max_token_bytes is None and table.min_tokens("a" * 1000) is None
+
+
+def test_bytes_a_tokenizer_drops_do_not_count_towards_the_bound():
+    """SmolLM2's byte-level vocabulary lacks 21 byte symbols (0x04 among them): such bytes
+    tokenize to nothing, so a text of them is no tokens, and the bound leaves them out."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tiny import byte_tokenizer
+    from tokenizers import Tokenizer
+
+    hf = byte_tokenizer()
+    spec = json.loads(hf.backend_tokenizer.to_str())
+    del spec["model"]["vocab"]["\u0104"]  # (byte 0x04's symbol in the GPT-2 byte map)
+    hf._tokenizer = Tokenizer.from_str(json.dumps(spec))
+    assert hf.encode("\x04" * 100 + "ab", add_special_tokens=False) == hf.encode("ab", add_special_tokens=False)
+    table = TokenTable.from_tokenizer(TokenizerWrapper(hf))
+    assert table.dropped_bytes == b"\x04" and table.min_tokens("\x04" * 100 + "ab") == 1

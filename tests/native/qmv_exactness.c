@@ -4,7 +4,9 @@
 // codes and one or two activation digits, (a) every row of an M-row projection, M = 1..16,
 // equals that row's one-row projection bit for bit (row independence), and (b) a hash of all
 // outputs, which must be the same for every build of the source (the vector paths compute the
-// generic code's arithmetic). Prints "hash <16 hex digits> bad <rows that differed>".
+// generic code's arithmetic), and (c) over a share of the outputs that starts or ends inside a
+// block of 16, written or added, the same bits and nothing outside it. Prints "hash <16 hex
+// digits> bad <rows that differed>".
 #include KERNEL_SOURCE
 #include <stdio.h>
 
@@ -59,6 +61,27 @@ int main(void) {
                         project(&q, 0, OUT, &row, 1, one[r], OUT, 0);
                     }
                     for (int M = 1; M <= ROWS; M++) {
+                        // (c) a thread's share of the outputs may start and end inside a block of
+                        // 16: those outputs, and no others, get the full projection's bits,
+                        // written (add 0) or added to what y held (add 1)
+                        static const int ranges[][2] = {{3, OUT}, {17, 18}, {5, 20}, {0, 16}};
+                        for (int ri = 0; ri < 4; ri++)
+                            for (int add = 0; add <= 1; add++) {
+                                const int lo = ranges[ri][0], hi = ranges[ri][1];
+                                float part[ROWS][OUT];
+                                for (int r = 0; r < ROWS; r++)
+                                    for (int o = 0; o < OUT; o++) part[r][o] = 0.25f * o;
+                                project(&q, lo, hi, &a, M, &part[0][0], OUT, add);
+                                for (int r = 0; r < ROWS; r++)
+                                    for (int o = 0; o < OUT; o++) {
+                                        const float want = r >= M || o < lo || o >= hi ? 0.25f * o
+                                                           : add ? 0.25f * o + one[r][o] : one[r][o];
+                                        if (memcmp(&part[r][o], &want, 4) && bad++ < 5)
+                                            printf("row %d of %d, output %d of [%d, %d), add %d differs: %d blocks, "
+                                                   "group %d, %d bits, %d digits\n", r, M, o, lo, hi, add, nb, gs,
+                                                   bits, digits);
+                                    }
+                            }
                         float y[ROWS][OUT];
                         project(&q, 0, OUT, &a, M, &y[0][0], OUT, 0);
                         for (int r = 0; r < M; r++) {
