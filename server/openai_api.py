@@ -186,7 +186,8 @@ def check_text_length(request: Request, text: str) -> None:
     if not table.max_token_bytes or len(text) * 4 <= table.max_token_bytes * cap:
         return  # (UTF-8 takes at most 4 bytes a character: it cannot be too long)
     least = table.min_tokens(text)
-    why = f"at least {least} tokens ({len(text.encode('utf-8'))} bytes of text, at most {table.max_token_bytes} per token)"
+    size = len(text.encode("utf-8"))
+    why = f"at least {least} tokens ({size} bytes of text, at most {table.max_token_bytes} per token)"
     if limit and least > limit:
         raise APIError(400, f"The prompt has {why}; this server accepts at most {limit}.", param="prompt",
                        code="prompt_too_long")
