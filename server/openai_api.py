@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import inspect
 import json
 import logging
 import time
@@ -169,7 +171,7 @@ def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int],
     return out
 
 
-def check_text_length(request: Request, text: str) -> None:
+def check_text_length(request: Request, text: str, param: str = "prompt") -> None:
     """Refuse a text prompt that is too long for the server's ``max_prompt_tokens`` or the
     context window by its bytes alone, without tokenizing it (8 MB of text take ~8 s of a core):
     ``TokenTable.min_tokens`` bounds its token count from below where the tokenizer maps text to
@@ -177,7 +179,7 @@ def check_text_length(request: Request, text: str) -> None:
     prompt's (:func:`check_prompt_length`, then the engine's context check, which is counted).
 
     Raises:
-        APIError: 400 ``prompt_too_long`` or ``context_length_exceeded`` (``param: prompt``).
+        APIError: 400 ``prompt_too_long`` or ``context_length_exceeded`` (``param``: the field).
     """
     loaded = _state(request).engine.loaded
     table = loaded.token_table
@@ -189,12 +191,12 @@ def check_text_length(request: Request, text: str) -> None:
     size = len(text.encode("utf-8"))
     why = f"at least {least} tokens ({size} bytes of text, at most {table.max_token_bytes} per token)"
     if limit and least > limit:
-        raise APIError(400, f"The prompt has {why}; this server accepts at most {limit}.", param="prompt",
+        raise APIError(400, f"The prompt has {why}; this server accepts at most {limit}.", param=param,
                        code="prompt_too_long")
     if least > loaded.context_length:
         _state(request).metrics.request_rejected("ContextLengthExceeded")  # (as the engine's check counts it)
         raise APIError(400, f"This model's maximum context length is {loaded.context_length} tokens. However, "
-                       f"the prompt alone has {why}. Please reduce the prompt.", param="prompt",
+                       f"the prompt alone has {why}. Please reduce the prompt.", param=param,
                        code="context_length_exceeded")
 
 
@@ -296,18 +298,47 @@ def template_tools(tokenizer, body: ToolFields) -> tuple[ToolFormat | None, list
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, check=None) -> list[int]:
     """The prompt's token ids: ``messages`` (and ``tools``, as OpenAI dicts, or None) through the
-    model's chat template. Raises APIError 400 (``param: messages``) for a template error, e.g.
-    roles out of order, or when the model has no template."""
+    model's chat template. Control tokens spelled inside messages and tools (``<|im_start|>``
+    typed in a user's text) are encoded as the text they spell, so only the template writes
+    turns and roles (Hugging Face's ``sanitize_control_tokens``, transformers >= 5.20; without
+    it a user could open a system turn from inside a message). ``check``, when given, sees the
+    rendered text first (:func:`check_text_length`: a render too long for the context is refused
+    before it is tokenized; rendering alone takes microseconds).
+
+    Raises APIError 400 (``param: messages``) for a template error, e.g. roles out of order, or
+    when the model has no template."""
     require_chat_template(tokenizer)
     extra = {"tools": tools} if tools is not None else {}
+    dicts = [m.for_template() for m in messages]
     try:
-        tokens = tokenizer.apply_chat_template([m.for_template() for m in messages],
-                                               add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
+        if check is not None:
+            check(tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                **extra))
+        if _sanitizes(tokenizer):
+            extra["sanitize_control_tokens"] = True
+        tokens = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                               **extra)
+    except APIError:
+        raise
     except Exception as exc:  # template errors, e.g. roles out of order
         raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from exc
     return list(tokens)
+
+
+@functools.cache
+def _sanitizes(tokenizer) -> bool:
+    """Whether ``tokenizer`` renders chats through Hugging Face's own ``apply_chat_template``
+    (where ``sanitize_control_tokens`` exists), not an mlx-lm template module or a tokenizer
+    class's own renderer, which take no such option and keep control tokens typed in messages."""
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)
+    if getattr(tokenizer, "_chat_template", None) is not None:
+        return False
+    try:
+        return "sanitize_control_tokens" in inspect.signature(hf.apply_chat_template).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[Job]:
@@ -336,7 +367,8 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
             except (GrammarError, ValueError, RuntimeError) as exc:
                 raise APIError(400, f"the tools cannot be forced: {exc}", param="tools") from None
             grammar_param = "tools"
-    tokens = chat_prompt(tokenizer, body.messages, tools)
+    tokens = chat_prompt(tokenizer, body.messages, tools,
+                         check=lambda text: check_text_length(request, text, "messages"))
     check_prompt_length(settings, tokens, "messages")
     param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
     max_tokens = capped_max_tokens(settings, body.max_completion_tokens or body.max_tokens,
