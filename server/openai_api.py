@@ -8,6 +8,7 @@ import functools
 import inspect
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -316,29 +317,59 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None
         if check is not None:
             check(tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tokenize=False,
                                                 **extra))
-        if _sanitizes(tokenizer):
+        controls = _sanitizes(tokenizer)
+        if controls:
+            _refuse_control_keys(controls, tools, "tools")
+            _refuse_control_keys(controls, [m.get("tool_calls") for m in dicts], "messages")
             extra["sanitize_control_tokens"] = True
         tokens = tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tokenize=True,
                                                **extra)
     except APIError:
         raise
     except Exception as exc:  # template errors, e.g. roles out of order
+        if "Can't sanitize" in str(exc):  # (a control token the tokenizer also builds from plain text)
+            raise APIError(400, f"the messages spell a control token this model cannot take as text: {exc}",
+                           param="messages") from exc
         raise APIError(400, f"could not apply the chat template: {exc}", param="messages") from exc
     return list(tokens)
 
 
 @functools.cache
-def _sanitizes(tokenizer) -> bool:
-    """Whether ``tokenizer`` renders chats through Hugging Face's own ``apply_chat_template``
-    (where ``sanitize_control_tokens`` exists), not an mlx-lm template module or a tokenizer
-    class's own renderer, which take no such option and keep control tokens typed in messages."""
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)
-    if getattr(tokenizer, "_chat_template", None) is not None:
-        return False
+def _sanitizes(tokenizer) -> tuple[str, ...]:
+    """The control-token spellings (the tokenizer's added tokens) to encode as text in chat
+    inputs, or () where the chat goes through an mlx-lm template module or a tokenizer class's
+    own renderer (which take no ``sanitize_control_tokens``), or through a template that splits
+    content at a control token (Qwen3's ``content.split('</think>')``): transformers wraps typed
+    control tokens in markers, and the split's whitespace stripping would then change what an
+    assistant turn with a think block renders to. Those keep control tokens typed in messages."""
     try:
-        return "sanitize_control_tokens" in inspect.signature(hf.apply_chat_template).parameters
-    except (TypeError, ValueError):
-        return False
+        hf = tokenizer._tokenizer  # (mlx-lm's TokenizerWrapper around the Hugging Face tokenizer)
+        if getattr(tokenizer, "_chat_template", None) is not None:
+            return ()
+        if "sanitize_control_tokens" not in inspect.signature(hf.apply_chat_template).parameters:
+            return ()
+        spellings = tuple(str(t) for t in hf.added_tokens_decoder.values())
+        template = hf.chat_template if isinstance(hf.chat_template, str) else json.dumps(hf.chat_template)
+        split_at = re.findall(r"split\(\s*(['\"])(.*?)\1", template or "")
+        if any(literal in spellings for _, literal in split_at):
+            return ()
+        return spellings
+    except Exception:  # (anything unexpected: keep the plain path)
+        return ()
+
+
+def _refuse_control_keys(controls: tuple[str, ...], value, param: str) -> None:
+    """Refuse a dict key holding a control token's spelling in ``value`` (tools, tool-call
+    arguments): templates print keys verbatim (``tojson``) and transformers does not sanitize
+    them, so such a key would open a turn from inside a tool. Raises APIError 400."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and any(c in key for c in controls):
+                raise APIError(400, f"a key holds a control token of this model: {key!r}", param=param)
+            _refuse_control_keys(controls, item, param)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            _refuse_control_keys(controls, item, param)
 
 
 def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[Job]:

@@ -617,3 +617,20 @@ def test_tokenize_adds_the_tokenizers_bos_as_completions_do(tiny):
         assert gen["usage"]["prompt_tokens"] == len(with_bos)
     finally:
         live.stop()
+
+
+def test_templates_that_split_content_at_a_control_token_are_not_sanitized():
+    """Qwen3's template splits an assistant's content at '</think>' and strips the newlines
+    after it; transformers' markers around a typed control token would stop that strip, so such
+    templates keep the plain path. Other Hugging Face templates sanitize every added token."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tiny import byte_tokenizer
+
+    from server.openai_api import _sanitizes
+
+    plain = TokenizerWrapper(byte_tokenizer())
+    assert "<|im_start|>" in _sanitizes(plain) and "<|im_end|>" in _sanitizes(plain)
+    hf = byte_tokenizer()
+    hf.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                        "{{ m['content'].split('<|im_end|>')[-1].lstrip('\\n') }}<|im_end|>\n{% endfor %}")
+    assert _sanitizes(TokenizerWrapper(hf)) == ()
