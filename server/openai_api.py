@@ -348,7 +348,8 @@ def _sanitizes(tokenizer) -> tuple[str, ...]:
             return ()
         if "sanitize_control_tokens" not in inspect.signature(hf.apply_chat_template).parameters:
             return ()
-        spellings = tuple(str(t) for t in hf.added_tokens_decoder.values())
+        # (whitespace tokens, like Gemma's "\n", are text wherever they appear, as transformers has it)
+        spellings = tuple(str(t) for t in hf.added_tokens_decoder.values() if str(t).strip())
         template = hf.chat_template if isinstance(hf.chat_template, str) else json.dumps(hf.chat_template)
         split_at = re.findall(r"split\(\s*(['\"])(.*?)\1", template or "")
         if any(literal in spellings for _, literal in split_at):
