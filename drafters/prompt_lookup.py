@@ -64,9 +64,9 @@ class NgramIndex:
             raise ValueError(f"need keep >= 1, got {keep}")
         self.min_n, self.max_n, self.keep = min_n, max_n, keep
         self.tokens: list[int] = []
-        self._last_end: dict[tuple[int, ...], int] = {}
-        # the ends of each max_n-gram, in order; a list is cut back to the last `keep` once it
-        # holds 2 * keep (a list per distinct n-gram is far smaller than a deque)
+        self._last_end: dict[tuple[int, ...], int] = {}  # n-grams shorter than max_n
+        # the ends of each max_n-gram, in order (its last end is the list's last); a list is cut
+        # back to the last `keep` once it holds 2 * keep (far smaller than a deque per n-gram)
         self._ends: dict[tuple[int, ...], list[int]] = {}
 
     def extend(self, new_tokens: Sequence[int]) -> None:
@@ -77,8 +77,9 @@ class NgramIndex:
                 if end - n + 1 < 0:
                     break
                 key = tuple(self.tokens[end - n + 1 : end + 1])
-                self._last_end[key] = end
-                if n == self.max_n:
+                if n < self.max_n:
+                    self._last_end[key] = end
+                else:
                     ends = self._ends.setdefault(key, [])
                     ends.append(end)
                     if len(ends) >= 2 * self.keep:
@@ -89,7 +90,12 @@ class NgramIndex:
         ``(-1, 0)`` when no suffix n-gram occurred before."""
         size = len(self.tokens)
         for n in range(min(self.max_n, size), self.min_n - 1, -1):
-            end = self._last_end.get(tuple(self.tokens[size - n :]))
+            key = tuple(self.tokens[size - n :])
+            if n == self.max_n:
+                ends = self._ends.get(key)
+                end = ends[-1] if ends else None
+            else:
+                end = self._last_end.get(key)
             if end is not None:
                 return end, n
         return -1, 0
