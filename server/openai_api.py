@@ -189,16 +189,17 @@ def check_text_length(request: Request, text: str, param: str = "prompt") -> Non
     if not table.max_token_bytes or len(text) * 4 <= table.max_token_bytes * cap:
         return  # (UTF-8 takes at most 4 bytes a character: it cannot be too long)
     least = table.min_tokens(text)
-    size = len(text.encode("utf-8"))
-    why = f"at least {least} tokens ({size} bytes of text, at most {table.max_token_bytes} per token)"
+    if not (limit and least > limit) and least <= loaded.context_length:
+        return
+    why = (f"at least {least} tokens ({len(text.encode('utf-8'))} bytes of text, at most "
+           f"{table.max_token_bytes} per token)")
     if limit and least > limit:
         raise APIError(400, f"The prompt has {why}; this server accepts at most {limit}.", param=param,
                        code="prompt_too_long")
-    if least > loaded.context_length:
-        _state(request).metrics.request_rejected("ContextLengthExceeded")  # (as the engine's check counts it)
-        raise APIError(400, f"This model's maximum context length is {loaded.context_length} tokens. However, "
-                       f"the prompt alone has {why}. Please reduce the prompt.", param=param,
-                       code="context_length_exceeded")
+    _state(request).metrics.request_rejected("ContextLengthExceeded")  # (as the engine's check counts it)
+    raise APIError(400, f"This model's maximum context length is {loaded.context_length} tokens. However, "
+                   f"the prompt alone has {why}. Please reduce the prompt.", param=param,
+                   code="context_length_exceeded")
 
 
 def typed_specials(tokenizer, hidden, text: str, ids: list[int]) -> dict[int, str]:
@@ -317,7 +318,7 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None
         if check is not None:
             check(tokenizer.apply_chat_template(dicts, add_generation_prompt=add_generation_prompt, tokenize=False,
                                                 **extra))
-        controls = _sanitizes(tokenizer)
+        controls = _chat_control_tokens(tokenizer)
         if controls:
             _refuse_control_keys(controls, tools, "tools")
             _refuse_control_keys(controls, [m.get("tool_calls") for m in dicts], "messages")
@@ -335,7 +336,7 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None
 
 
 @functools.cache
-def _sanitizes(tokenizer) -> tuple[str, ...]:
+def _chat_control_tokens(tokenizer) -> tuple[str, ...]:
     """The control-token spellings (the tokenizer's added tokens) to encode as text in chat
     inputs, or () where the chat goes through an mlx-lm template module or a tokenizer class's
     own renderer (which take no ``sanitize_control_tokens``), or through a template that splits

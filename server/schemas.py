@@ -21,6 +21,9 @@ SpecMethod = Literal["auto", "prompt_lookup", "dspark", "off"]
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+_NOT_UNICODE = "strings must be valid Unicode (found a lone surrogate escape)"
+
+
 def invalid_value(value, path: str = "") -> tuple[str, str] | None:
     """Where decoded JSON holds a value that is not JSON text, and what: a string with a lone
     surrogate (JSON allows ``"\\ud800"``; such a string is not Unicode text and cannot be
@@ -45,9 +48,6 @@ def invalid_value(value, path: str = "") -> tuple[str, str] | None:
         if found is not None:
             return found
     return None
-
-
-_NOT_UNICODE = "strings must be valid Unicode (found a lone surrogate escape)"
 
 
 class ParamError(ValueError):
@@ -139,9 +139,8 @@ class _JsonText(BaseModel):
 class SamplingFields(_JsonText):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
-    # (allow_inf_nan: NaN and +-Infinity, which Python's JSON parser reads, fail as "not a finite
-    # number" instead of a misleading bound)
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # (NaN and +-Infinity, which Python's JSON parser reads, fail in _JsonText, before any bound)
+    model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     temperature: Annotated[float, Field(strict=True, ge=0.0, le=2.0)] | None = None
@@ -185,9 +184,10 @@ class SamplingFields(_JsonText):
         for key in v:  # (int() would also take " 300", "+300", "3_00" and non-ASCII digits)
             if not (key.isascii() and key.isdigit()):
                 raise ValueError(f"logit_bias keys must be token ids (decimal digits), got {key!r}")
-            if int(key) in seen:
-                raise ValueError(f"logit_bias names token {int(key)} twice ({seen[int(key)]!r} and {key!r})")
-            seen[int(key)] = key
+            token = int(key)
+            if token in seen:
+                raise ValueError(f"logit_bias names token {token} twice ({seen[token]!r} and {key!r})")
+            seen[token] = key
         return v
 
     @model_validator(mode="after")

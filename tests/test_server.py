@@ -626,11 +626,11 @@ def test_templates_that_split_content_at_a_control_token_are_not_sanitized():
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from tiny import byte_tokenizer
 
-    from server.openai_api import _sanitizes
+    from server.openai_api import _chat_control_tokens
 
     plain = TokenizerWrapper(byte_tokenizer())
-    assert "<|im_start|>" in _sanitizes(plain) and "<|im_end|>" in _sanitizes(plain)
+    assert "<|im_start|>" in _chat_control_tokens(plain) and "<|im_end|>" in _chat_control_tokens(plain)
     hf = byte_tokenizer()
     hf.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
                         "{{ m['content'].split('<|im_end|>')[-1].lstrip('\\n') }}<|im_end|>\n{% endfor %}")
-    assert _sanitizes(TokenizerWrapper(hf)) == ()
+    assert _chat_control_tokens(TokenizerWrapper(hf)) == ()
