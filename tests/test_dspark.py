@@ -234,6 +234,55 @@ def test_save_load_round_trip_plain_and_quantized(tmp_path, heads):
     assert np.abs(np.array(full_h) - np.array(q_h)).max() < 0.2  # 4-bit stays close
 
 
+@pytest.mark.parametrize("bits", [None, 4])
+def test_markov_variants_cut_the_bias_matrix_to_its_best_low_rank(tmp_path, bits):
+    """``benchmarks.markov_variants``: rank k gives the best rank-k approximation of ``W1 W2^T``
+    (its SVD truncated), rank r the same product, ``nomarkov`` a zero bias; nothing else moves,
+    and every variant loads."""
+    from benchmarks.markov_variants import main, markov_spectrum, truncated
+
+    rng = np.random.default_rng(4)
+    w1, w2 = rng.standard_normal((V, 32)).astype(np.float32), rng.standard_normal((V, 32)).astype(np.float32)
+    product = w1.astype(np.float64) @ w2.T
+    u, s, vt = np.linalg.svd(product)
+    assert np.allclose(markov_spectrum(w1, w2)[0], s[:32])
+    for k in (32, 8):
+        a, b = truncated(w1, w2, k)
+        assert a.shape == b.shape == (V, 32) and not a[:, k:].any()
+        assert np.allclose(a @ b.T, (u[:, :k] * s[:k]) @ vt[:k], atol=1e-3)
+
+    model = tiny_net(seed=5)
+    kw = {"bits": bits, "group_size": 32, "dtype": "float16"} if bits else {}
+    src = save_dspark(model, tmp_path / "src", **kw)
+    assert main([str(src), "--out", str(tmp_path / "mv"), "--ranks", "32,4"]) == 0
+    base = mx.load(str(src / "model.safetensors"))
+
+    def bias_factors(path):
+        net = load_dspark(path, dequantize=True)
+        return np.array(net.markov_head.markov_w1.weight), np.array(net.markov_head.markov_w2.weight)
+
+    def bias(path):
+        w1, w2 = bias_factors(path)
+        return w1 @ w2.T
+
+    def error(path):  # relative Frobenius error against the source's bias matrix
+        return np.linalg.norm(bias(path) - full) / np.linalg.norm(full)
+
+    full = bias(src)
+    assert not bias(tmp_path / "mv" / "nomarkov").any()
+    same, cut = error(tmp_path / "mv" / "rank32"), error(tmp_path / "mv" / "rank4")
+    assert same < (0.2 if bits else 1e-5)  # (4-bit: the factors are quantized again, ~11% here)
+    s = markov_spectrum(*bias_factors(src))[0]  # (Eckart-Young: the rank-4 cut's error)
+    assert cut == pytest.approx(np.sqrt((s[4:] ** 2).sum() / (s ** 2).sum()), rel=0.1 if bits else 1e-4)
+    assert np.linalg.matrix_rank(bias(tmp_path / "mv" / "rank4"), tol=1e-3 * np.abs(full).max()) <= 4
+    for name in ("nomarkov", "rank32", "rank4"):
+        out = mx.load(str(tmp_path / "mv" / name / "model.safetensors"))
+        assert set(out) == set(base)
+        assert all(mx.array_equal(out[k], base[k]) for k in base if not k.startswith("markov_head."))
+        assert json.loads((tmp_path / "mv" / name / "config.json").read_text()) == \
+            json.loads((src / "config.json").read_text())
+
+
 # ---- masks, alignment, heads ------------------------------------------------------------------
 
 
