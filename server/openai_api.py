@@ -339,10 +339,16 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None
 def _chat_control_tokens(tokenizer) -> tuple[str, ...]:
     """The control-token spellings (the tokenizer's added tokens) to encode as text in chat
     inputs, or () where the chat goes through an mlx-lm template module or a tokenizer class's
-    own renderer (which take no ``sanitize_control_tokens``), or through a template that splits
-    content at a control token (Qwen3's ``content.split('</think>')``): transformers wraps typed
-    control tokens in markers, and the split's whitespace stripping would then change what an
-    assistant turn with a think block renders to. Those keep control tokens typed in messages."""
+    own renderer (which take no ``sanitize_control_tokens``).
+
+    A template may split content at an added token: Qwen3's ``content.split('</think>')``
+    drops an assistant turn's think block and strips the newlines after it. transformers wraps
+    typed control tokens in markers, which would stop that strip, so the tokens a template
+    splits at are left out: the tokenizer's ``chat_control_tokens`` (what transformers
+    sanitizes besides the special tokens; by default the added tokens the template spells) is
+    narrowed to the rest, once per tokenizer. Qwen3's ``<think>`` typed in a message then stays
+    a think token, while ``<|im_start|>`` and ``<tool_call>`` are text. Where a template splits
+    at a special token (always sanitized) nothing is sanitized: the plain path, as before."""
     try:
         hf = tokenizer._tokenizer  # (mlx-lm's TokenizerWrapper around the Hugging Face tokenizer)
         if getattr(tokenizer, "_chat_template", None) is not None:
@@ -350,12 +356,18 @@ def _chat_control_tokens(tokenizer) -> tuple[str, ...]:
         if "sanitize_control_tokens" not in inspect.signature(hf.apply_chat_template).parameters:
             return ()
         # (whitespace tokens, like Gemma's "\n", are text wherever they appear, as transformers has it)
-        spellings = tuple(str(t) for t in hf.added_tokens_decoder.values() if str(t).strip())
+        added = [t for t in hf.added_tokens_decoder.values() if str(t).strip()]
         template = hf.chat_template if isinstance(hf.chat_template, str) else json.dumps(hf.chat_template)
-        split_at = re.findall(r"split\(\s*(['\"])(.*?)\1", template or "")
-        if any(literal in spellings for _, literal in split_at):
-            return ()
-        return spellings
+        literals = {literal for _, literal in re.findall(r"split\(\s*(['\"])(.*?)\1", template or "")}
+        split_at = {str(t) for t in added if str(t) in literals}
+        if split_at:
+            if any(t.special for t in added if str(t) in split_at) or not hasattr(hf, "chat_control_tokens"):
+                return ()
+            listed = hf.chat_control_tokens
+            if listed is None:  # (transformers' default: the added tokens the template spells)
+                listed = [str(t) for t in added if not t.special and str(t) in template]
+            hf.chat_control_tokens = [t for t in listed if t not in split_at]
+        return tuple(str(t) for t in added if str(t) not in split_at)
     except Exception:  # (anything unexpected: keep the plain path)
         return ()
 
