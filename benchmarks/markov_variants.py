@@ -4,11 +4,11 @@ Writes, next to each other under ``--out``:
 
 * ``nomarkov/``: the Markov bias switched off (``markov_w1`` zero, so ``W1[prev] W2 = 0``);
 * ``rank{k}/`` for each ``--ranks`` k: the head's bias matrix ``W1 W2^T`` (V x V, never formed)
-  cut to its best rank-k approximation (Eckart-Young) and stored at the same rank r with the
-  trailing r - k singular directions zero, so the config, shapes and confidence head's input
-  width stay as they are.
+  cut to its best rank-k approximation (Eckart-Young), still stored at rank r: ``W2`` is kept
+  and ``W1`` projected, so the config and shapes stay as they are.
 
-Each variant keeps every other tensor byte for byte. Run ``benchmarks/dspark_eval.py`` on them
+Each variant keeps every other tensor byte for byte, ``W2`` included (only ``W1`` is stored
+again). Run ``benchmarks/dspark_eval.py`` on them
 side by side (acceptance is a full block every cycle, so the confidence head, whose input the
 rotation changes, plays no part):
 
@@ -17,12 +17,14 @@ rotation changes, plays no part):
     python -m benchmarks.dspark_eval --out benchmarks/results/dspark_eval_cpu_markov.json \
         v7=models/dspark-smollm2-135m-instruct none=/tmp/mv/nomarkov r64=/tmp/mv/rank64
 
-``rank{r}`` with r the head's own rank is the requantization control: the same product, rotated
-and quantized again (4-bit heads), so it shows the noise a round trip adds.
+``rank{r}`` with r the head's own rank is the requantization control: ``W1`` dequantized and
+quantized again (4-bit heads), so it shows the noise a round trip adds.
 
 The low-rank product: with ``W1 = Q1 R1`` and ``W2 = Q2 R2`` (thin QR, [V, r] each), ``W1 W2^T =
 Q1 (R1 R2^T) Q2^T``; the SVD ``R1 R2^T = U S V^T`` (r x r) gives the whole product's singular
-values S, and the rank-k factors ``Q1 U_k S_k^(1/2)`` and ``Q2 V_k S_k^(1/2)``.
+values S. ``W1' = Q1 U_k U_k^T R1`` (``W1`` projected on the top k left singular directions)
+gives ``W1' W2^T = Q1 U_k S_k V_k^T Q2^T``, the best rank-k approximation, with ``W2`` as it
+was. (The confidence head reads ``W1[prev]``, which the projection changes for k < r.)
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ import numpy as np
 
 
 def _load(path: pathlib.Path):
+    """``(tensors, metadata)`` of a drafter directory as ``drafters.dspark.save_dspark`` writes it
+    (one ``model.safetensors``, unprefixed names)."""
     import mlx.core as mx
 
-    return mx.load(str(path / "model.safetensors"))
+    return mx.load(str(path / "model.safetensors"), return_metadata=True)
 
 
 def _dense(weights, name: str, quant: dict | None) -> np.ndarray:
@@ -47,7 +51,7 @@ def _dense(weights, name: str, quant: dict | None) -> np.ndarray:
 
     if f"{name}.scales" in weights:
         w = mx.dequantize(weights[f"{name}.weight"], weights[f"{name}.scales"], weights.get(f"{name}.biases"),
-                          group_size=quant["group_size"], bits=quant["bits"])
+                          group_size=quant["group_size"], bits=quant["bits"], mode=quant.get("mode", "affine"))
     else:
         w = weights[f"{name}.weight"]
     return np.array(w.astype(mx.float32))
@@ -60,7 +64,8 @@ def _store(weights: dict, name: str, dense: np.ndarray, quant: dict | None) -> N
     like = weights[f"{name}.weight"]
     if f"{name}.scales" in weights:
         dtype = weights[f"{name}.scales"].dtype
-        q, scales, biases = mx.quantize(mx.array(dense), group_size=quant["group_size"], bits=quant["bits"])
+        q, scales, biases = mx.quantize(mx.array(dense), group_size=quant["group_size"], bits=quant["bits"],
+                                        mode=quant.get("mode", "affine"))
         weights[f"{name}.weight"], weights[f"{name}.scales"] = q, scales.astype(dtype)
         if f"{name}.biases" in weights:
             weights[f"{name}.biases"] = biases.astype(dtype)
@@ -77,12 +82,13 @@ def markov_spectrum(w1: np.ndarray, w2: np.ndarray):
     return s, q1 @ u, q2 @ vt.T
 
 
-def truncated(w1: np.ndarray, w2: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Factors ``(a, b)``, each [V, r] float32, whose product ``a @ b.T`` is the best rank-``k``
-    approximation of ``w1 @ w2.T`` (columns past k are zero)."""
-    s, left, right = markov_spectrum(w1, w2)
-    root = np.sqrt(np.where(np.arange(s.size) < k, s, 0.0))
-    return (left * root).astype(np.float32), (right * root).astype(np.float32)
+def truncated(w1: np.ndarray, w2: np.ndarray, k: int) -> np.ndarray:
+    """``w1`` projected ([V, r] float32) so that ``truncated(w1, w2, k) @ w2.T`` is the best
+    rank-``k`` approximation of ``w1 @ w2.T``."""
+    q1, r1 = np.linalg.qr(w1.astype(np.float64))
+    q2, r2 = np.linalg.qr(w2.astype(np.float64))
+    u = np.linalg.svd(r1 @ r2.T)[0][:, :k]
+    return (q1 @ (u @ (u.T @ r1))).astype(np.float32)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     if rank <= 0:
         parser.error(f"{args.drafter} has no Markov head (markov_rank {rank})")
     quant = config.get("quantization")
-    base = _load(args.drafter)
+    base, metadata = _load(args.drafter)
     w1 = _dense(base, "markov_head.markov_w1", quant)
     w2 = _dense(base, "markov_head.markov_w2", quant)
     s = markov_spectrum(w1, w2)[0]
@@ -106,19 +112,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rank {rank}; singular values (every 8th): {np.round(s[::8], 2).tolist()}")
     print("energy in the top k: " + ", ".join(f"{k}: {energy[k - 1]:.4f}" for k in (8, 16, 32, 64) if k <= rank))
 
-    variants = {"nomarkov": (np.zeros_like(w1), w2)}
+    variants = {"nomarkov": np.zeros_like(w1)}
     for k in (int(x) for x in args.ranks.split(",") if x.strip()):
         if not 1 <= k <= rank:
             parser.error(f"rank {k} is outside 1..{rank}")
         variants[f"rank{k}"] = truncated(w1, w2, k)
-    for name, (a, b) in variants.items():
+    for name, a in variants.items():
         weights = dict(base)
         _store(weights, "markov_head.markov_w1", a, quant)
-        _store(weights, "markov_head.markov_w2", b, quant)
         out = args.out / name
         out.mkdir(parents=True, exist_ok=True)
         shutil.copy(args.drafter / "config.json", out / "config.json")
-        mx.save_safetensors(str(out / "model.safetensors"), weights)
+        mx.save_safetensors(str(out / "model.safetensors"), weights, metadata=metadata)
         print(f"wrote {out}")
     return 0
 
