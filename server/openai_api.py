@@ -51,6 +51,7 @@ MAX_PROMPTS = 64
 # Request log lines: ids, counts and timings at DEBUG; prompt and output text only with the
 # `log_requests` setting (prompts may hold secrets or personal data).
 req_log = logging.getLogger("specserve.requests")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -335,20 +336,25 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], tools: list[dict] | None
     return list(tokens)
 
 
+_SPLIT_CALL = r"\b(?:r?split|r?partition)\(\s*"  # (Jinja's str methods that cut content at a marker)
+
+
 @functools.cache
 def _chat_control_tokens(tokenizer) -> tuple[str, ...]:
     """The control-token spellings (the tokenizer's added tokens) to encode as text in chat
     inputs, or () where the chat goes through an mlx-lm template module or a tokenizer class's
     own renderer (which take no ``sanitize_control_tokens``).
 
-    A template may split content at an added token: Qwen3's ``content.split('</think>')``
-    drops an assistant turn's think block and strips the newlines after it. transformers wraps
-    typed control tokens in markers, which would stop that strip, so the tokens a template
-    splits at are left out: the tokenizer's ``chat_control_tokens`` (what transformers
-    sanitizes besides the special tokens; by default the added tokens the template spells) is
-    narrowed to the rest, once per tokenizer. Qwen3's ``<think>`` typed in a message then stays
-    a think token, while ``<|im_start|>`` and ``<tool_call>`` are text. Where a template splits
-    at a special token (always sanitized) nothing is sanitized: the plain path, as before."""
+    A template may cut content at an added token: Qwen3's ``content.split('</think>')`` drops an
+    assistant turn's think block and strips the newlines after it. transformers wraps typed
+    control tokens in markers, which would stop that strip, so the tokens a template splits or
+    partitions at (in a literal argument) are left out: the tokenizer's ``chat_control_tokens``
+    (what transformers sanitizes besides the special tokens; by default the added tokens the
+    template spells) is narrowed to the rest, once per tokenizer and for the process. Qwen3's
+    ``<think>`` typed in a message then stays a think token, while ``<|im_start|>`` and
+    ``<tool_call>`` are text. Where a template splits at a special token (always sanitized), or
+    still renders a chat that types every control token differently once sanitized (a split at
+    a variable, say), nothing is sanitized: the plain path, as before."""
     try:
         hf = tokenizer._tokenizer  # (mlx-lm's TokenizerWrapper around the Hugging Face tokenizer)
         if getattr(tokenizer, "_chat_template", None) is not None:
@@ -357,9 +363,10 @@ def _chat_control_tokens(tokenizer) -> tuple[str, ...]:
             return ()
         # (whitespace tokens, like Gemma's "\n", are text wherever they appear, as transformers has it)
         added = [t for t in hf.added_tokens_decoder.values() if str(t).strip()]
-        template = hf.chat_template if isinstance(hf.chat_template, str) else json.dumps(hf.chat_template)
-        literals = {literal for _, literal in re.findall(r"split\(\s*(['\"])(.*?)\1", template or "")}
-        split_at = {str(t) for t in added if str(t) in literals}
+        named = hf.chat_template if isinstance(hf.chat_template, dict) else {"": hf.chat_template}
+        template = "\0".join(t for t in named.values() if isinstance(t, str))
+        literals = [literal for _, literal in re.findall(_SPLIT_CALL + r"(['\"])(.*?)\1", template)]
+        split_at = {str(t) for t in added if any(str(t) in literal for literal in literals)}
         if split_at:
             if any(t.special for t in added if str(t) in split_at) or not hasattr(hf, "chat_control_tokens"):
                 return ()
@@ -367,9 +374,28 @@ def _chat_control_tokens(tokenizer) -> tuple[str, ...]:
             if listed is None:  # (transformers' default: the added tokens the template spells)
                 listed = [str(t) for t in added if not t.special and str(t) in template]
             hf.chat_control_tokens = [t for t in listed if t not in split_at]
+        if re.search(_SPLIT_CALL, template) and not _sanitized_renders_alike(
+                hf, [str(t) for t in added if str(t) in template]):
+            log.warning("chat control tokens are not sanitized: this chat template cuts content at them")
+            return ()
         return tuple(str(t) for t in added if str(t) not in split_at)
     except Exception:  # (anything unexpected: keep the plain path)
         return ()
+
+
+def _sanitized_renders_alike(hf, spellings: list[str]) -> bool:
+    """Whether a chat whose assistant turn types each of ``spellings`` renders to the same text
+    with control tokens sanitized as without (so the template cuts no content at a sanitized
+    token). A template that refuses this chat tells nothing: True."""
+    typed = "x" + "".join(f"{t}\n\n" for t in spellings) + "y"
+    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": typed}, {"role": "user", "content": "q"}]
+    try:
+        ids = [hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, **extra)
+               for extra in ({}, {"sanitize_control_tokens": True})]
+    except Exception:  # noqa: BLE001
+        return True
+    plain, marked = (i["input_ids"] if hasattr(i, "keys") else i for i in ids)
+    return hf.decode(plain) == hf.decode(marked)
 
 
 def _refuse_control_keys(controls: tuple[str, ...], value, param: str) -> None:
