@@ -353,8 +353,8 @@ def _chat_control_tokens(tokenizer) -> tuple[str, ...]:
     template spells) is narrowed to the rest, once per tokenizer and for the process. Qwen3's
     ``<think>`` typed in a message then stays a think token, while ``<|im_start|>`` and
     ``<tool_call>`` are text. Where a template splits at a special token (always sanitized), or
-    still renders a chat that types every control token differently once sanitized (a split at
-    a variable, say), nothing is sanitized: the plain path, as before."""
+    still cuts content at a sanitized token in a probe (:func:`_template_cuts_at`: a split at a
+    variable, say), nothing is sanitized, with a warning: the plain path, as before."""
     try:
         hf = tokenizer._tokenizer  # (mlx-lm's TokenizerWrapper around the Hugging Face tokenizer)
         if getattr(tokenizer, "_chat_template", None) is not None:
@@ -367,35 +367,57 @@ def _chat_control_tokens(tokenizer) -> tuple[str, ...]:
         template = "\0".join(t for t in named.values() if isinstance(t, str))
         literals = [literal for _, literal in re.findall(_SPLIT_CALL + r"(['\"])(.*?)\1", template)]
         split_at = {str(t) for t in added if any(str(t) in literal for literal in literals)}
+        if any(t.special for t in added if str(t) in split_at) or (split_at and not hasattr(hf, "chat_control_tokens")):
+            log.warning("chat control tokens are not sanitized: the chat template splits content at %s",
+                        sorted(split_at))
+            return ()
+        listed = getattr(hf, "chat_control_tokens", None)
+        if listed is None:  # (transformers' default: the added tokens the template spells)
+            listed = [str(t) for t in added if not t.special and str(t) in template]
         if split_at:
-            if any(t.special for t in added if str(t) in split_at) or not hasattr(hf, "chat_control_tokens"):
-                return ()
-            listed = hf.chat_control_tokens
-            if listed is None:  # (transformers' default: the added tokens the template spells)
-                listed = [str(t) for t in added if not t.special and str(t) in template]
-            hf.chat_control_tokens = [t for t in listed if t not in split_at]
-        if re.search(_SPLIT_CALL, template) and not _sanitized_renders_alike(
-                hf, [str(t) for t in added if str(t) in template]):
-            log.warning("chat control tokens are not sanitized: this chat template cuts content at them")
+            listed = hf.chat_control_tokens = [t for t in listed if t not in split_at]
+        sanitized = [str(t) for t in added if t.special or str(t) in listed]
+        cut = _template_cuts_at(hf, [t for t in sanitized if t in template])
+        if cut:
+            log.warning("chat control tokens are not sanitized: the chat template cuts content at %s", cut)
             return ()
         return tuple(str(t) for t in added if str(t) not in split_at)
     except Exception:  # (anything unexpected: keep the plain path)
+        log.warning("chat control tokens are not sanitized", exc_info=True)
         return ()
 
 
-def _sanitized_renders_alike(hf, spellings: list[str]) -> bool:
-    """Whether a chat whose assistant turn types each of ``spellings`` renders to the same text
-    with control tokens sanitized as without (so the template cuts no content at a sanitized
-    token). A template that refuses this chat tells nothing: True."""
-    typed = "x" + "".join(f"{t}\n\n" for t in spellings) + "y"
-    chat = [{"role": "user", "content": "q"}, {"role": "assistant", "content": typed}, {"role": "user", "content": "q"}]
-    try:
-        ids = [hf.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, **extra)
-               for extra in ({}, {"sanitize_control_tokens": True})]
-    except Exception:  # noqa: BLE001
-        return True
-    plain, marked = (i["input_ids"] if hasattr(i, "keys") else i for i in ids)
-    return hf.decode(plain) == hf.decode(marked)
+_MARK = ("\ue0f0", "\ue0f1")  # (private-use characters, like the markers transformers wraps tokens in)
+
+
+def _template_cuts_at(hf, spellings: list[str]) -> str | None:
+    """A control token the chat template cuts content at, or None: each of a few probe chats
+    (tokens typed in every message, or each token opening a message; a system turn; the
+    assistant's turn last; a tool) is rendered as text with the typed tokens as they are and
+    again wrapped in two marker characters, as transformers' sanitizing wraps them. A template
+    that splits, strips or tests content at a wrapped token renders the two differently (a
+    marker left alone, or other text). Shapes a template refuses are skipped."""
+    if not spellings:
+        return None
+    tool = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    bodies = [("several", "x" + "".join(f"{t}\n\n" for t in spellings) + "y"),
+              *((t, f"{t}\n\nx\n\n") for t in spellings[:32])]
+    pattern = re.compile("|".join(map(re.escape, sorted(spellings, key=len, reverse=True))))
+    for token, body in bodies:
+        marked = pattern.sub(lambda m: _MARK[0] + m.group(0) + _MARK[1], body)
+        for roles, generation, tools in ((("user", "assistant", "user"), True, None),
+                                         (("system", "user", "assistant"), False, None),
+                                         (("user", "assistant", "user"), True, tool)):
+            try:
+                plain, wrapped = (hf.apply_chat_template([{"role": r, "content": text} for r in roles], tools=tools,
+                                                         add_generation_prompt=generation, tokenize=False)
+                                  for text in (body, marked))
+            except Exception:  # noqa: BLE001 (a shape this template refuses)
+                continue
+            unwrapped = re.sub(re.escape(_MARK[0]) + f"({pattern.pattern})" + re.escape(_MARK[1]), r"\1", wrapped)
+            if unwrapped != plain:
+                return token
+    return None
 
 
 def _refuse_control_keys(controls: tuple[str, ...], value, param: str) -> None:
