@@ -73,21 +73,25 @@ def _store(weights: dict, name: str, dense: np.ndarray, quant: dict | None) -> N
         weights[f"{name}.weight"] = mx.array(dense).astype(like.dtype)
 
 
-def markov_spectrum(w1: np.ndarray, w2: np.ndarray):
-    """Singular values S (descending, [r]) of ``w1 @ w2.T`` and its factors: returns
-    ``(S, left [V, r], right [V, r])`` with ``w1 @ w2.T == left @ diag(S) @ right.T``."""
+def _qr_svd(w1: np.ndarray, w2: np.ndarray):
+    """``(q1, r1, u, s)``: ``w1 = q1 r1`` (thin QR) and ``r1 r2^T = u diag(s) v^T`` with ``w2 =
+    q2 r2``, so ``w1 @ w2.T = q1 u diag(s) v^T q2^T`` and s are its singular values."""
     q1, r1 = np.linalg.qr(w1.astype(np.float64))
-    q2, r2 = np.linalg.qr(w2.astype(np.float64))
-    u, s, vt = np.linalg.svd(r1 @ r2.T)
-    return s, q1 @ u, q2 @ vt.T
+    r2 = np.linalg.qr(w2.astype(np.float64))[1]
+    u, s, _ = np.linalg.svd(r1 @ r2.T)
+    return q1, r1, u, s
+
+
+def markov_spectrum(w1: np.ndarray, w2: np.ndarray) -> np.ndarray:
+    """The singular values ([r], descending) of ``w1 @ w2.T`` (V x V, never formed)."""
+    return _qr_svd(w1, w2)[3]
 
 
 def truncated(w1: np.ndarray, w2: np.ndarray, k: int) -> np.ndarray:
     """``w1`` projected ([V, r] float32) so that ``truncated(w1, w2, k) @ w2.T`` is the best
     rank-``k`` approximation of ``w1 @ w2.T``."""
-    q1, r1 = np.linalg.qr(w1.astype(np.float64))
-    q2, r2 = np.linalg.qr(w2.astype(np.float64))
-    u = np.linalg.svd(r1 @ r2.T)[0][:, :k]
+    q1, r1, u, _ = _qr_svd(w1, w2)
+    u = u[:, :k]
     return (q1 @ (u @ (u.T @ r1))).astype(np.float32)
 
 
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     base, metadata = _load(args.drafter)
     w1 = _dense(base, "markov_head.markov_w1", quant)
     w2 = _dense(base, "markov_head.markov_w2", quant)
-    s = markov_spectrum(w1, w2)[0]
+    s = markov_spectrum(w1, w2)
     energy = np.cumsum(s**2) / np.sum(s**2)
     print(f"rank {rank}; singular values (every 8th): {np.round(s[::8], 2).tolist()}")
     print("energy in the top k: " + ", ".join(f"{k}: {energy[k - 1]:.4f}" for k in (8, 16, 32, 64) if k <= rank))
