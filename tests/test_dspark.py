@@ -234,6 +234,60 @@ def test_save_load_round_trip_plain_and_quantized(tmp_path, heads):
     assert np.abs(np.array(full_h) - np.array(q_h)).max() < 0.2  # 4-bit stays close
 
 
+def test_quantized_layers_a_backend_gets_wrong_multiply_with_dequantized_weights(tmp_path, heads, monkeypatch):
+    """``guard_quantized_matmuls``: a layer whose ``mx.quantized_matmul`` is wrong (as MLX-CUDA
+    0.32.4's for one group per row: here the rank-32 Markov head's ``markov_w2``, group 32) or
+    raises is swapped for a ``DenseQuantizedLinear``: the same packed tables (still a
+    ``QuantizedLinear``, saved byte for byte), the dequantized product; other layers stay."""
+    from drafters.dspark.loader import DenseQuantizedLinear, guard_quantized_matmuls
+
+    q = save_dspark(tiny_net(seed=6), tmp_path / "q4", bits=4, group_size=32, dtype="float16")
+    good = load_dspark(q)
+    assert guard_quantized_matmuls(good) == []  # this backend's matmul is right
+    assert type(good.markov_head.markov_w2) is nn.QuantizedLinear
+    real = mx.quantized_matmul
+
+    def wrong_at(k, raises=False):
+        def qmm(x, w, *args, **kw):
+            if x.shape[-1] != k:
+                return real(x, w, *args, **kw)
+            if raises:
+                raise RuntimeError("[quantized_matmul] No implementation for problem shape")
+            return mx.zeros((*x.shape[:-1], w.shape[0]), x.dtype)
+        return qmm
+
+    emb, lm_head = heads
+    tokens, hidden = [4, 8, 15, 16, 23, 42], mx.random.normal((5, 2 * D), key=mx.random.key(2))
+    want = reference_draft(good, emb, lm_head, hidden, tokens, 5)
+    monkeypatch.setattr(mx, "quantized_matmul", wrong_at(32))
+    loaded = load_dspark(q, check_matmuls=True)  # (what loading on a GPU does)
+    assert isinstance(loaded.markov_head.markov_w2, DenseQuantizedLinear)
+    assert type(load_dspark(q).markov_head.markov_w2) is nn.QuantizedLinear  # (CPU: not checked)
+    monkeypatch.setattr(mx, "quantized_matmul", real)
+    for raises in (False, True):
+        net = load_dspark(q)
+        monkeypatch.setattr(mx, "quantized_matmul", wrong_at(32, raises))
+        if raises:  # (broken as set up)
+            with pytest.raises(RuntimeError, match="No implementation"):
+                mx.eval(net.markov_bias(mx.array([3])))
+        else:
+            assert not mx.abs(net.markov_bias(mx.array([3]))).max().item()
+        swapped = guard_quantized_matmuls(net)
+        assert [name for name, _ in swapped] == ["markov_head.markov_w2"]
+        assert ("failed" if raises else "off by") in swapped[0][1]
+        w2 = net.markov_head.markov_w2
+        assert isinstance(w2, DenseQuantizedLinear) and isinstance(w2, nn.QuantizedLinear)
+        assert type(net.layers[0].mlp.up_proj) is nn.QuantizedLinear  # (K = 64: right, kept)
+        got = reference_draft(net, emb, lm_head, hidden, tokens, 5)
+        monkeypatch.setattr(mx, "quantized_matmul", real)
+        assert got[0].tolist() == want[0].tolist()
+        assert np.allclose(got[2], want[2], atol=1e-5)  # (confidence)
+        assert np.allclose(net.markov_bias(mx.array([3, 9])), good.markov_bias(mx.array([3, 9])), atol=1e-5)
+        again = save_dspark(net, tmp_path / f"again{raises}")
+        a, b = mx.load(str(again / "model.safetensors")), mx.load(str(q / "model.safetensors"))
+        assert set(a) == set(b) and all(mx.array_equal(a[k], b[k]) for k in b)
+
+
 @pytest.mark.parametrize("bits", [None, 4])
 def test_markov_variants_cut_the_bias_matrix_to_its_best_low_rank(tmp_path, bits):
     """``benchmarks.markov_variants``: rank k gives the best rank-k approximation of ``W1 W2^T``

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from .config import DSparkConfig
 from .model import DSparkModel
@@ -71,8 +71,8 @@ def _normalise(weights: dict[str, mx.array], cfg: DSparkConfig) -> dict[str, mx.
     return out
 
 
-def load_dspark(path: str | Path, dtype: str | None = "float32", dequantize: bool = False
-                ) -> DSparkModel:
+def load_dspark(path: str | Path, dtype: str | None = "float32", dequantize: bool = False,
+                check_matmuls: bool | None = None) -> DSparkModel:
     """Load a drafter checkpoint directory (DeepSpec layout, plain or MLX-quantized).
 
     Args:
@@ -80,6 +80,8 @@ def load_dspark(path: str | Path, dtype: str | None = "float32", dequantize: boo
         dtype: cast floating parameters (and quantization scales/biases) to this MLX dtype
             name; None keeps the stored dtypes. float32 suits the CPU backend.
         dequantize: turn quantized layers back into float ones (faster on the CPU backend).
+        check_matmuls: check the quantized layers that stay quantized against their dequantized
+            weights (:func:`guard_quantized_matmuls`); None: on backends other than the CPU.
 
     Returns:
         The network (``.config`` holds the :class:`DSparkConfig`), evaluated.
@@ -115,9 +117,84 @@ def load_dspark(path: str | Path, dtype: str | None = "float32", dequantize: boo
 
         dequantize_model(model)
         cfg.quantization = None
+    if check_matmuls is None:
+        check_matmuls = mx.default_device().type != mx.cpu  # (the CPU backend: MLX's reference)
+    if cfg.quantization and check_matmuls:
+        for name, why in guard_quantized_matmuls(model):
+            log.warning("%s: %s multiplies with its dequantized weights: %s", path, name, why)
     mx.eval(model.parameters())
     model.eval()
     return model
+
+
+class DenseQuantizedLinear(nn.QuantizedLinear):
+    """A ``QuantizedLinear`` that multiplies with a float copy of its dequantized weights.
+
+    The packed ``weight``/``scales``/``biases`` stay as they are (parameters, export, and the
+    fused draft launch read them); only ``__call__`` differs. :func:`guard_quantized_matmuls`
+    puts it where the backend's ``mx.quantized_matmul`` is wrong or missing for a layer's shape.
+    """
+
+    @classmethod
+    def from_quantized(cls, layer: nn.QuantizedLinear) -> DenseQuantizedLinear:
+        out_dims, packed = layer.weight.shape
+        new = cls(packed * 32 // layer.bits, out_dims, bias="bias" in layer, group_size=layer.group_size,
+                  bits=layer.bits, mode=getattr(layer, "mode", "affine"))
+        new.update(layer.parameters())
+        new._dense = _dequantized(layer)  # (underscore: not a parameter)
+        return new
+
+    def __call__(self, x: mx.array) -> mx.array:
+        y = x @ self._dense.T
+        return y + self["bias"] if "bias" in self else y
+
+
+def _dequantized(layer: nn.QuantizedLinear) -> mx.array:
+    return mx.dequantize(layer.weight, layer.scales, layer.biases, group_size=layer.group_size, bits=layer.bits,
+                         mode=getattr(layer, "mode", "affine"))
+
+
+def guard_quantized_matmuls(model: nn.Module, rows: tuple[int, ...] = (1, 8)) -> list[tuple[str, str]]:
+    """Check each ``nn.QuantizedLinear`` of ``model`` against its dequantized weights on the
+    current backend, and swap the ones that fail for :class:`DenseQuantizedLinear`, in place.
+
+    Why: MLX-CUDA 0.32.4's ``mx.quantized_matmul`` returns zeros or garbage when the input width
+    is one quantization group (K = 128 with group 128, docs/kernels.md; a rank-64 Markov head's
+    ``markov_w2`` with group 64 drafted nothing on an H100) and raises "No implementation for
+    problem shape" for K = 64 with group 32. Layers it gets right are left alone (on the CPU
+    backend, all of them).
+
+    Args:
+        rows: input row counts to try (MLX picks its kernel by the row count).
+
+    Returns:
+        ``[(module path, reason)]`` for the swapped layers.
+    """
+    swapped = []
+    for name, layer in model.named_modules():
+        if type(layer) is not nn.QuantizedLinear:
+            continue
+        dense = _dequantized(layer)
+        k = dense.shape[-1]
+        why = ""
+        for m in rows:
+            x = mx.random.normal((m, k), key=mx.random.key(m)).astype(layer.scales.dtype)
+            want = x @ dense.T
+            try:
+                got = mx.quantized_matmul(x, layer.weight, layer.scales, layer.biases, transpose=True,
+                                          group_size=layer.group_size, bits=layer.bits,
+                                          mode=getattr(layer, "mode", "affine"))
+                err, scale = (a.item() for a in (mx.abs(got - want).max(), mx.abs(want).max()))
+            except RuntimeError as exc:  # (MLX: no kernel for this shape)
+                why = f"mx.quantized_matmul failed for {m} rows of {k}: {exc}"
+                break
+            if not err <= 1e-3 * scale + 1e-6:  # (also NaN)
+                why = f"mx.quantized_matmul is off by {err:.3g} (max |y| {scale:.3g}) for {m} rows of {k}"
+                break
+        if why:
+            model.update_modules(tree_unflatten([(name, DenseQuantizedLinear.from_quantized(layer))]))
+            swapped.append((name, why))
+    return swapped
 
 
 def _quantizable(group_size: int):
