@@ -44,6 +44,7 @@ from drafters.dspark.train import (
     DataConfig,
     DraftArch,
     TrainConfig,
+    batch_gradients,
     default_mask_token_id,
     draft_pass,
     dspark_loss,
@@ -593,6 +594,35 @@ def train_dspark_new_model(target, tok, arch):
     from drafters.dspark.train import _new_model
 
     return _new_model(target, tok, arch, seed=0)
+
+
+def test_micro_batches_give_the_whole_batch_gradient(tiny_target):
+    """``batch_gradients`` over 2 or 3 slices of a batch's sequences (uneven slices, one
+    sequence with few labels) gives the one-pass loss, metrics and gradient."""
+    from drafters.dspark.train import _new_model
+
+    target, tok = tiny_target
+    net = _new_model(target, tok, DraftArch(layers=1, target_layer_ids=[0, 1], block_size=4, markov_rank=16,
+                                            mask_token_id=0), seed=1)
+    taps = TargetTaps(target, net.config.target_layer_ids)
+    examples = [(list(range(3, 40)), 10), (list(range(5, 25)), 8), (list(range(7, 70)), 20),
+                (list(range(2, 15)), 12), (list(range(9, 50)), 30)]
+    batch = make_batch(examples, 4, 16, np.random.default_rng(0))
+    loss_and_grad = nn.value_and_grad(
+        net, lambda m, b, h, t: dspark_loss(*draft_pass(m, taps.embed, taps.lm_head, b, h), t,
+                                            mx.array(b.labels), mx.array(b.eval_mask)))
+    want_loss, want, want_grads = batch_gradients(loss_and_grad, net, taps, batch, 1, 4.0)
+    mx.eval(want_loss, want, want_grads)
+    for parts in (2, 3):
+        loss, metrics, grads = batch_gradients(loss_and_grad, net, taps, batch, parts, 4.0)
+        assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
+        for k in ("ce", "l1", "bce", "tau"):
+            assert metrics[k].item() == pytest.approx(want[k].item(), rel=1e-5), k
+        assert np.allclose(metrics["accept"], want["accept"], atol=1e-6)
+        flat, want_flat = dict(tree_flatten(grads)), dict(tree_flatten(want_grads))
+        assert flat.keys() == want_flat.keys()
+        for k, g in want_flat.items():
+            assert np.allclose(flat[k], g, rtol=1e-4, atol=1e-6 * float(mx.abs(g).max().item()) + 1e-9), k
 
 
 def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target):

@@ -32,14 +32,14 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-from mlx.utils import tree_flatten, tree_unflatten
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..base import DraftContext
 from .config import DSparkConfig, draft_config_from_target
@@ -95,6 +95,7 @@ class DataConfig:
 class TrainConfig:
     steps: int = 2000
     batch_size: int = 8  # sequences per optimizer step
+    micro_batches: int = 1  # passes per step over slices of its sequences (less memory, same gradient)
     num_anchors: int = 256
     max_seq_len: int = 1024
     lr: float = 6e-4
@@ -508,6 +509,46 @@ def _to_float(x) -> float | list:
     return x.item() if x.size == 1 else [round(v, 4) for v in x.tolist()]
 
 
+def batch_gradients(loss_and_grad, model: DSparkModel, taps: TargetTaps, batch: Batch, parts: int,
+                    decay_gamma: float):
+    """``(loss, metrics, grads)`` of ``batch`` (:func:`dspark_loss` through ``loss_and_grad``),
+    computed in ``parts`` passes over slices of its sequences when ``parts > 1``.
+
+    Each slice's loss is normalised by its own label weight, so its terms and gradients are
+    scaled by its share of the batch's weight (``(w_i + 1e-6) / (W + 1e-6)``, the loss's own
+    normaliser) and summed: the batch's loss and gradient up to float rounding. Metrics combine
+    the same way (``accept`` by label counts per slot, ``tau`` by blocks). Each slice is
+    evaluated before the next starts, so the peak memory is about one slice's (1 / ``parts`` of
+    the target and draft activations): a run may change ``parts`` when it resumes.
+    """
+    block = batch.labels.shape[-1]
+    if parts <= 1:
+        hidden, target_probs = target_pass(taps, batch, block)
+        (loss, metrics), grads = loss_and_grad(model, batch, hidden, target_probs)
+        return loss, metrics, grads
+    slot_weight = np.exp(-np.arange(block, dtype=np.float64) / decay_gamma)
+    bounds = np.linspace(0, len(batch.ids), min(parts, len(batch.ids)) + 1).round().astype(int)
+    slices = [Batch(*(getattr(batch, f.name)[a:b] for f in fields(Batch))) for a, b in zip(bounds, bounds[1:])]
+    den = [float((s.eval_mask * slot_weight).sum()) + 1e-6 for s in slices]
+    counts = [s.eval_mask.reshape(-1, block).sum(axis=0) for s in slices]
+    blocks = [float((s.eval_mask[..., 0] > 0).sum()) for s in slices]
+    total_counts, total_blocks = np.maximum(sum(counts), 1.0), max(sum(blocks), 1.0)
+    loss, metrics, grads = 0.0, {}, None
+    for s, d, c, b in zip(slices, den, counts, blocks):
+        share = d / (sum(den) - 1e-6 * (len(den) - 1))  # (w_i + 1e-6) / (W + 1e-6)
+        hidden, target_probs = target_pass(taps, s, block)
+        (part_loss, part), part_grads = loss_and_grad(model, s, hidden, target_probs)
+        scaled = tree_map(lambda g, w=share: w * g, part_grads)
+        grads = scaled if grads is None else tree_map(mx.add, grads, scaled)
+        loss = loss + share * part_loss
+        for k in ("ce", "l1", "bce"):
+            metrics[k] = metrics.get(k, 0.0) + share * part[k]
+        metrics["accept"] = metrics.get("accept", 0.0) + part["accept"] * mx.array(c / total_counts, mx.float32)
+        metrics["tau"] = metrics.get("tau", 0.0) + part["tau"] * (b / total_blocks)
+        mx.eval(grads, loss, metrics)  # (this slice's activations are freed before the next)
+    return loss, metrics, grads
+
+
 def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, taps: TargetTaps,
                examples: list[tuple[list[int], int]], train_cfg: TrainConfig, out_dir: Path,
                progress: bool = True, deadline: float | None = None) -> tuple[list[dict], int]:
@@ -537,8 +578,8 @@ def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, 
         rng = np.random.default_rng([train_cfg.seed, step])
         picks = rng.choice(len(examples), size=min(train_cfg.batch_size, len(examples)), replace=False)
         batch = make_batch([examples[i] for i in picks], cfg.block_size, train_cfg.num_anchors, rng)
-        hidden, target_probs = target_pass(taps, batch, cfg.block_size)
-        (loss, metrics), grads = loss_and_grad(model, batch, hidden, target_probs)
+        loss, metrics, grads = batch_gradients(loss_and_grad, model, taps, batch, train_cfg.micro_batches,
+                                               train_cfg.decay_gamma)
         grads, grad_norm = optim.clip_grad_norm(grads, train_cfg.grad_clip)
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss, metrics, grad_norm)
@@ -878,6 +919,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     for name in ("steps", "batch_size", "num_anchors", "max_seq_len", "save_every", "seed"):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(t, name))
+    g.add_argument("--micro-batches", type=int, default=t.micro_batches,
+                   help="split each step's sequences into this many passes (the same gradient, about "
+                        "1/N of the activation memory; may change when a run resumes)")
     for name in ("lr", "warmup_ratio", "weight_decay", "grad_clip"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(t, name))
     g = p.add_argument_group("evaluation and export")
@@ -906,7 +950,7 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
                       gen_batch_size=args.gen_batch_size, shard_size=args.gen_shard_size, seed=args.seed,
                       target_weights=args.target_weights)
     train = TrainConfig(**{k: getattr(args, k) for k in (
-        "steps", "batch_size", "num_anchors", "max_seq_len", "save_every", "seed", "lr",
+        "steps", "batch_size", "micro_batches", "num_anchors", "max_seq_len", "save_every", "seed", "lr",
         "warmup_ratio", "weight_decay", "grad_clip")})
     result = train_dspark(model, tokenizer, args.out, arch=arch, data=data, train=train,
                           eval_per_source=args.eval_per_source, eval_max_new_tokens=args.eval_max_new_tokens,
