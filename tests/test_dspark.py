@@ -611,6 +611,11 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_target):
     loss_and_grad = nn.value_and_grad(
         net, lambda m, b, h, t: dspark_loss(*draft_pass(m, taps.embed, taps.lm_head, b, h), t,
                                             mx.array(b.labels), mx.array(b.eval_mask)))
+    from drafters.dspark.train import build_parser
+
+    assert build_parser().parse_args(["--out", "x", "--micro-batches", "3"]).micro_batches == 3
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--out", "x", "--micro-batches", "0"])
     want_loss, want, want_grads = batch_gradients(loss_and_grad, net, taps, batch, 1, 4.0)
     mx.eval(want_loss, want, want_grads)
     for parts in (2, 3):

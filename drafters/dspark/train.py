@@ -919,7 +919,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("training")
     for name in ("steps", "batch_size", "num_anchors", "max_seq_len", "save_every", "seed"):
         g.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(t, name))
-    g.add_argument("--micro-batches", type=int, default=t.micro_batches,
+    g.add_argument("--micro-batches", type=_at_least_one, default=t.micro_batches,
                    help="split each step's sequences into this many passes (the same gradient, about "
                         "1/N of the activation memory; may change when a run resumes)")
     for name in ("lr", "warmup_ratio", "weight_decay", "grad_clip"):
@@ -932,6 +932,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="stop cleanly after this many seconds (checkpoint written); rerun to continue")
     g.add_argument("--no-progress", action="store_true")
     return p
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None, load_target: TargetLoader | None = None) -> int:
