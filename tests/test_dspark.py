@@ -601,8 +601,9 @@ def train_dspark_new_model(target, tok, arch):
 
 
 def test_micro_batches_give_the_whole_batch_gradient(tiny_target):
-    """``batch_gradients`` over 2 or 3 slices of a batch's sequences (uneven slices, one
-    sequence with few labels) gives the one-pass loss, metrics and gradient."""
+    """``batch_gradients`` over 2, 3 or 7 slices of a batch's sequences (uneven slices, more
+    slices than sequences, a sequence with no labels, row-dependent losses so that a slice's
+    weight matters) gives the one-pass loss, metrics and gradient."""
     from drafters.dspark.train import _new_model
 
     target, tok = tiny_target
@@ -610,19 +611,19 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_target):
                                             mask_token_id=0), seed=1)
     taps = TargetTaps(target, net.config.target_layer_ids)
     examples = [(list(range(3, 40)), 10), (list(range(5, 25)), 8), (list(range(7, 70)), 20),
-                (list(range(2, 15)), 12), (list(range(9, 50)), 30)]
+                (list(range(2, 15)), 15), (list(range(9, 50)), 30), (list(range(4, 90)), 5)]
     batch = make_batch(examples, 4, 16, np.random.default_rng(0))
-    loss_and_grad = nn.value_and_grad(
-        net, lambda m, b, h, t: dspark_loss(*draft_pass(m, taps.embed, taps.lm_head, b, h), t,
-                                            mx.array(b.labels), mx.array(b.eval_mask)))
-    from drafters.dspark.train import build_parser
+    assert not batch.eval_mask[3].any()  # (the fourth has no response)
 
-    assert build_parser().parse_args(["--out", "x", "--micro-batches", "3"]).micro_batches == 3
-    with pytest.raises(SystemExit):
-        build_parser().parse_args(["--out", "x", "--micro-batches", "0"])
+    def loss_fn(m, b, h, t):  # (logits scaled per sequence: slices' losses differ a lot)
+        logits, conf = draft_pass(m, taps.embed, taps.lm_head, b, h)
+        scale = mx.array(1.0 + 2.0 * ((b.ids[:, 0] + b.ids[:, 1]) % 7), mx.float32)  # (by content, not row)
+        return dspark_loss(logits * scale[:, None, None, None], conf, t, mx.array(b.labels), mx.array(b.eval_mask))
+
+    loss_and_grad = nn.value_and_grad(net, loss_fn)
     want_loss, want, want_grads = batch_gradients(loss_and_grad, net, taps, batch, 1, 4.0)
     mx.eval(want_loss, want, want_grads)
-    for parts in (2, 3):
+    for parts in (2, 3, 7):
         loss, metrics, grads = batch_gradients(loss_and_grad, net, taps, batch, parts, 4.0)
         assert loss.item() == pytest.approx(want_loss.item(), rel=1e-5)
         for k in ("ce", "l1", "bce", "tau"):
@@ -632,6 +633,16 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_target):
         assert flat.keys() == want_flat.keys()
         for k, g in want_flat.items():
             assert np.allclose(flat[k], g, rtol=1e-4, atol=1e-6 * float(mx.abs(g).max().item()) + 1e-9), k
+
+
+def test_micro_batches_flag():
+    from drafters.dspark.train import build_parser
+
+    assert build_parser().parse_args(["--out", "x", "--micro-batches", "3"]).micro_batches == 3
+    assert build_parser().parse_args(["--out", "x"]).micro_batches == 1
+    for bad in ("0", "-2", "abc"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["--out", "x", "--micro-batches", bad])
 
 
 def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target):

@@ -202,6 +202,13 @@ def draft_pass(model: DSparkModel, embed, lm_head, batch: Batch, hidden: mx.arra
     return logits, model.confidence_logits(h, prev)
 
 
+def label_weights(eval_mask: mx.array, decay_gamma: float) -> mx.array:
+    """``eval_mask * exp(-k / decay_gamma)`` for slot ``k`` of each block (``[..., B]`` float32):
+    the weight of each label in :func:`dspark_loss` (DSpark's position decay)."""
+    b = eval_mask.shape[-1]
+    return eval_mask.astype(mx.float32) * mx.exp(-mx.arange(b, dtype=mx.float32) / decay_gamma)
+
+
 def dspark_loss(draft_logits, conf_logits, target_probs, labels, eval_mask, *, ce_weight=0.1,
                 l1_weight=0.9, bce_weight=1.0, decay_gamma=4.0):
     """The DSpark loss and its metrics.
@@ -218,7 +225,7 @@ def dspark_loss(draft_logits, conf_logits, target_probs, labels, eval_mask, *, c
     """
     eval_mask = eval_mask.astype(mx.float32)
     b = draft_logits.shape[-2]
-    w = eval_mask * mx.exp(-mx.arange(b, dtype=mx.float32) / decay_gamma)
+    w = label_weights(eval_mask, decay_gamma)
     den = w.sum() + 1e-6
     logp = draft_logits - mx.logsumexp(draft_logits, axis=-1, keepdims=True)
     ce = -mx.take_along_axis(logp, labels[..., None].astype(mx.int32), axis=-1)[..., 0]
@@ -512,30 +519,32 @@ def _to_float(x) -> float | list:
 def batch_gradients(loss_and_grad, model: DSparkModel, taps: TargetTaps, batch: Batch, parts: int,
                     decay_gamma: float):
     """``(loss, metrics, grads)`` of ``batch`` (:func:`dspark_loss` through ``loss_and_grad``),
-    computed in ``parts`` passes over slices of its sequences when ``parts > 1``.
+    computed in ``parts`` passes over slices of its sequences when ``parts > 1`` (at most one
+    slice per sequence).
 
     Each slice's loss is normalised by its own label weight, so its terms and gradients are
     scaled by its share of the batch's weight (``(w_i + 1e-6) / (W + 1e-6)``, the loss's own
-    normaliser) and summed: the batch's loss and gradient up to float rounding. Metrics combine
-    the same way (``accept`` by label counts per slot, ``tau`` by blocks). Each slice is
-    evaluated before the next starts, so the peak memory is about one slice's (1 / ``parts`` of
-    the target and draft activations): a run may change ``parts`` when it resumes.
+    normaliser, :func:`label_weights`) and summed: the batch's loss and gradient up to float
+    rounding (~1e-6 relative). Metrics combine the same way (``accept`` by label counts per
+    slot, ``tau`` by blocks). Each slice is evaluated before the next starts, so the
+    activations' peak is about one slice's (weights and optimizer state do not shrink): a run
+    may change ``parts`` when it resumes.
     """
     block = batch.labels.shape[-1]
     if parts <= 1:
         hidden, target_probs = target_pass(taps, batch, block)
         (loss, metrics), grads = loss_and_grad(model, batch, hidden, target_probs)
         return loss, metrics, grads
-    slot_weight = np.exp(-np.arange(block, dtype=np.float64) / decay_gamma)
     bounds = np.linspace(0, len(batch.ids), min(parts, len(batch.ids)) + 1).round().astype(int)
     slices = [Batch(*(getattr(batch, f.name)[a:b] for f in fields(Batch))) for a, b in zip(bounds, bounds[1:])]
-    den = [float((s.eval_mask * slot_weight).sum()) + 1e-6 for s in slices]
+    weights = [label_weights(mx.array(s.eval_mask), decay_gamma).sum().item() for s in slices]
+    whole = sum(weights) + 1e-6
     counts = [s.eval_mask.reshape(-1, block).sum(axis=0) for s in slices]
     blocks = [float((s.eval_mask[..., 0] > 0).sum()) for s in slices]
     total_counts, total_blocks = np.maximum(sum(counts), 1.0), max(sum(blocks), 1.0)
     loss, metrics, grads = 0.0, {}, None
-    for s, d, c, b in zip(slices, den, counts, blocks):
-        share = d / (sum(den) - 1e-6 * (len(den) - 1))  # (w_i + 1e-6) / (W + 1e-6)
+    for s, w, c, b in zip(slices, weights, counts, blocks):
+        share = (w + 1e-6) / whole  # (each slice's loss is normalised by its own w + 1e-6)
         hidden, target_probs = target_pass(taps, s, block)
         (part_loss, part), part_grads = loss_and_grad(model, s, hidden, target_probs)
         scaled = tree_map(lambda g, w=share: w * g, part_grads)
@@ -935,9 +944,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _at_least_one(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"an integer of at least 1, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+        raise argparse.ArgumentTypeError(f"an integer of at least 1, got {value}")
     return value
 
 
