@@ -235,6 +235,23 @@ def test_save_load_round_trip_plain_and_quantized(tmp_path, heads):
     assert np.abs(np.array(full_h) - np.array(q_h)).max() < 0.2  # 4-bit stays close
 
 
+@pytest.mark.parametrize("rank,group", [(32, 32), (64, 64), (64, 32), (128, 128), (128, 64)])
+def test_loaded_quantized_markov_heads_compute_their_dequantized_product(tmp_path, rank, group):
+    """On whatever backend runs the tests, a quantized drafter loaded as the engine loads it
+    (float32, packed) gives the Markov bias of its dequantized tables: one group per row
+    included (MLX-CUDA 0.32.4 gets that wrong or has no kernel for it; the loader's guard
+    covers it there), for 1 and 7 previous tokens."""
+    q = save_dspark(tiny_net(seed=7, markov_rank=rank), tmp_path / "q", bits=4, group_size=group)
+    net = load_dspark(q, dtype="float32")
+    w1, w2 = net.markov_head.markov_w1, net.markov_head.markov_w2
+    for prev in (mx.array([3]), mx.array([3, 9, 0, 96, 5, 5, 41])):
+        rows = mx.dequantize(w1.weight, w1.scales, w1.biases, group_size=group, bits=4)[prev]
+        want = rows @ mx.dequantize(w2.weight, w2.scales, w2.biases, group_size=group, bits=4).T
+        got = net.markov_bias(prev)
+        assert got.shape == want.shape == (len(prev), V)
+        assert mx.abs(got - want).max().item() <= 1e-4 * mx.abs(want).max().item()
+
+
 def test_quantized_layers_a_backend_gets_wrong_multiply_with_dequantized_weights(tmp_path, heads, monkeypatch):
     """``guard_quantized_matmuls``: a layer whose ``mx.quantized_matmul`` is wrong (as MLX-CUDA
     0.32.4's for one group per row: here the rank-32 Markov head's ``markov_w2``, group 32) or

@@ -114,6 +114,14 @@ print('seconds per step (after the first):', (b['elapsed_s']-a['elapsed_s'])/(b[
     train_dspark --out "$run" --steps "$2" --time-budget "$3" || true
     mkdir -p "$out/drafter"
     cp "$run"/drafter-q4/* "$out/drafter/" 2>/dev/null || true
+    # (a file over 16 MiB does not come back from the device: join the parts with
+    # `cat model.safetensors.part_* > model.safetensors` and check model.safetensors.sha256)
+    for f in "$out"/drafter/*.safetensors; do
+      if [ -f "$f" ] && [ "$(stat -c %s "$f")" -gt $((15 << 20)) ]; then
+        (cd "$out/drafter" && sha256sum "$(basename "$f")" > "$(basename "$f").sha256" &&
+         split -b 15M "$(basename "$f")" "$(basename "$f").part_" && rm "$(basename "$f")")
+      fi
+    done
     cp "$run"/eval.json "$run"/train_log.jsonl "$run"/run_config.json "$out/" 2>/dev/null || true
     ;;
   merge)
