@@ -696,10 +696,29 @@ def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target)
     _, done = train_loop(net, opt, step, taps, examples, longer, tmp_path / "run", False, time.perf_counter())
     assert (step, done) == (12, 13) and latest_checkpoint(tmp_path / "run").name == "step-0000013"
     prompts = [tok.encode("hello there"), tok.encode("abc")]
-    ev = evaluate_acceptance(taps, trained, prompts, [2], max_new_tokens=12)
+    seen = []
+    ev = evaluate_acceptance(taps, trained, prompts, [2], max_new_tokens=12,
+                             on_cycle=lambda logits, drafts, a: seen.append((logits.shape, len(drafts), a)))
     assert 1.0 <= ev["mean_acceptance_length"] <= 5.0 and len(ev["acceptance_per_position"]) == 4
     assert math.isclose(ev["mean_acceptance_length"], ev["tokens"] / ev["cycles"])
     assert ev["tokens"] >= ev["cycles"] >= 2
+    assert len(seen) == ev["cycles"] and sum(a + 1 for _, _, a in seen) == ev["tokens"]
+    assert all(shape == (n + 1, model.args.vocab_size) and 0 <= a <= n for shape, n, a in seen)
+
+
+def test_acceptance_by_target_confidence_bins():
+    """``benchmarks.dspark_confidence.by_confidence``: shares and acceptance per ``p_top1`` bin,
+    first slot apart, a probability of exactly 1 in the last bin."""
+    from benchmarks.dspark_confidence import by_confidence
+
+    slots = np.array([[0, 0.95, 1], [0, 0.2, 0], [1, 0.95, 0], [0, 1.0, 1], [1, 0.4, 1]])
+    out = by_confidence(slots)
+    first, every = out["first_slot"], out["all_slots"]
+    assert (first["slots"], every["slots"]) == (3, 5)
+    assert first["acceptance"] == pytest.approx(2 / 3, abs=1e-3) and every["acceptance"] == pytest.approx(3 / 5)
+    assert [b["share"] for b in first["bins"]] == pytest.approx([1 / 3, 0, 0, 0, 2 / 3], abs=1e-3)
+    assert [b["acceptance"] for b in first["bins"]] == [0.0, None, None, None, 1.0]
+    assert [b["acceptance"] for b in every["bins"]] == [0.0, 1.0, None, None, pytest.approx(2 / 3, abs=1e-3)]
 
 
 def test_prompt_sources_and_splits(tmp_path):

@@ -454,13 +454,18 @@ def _generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
 
 
 def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[list[int]],
-                        eos_ids, max_new_tokens: int = 128, progress: bool = False) -> dict:
+                        eos_ids, max_new_tokens: int = 128, progress: bool = False,
+                        on_cycle: Callable[[mx.array, list[int], int], None] | None = None) -> dict:
     """Greedy speculative decoding with the drafter (dspark.md section 5), for diagnostics.
 
     Each cycle drafts a full block, verifies ``[anchor, drafts]`` with the target's own forward
     on its KV cache, accepts the longest prefix equal to the target's argmax, commits it plus
     the bonus/recovered token, trims the cache and feeds the drafter the rows of the anchor and
     the accepted drafts.
+
+    Args:
+        on_cycle: called after each verify pass with the target's logits ``[L + 1, V]`` of the
+            anchor and the ``L`` drafts, the drafts, and how many were accepted (diagnostics).
 
     Returns:
         ``mean_acceptance_length`` (committed tokens per verify pass, bonus included),
@@ -484,10 +489,13 @@ def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[li
         while produced < max_new_tokens:
             draft = drafter.propose(DraftContext(tokens, hidden), b)
             final, tap_rows = taps.forward(mx.array([tokens[-1], *draft.tokens])[None], cache)
-            choice = mx.argmax(taps.lm_head(final[0]), axis=-1).tolist()
+            logits = taps.lm_head(final[0])
+            choice = mx.argmax(logits, axis=-1).tolist()
             a = 0
             while a < len(draft.tokens) and draft.tokens[a] == choice[a]:
                 a += 1
+            if on_cycle is not None:
+                on_cycle(logits, list(draft.tokens), a)
             reached[: min(a + 1, len(draft.tokens))] += 1
             accepted[:a] += 1
             for c in cache:
