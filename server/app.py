@@ -43,6 +43,26 @@ class _CountRequests(BaseHTTPMiddleware):
         return response
 
 
+class _TrailingSlash:
+    """Pure ASGI: a path with one trailing slash (``/v1/completions/``) is served as the path
+    without it, before the guard and the router see it. Starlette would answer it with a 307
+    redirect without a body, which a client that does not follow redirects (httpx's default)
+    reads as an unexplained failure. The root path and paths ending in ``//`` are left alone
+    (404)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/") and not path.endswith("//"):
+            scope = dict(scope, path=path[:-1])
+            raw = scope.get("raw_path")
+            if raw is not None and raw.endswith(b"/"):
+                scope["raw_path"] = raw[:-1]
+        await self.app(scope, receive, send)
+
+
 def _error_type(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable_error"}.get(
@@ -72,7 +92,8 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
     metrics.attach(engine)
     install_error_handlers(app)
     app.add_middleware(Guard, state=app.state)
-    app.add_middleware(_CountRequests)  # outermost: counts the guard's refusals too
+    app.add_middleware(_CountRequests)  # counts the guard's refusals too
+    app.add_middleware(_TrailingSlash)  # outermost: the guard sees the path the router serves
     log.info("API key authentication %s; /metrics %s", "on" if settings.api_key else "off",
              "protected" if settings.api_key and settings.protect_metrics else "open")
     app.include_router(openai_router)

@@ -309,6 +309,22 @@ def test_malformed_json_and_unknown_paths(tiny_server):
     assert r.status_code == 405 and "error" in r.json()
 
 
+def test_a_trailing_slash_serves_the_same_endpoint(tiny_server):
+    """``/v1/completions/`` is ``/v1/completions``, not a 307 redirect (httpx does not follow
+    one by default); a doubled slash stays a 404."""
+    r = post(tiny_server, "/v1/completions/", {"prompt": "hello", "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == post(
+        tiny_server, "/v1/completions", {"prompt": "hello", "max_tokens": 3, "temperature": 0}).json()["choices"][0]["text"]
+    r = httpx.get(tiny_server.url + "/v1/models/", timeout=30)
+    assert r.status_code == 200 and r.json()["object"] == "list"
+    assert httpx.get(tiny_server.url + "/health/?verbose=1", timeout=30).json()["status"] == "ok"
+    r = httpx.get(tiny_server.url + "/v1/models//", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    r = httpx.get(tiny_server.url + "/metrics/", timeout=30)
+    assert r.status_code == 200 and "specserve" in r.text
+
+
 def test_context_length_exceeded(tiny_server):
     labels = 'reason="ContextLengthExceeded"'
     before = metric(tiny_server, "requests_rejected_total", labels)
