@@ -25,6 +25,7 @@ import asyncio
 import logging
 import queue
 import random
+import statistics
 import threading
 import time
 from collections import deque
@@ -460,14 +461,16 @@ class Engine:
             seq = self._make_sequence(warm)
             while not seq.finished:
                 (prefill_step(seq) if not seq.prefilled else speculative_step(seq, self.cost))
-            if warm.speculative.method == "dspark":
-                # Its forwards are no evidence: the first ran the drafter's kernels for the first
-                # time (no draft cost), and a forced draft on a 4-token raw completion of "Hello,
-                # world" says nothing about real requests' acceptance. It used to be kept, and
-                # its first observation replaced the priors: a drafter that missed there was
-                # gated off before the first request, and budget-limited probes moved the
-                # estimate back by 5% each.
-                self.dspark_stats = DsparkStats()
+            # (A forced DSpark warm-up's forwards are no evidence: the first ran the drafter's
+            # kernels for the first time (no draft cost), and a forced draft on a 4-token raw
+            # completion of "Hello, world" says nothing about real requests' acceptance. It used
+            # to be kept, and its first observation replaced the priors: a drafter that missed
+            # there was gated off before the first request, and budget-limited probes moved the
+            # estimate back by 5% each. The stats start afresh below.)
+        if self.dspark is not None and self.cost.max_rows > 1:
+            steady = self._time_dspark_forward()
+            self.dspark_stats = DsparkStats(steady_cost=steady)
+            log.info("DSpark steady forward: %.3f ms (T(1) %.3f ms)", steady * 1e3, self.cost.T(1) * 1e3)
         if cfg.prefix_cache_bytes > 0:  # after the warm-up, which must not count in its metrics
             if PrefixCache.supports(self.runner.make_cache()):
                 self.prefix_cache = PrefixCache(cfg.prefill_step, cfg.prefix_cache_bytes)
@@ -573,6 +576,38 @@ class Engine:
                                       fused=self._make_draft_fused())
         log.info("DSpark drafter loaded from %s: %d layers, block %d, taps %s", path,
                  cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids)
+
+    def _time_dspark_forward(self, reps: int = 7) -> float:
+        """Seconds of a steady DSpark forward on this machine: the median over ``reps`` timed
+        ``propose`` calls of a fresh drafter, each after 3 new context rows (a cycle that
+        accepted 2 drafts), greedy, a full block, on random rows after a 96-token context (the
+        cost does not depend on the values). Requests rarely time one before DSpark is chosen:
+        their first forward projects the prompt, and probes come after 32+ cycles of other
+        drafters (:attr:`DsparkStats.STEADY_ROWS`). Forwards that compiled a graph are left out;
+        the first one is a warm-up."""
+        from drafters.base import DraftContext
+
+        cfg = self.dspark.config
+        drafter = self._dspark_drafter(self.dspark, self.target_taps.embed, self.target_taps.lm_head,
+                                       self._dspark_step)
+        dtype = self.target_taps.embed(mx.array([0])).dtype
+        width = cfg.num_taps * cfg.hidden_size
+        key = mx.random.key(0)  # (its own key: the global RNG is left alone)
+        rows = mx.random.normal((96 + 3 * (reps + 1), width), key=key).astype(dtype)
+        tokens = [int(t) % cfg.vocab_size for t in range(7, 7 + 97)]
+        mx.eval(rows)
+        drafter.propose(DraftContext(tokens, rows[:96]), cfg.block_size)
+        times, start = [], 96
+        for i in range(reps + 1):
+            tokens += [(11 * i + j) % cfg.vocab_size for j in (3, 5, 8)]
+            ctx = DraftContext(tokens, rows[start: start + 3])
+            start += 3
+            began = time.perf_counter()
+            drafter.propose(ctx, cfg.block_size)
+            elapsed = time.perf_counter() - began
+            if i and not drafter.traced:
+                times.append(elapsed)
+        return statistics.median(times) if times else 0.0
 
     def _make_draft_fused(self):
         """The DSpark block forward in one kernel launch (``metal_kernels.fused.DraftFusedPass``,

@@ -332,9 +332,10 @@ class Sequence:
             self.pending_hidden, self.pending_folded = [], 0
         started = time.perf_counter()
         drafter = self.drafters["dspark"]
+        new_rows = len(self.tokens) - 1 - drafter.projected_length  # (projected by this forward)
         proposal = self._grammar_cut(drafter.propose(ctx, budget))
         if not getattr(drafter, "traced", False):  # a forward that compiled a graph is not typical
-            self.dspark_stats.observe_cost(time.perf_counter() - started)
+            self.dspark_stats.observe_cost(time.perf_counter() - started, new_rows)
         proposal.drafter = "dspark"
         raw = proposal.confidence or [0.5] * len(proposal.tokens)
         conditional = self.dspark_stats.calibrated(raw)

@@ -317,8 +317,16 @@ class DsparkStats:
     # still read 147 ms after 45 forwards of ~2 ms, docs/benchmarks.md "Thirty-fourth session")
     # is ignored from the third forward on, and a lasting change is followed within five
     COST_WINDOW = 9
+    # A forward that projects at most this many new context rows (the rows committed since the
+    # request's last DSpark forward; the fused launch projects up to 16 itself) is a steady one:
+    # what a cycle costs while DSpark keeps drafting. Only those set draft_cost. The others
+    # (a request's first forward over its prompt, a probe after 32+ cycles of other drafters)
+    # cost more and say nothing about that: on an H100 every forward the scheduler timed in a
+    # benchmark run was one of them (2.5-2.9 ms), against 1.2-1.3 ms for steady forwards
+    # (docs/benchmarks.md, "Thirty-ninth session"), and DSpark was never chosen.
+    STEADY_ROWS = 16
 
-    def __init__(self, positions: int = 16, alpha: float = 0.05):
+    def __init__(self, positions: int = 16, alpha: float = 0.05, steady_cost: float = 0.0):
         self.alpha = alpha
         # measured target-pass time of every cycle of a request that may run DSpark (earns probes)
         self.decode_seconds = 0.0
@@ -326,8 +334,13 @@ class DsparkStats:
         self.probe_share = self.PROBE_SHARE  # the probe budget's current share of decode time
         self.realised = [1.0] * positions
         self.predicted = [1.0] * positions
-        self.draft_cost = 0.0  # seconds per propose (median of the recent timed ones)
-        self.recent_costs: deque[float] = deque(maxlen=self.COST_WINDOW)
+        # seconds per steady propose: the median of the recent timed steady ones; before any,
+        # steady_cost (timed at start-up, Engine._time_dspark_forward), else the median of the
+        # other forwards (an overestimate)
+        self.steady_cost = steady_cost
+        self.draft_cost = steady_cost
+        self.recent_costs: deque[float] = deque(maxlen=self.COST_WINDOW)  # steady forwards
+        self.catch_up_costs: deque[float] = deque(maxlen=self.COST_WINDOW)  # the others
         self.fastest_forward = math.inf  # the fastest timed propose (seconds)
         self.timed_forwards = 0  # proposes timed (a forward that compiled a graph is not)
         self.accepted_ema = 1.0  # accepted drafts per DSpark cycle (EMA; the first cycle sets it)
@@ -395,13 +408,24 @@ class DsparkStats:
         the best other option promised when it was chosen."""
         self.probe_share = self.PROBE_SHARE
 
-    def observe_cost(self, seconds: float) -> None:
-        """A timed DSpark forward (propose) took ``seconds``: :attr:`draft_cost` becomes the
-        median of the last :attr:`COST_WINDOW` of them."""
-        self.recent_costs.append(seconds)
-        self.draft_cost = statistics.median(self.recent_costs)
+    def observe_cost(self, seconds: float, rows: int = 0) -> None:
+        """A timed DSpark forward (propose) that projected ``rows`` new context rows took
+        ``seconds``. :attr:`draft_cost` is the median of the last :attr:`COST_WINDOW` steady
+        forwards (``rows <= STEADY_ROWS``); before any, :attr:`steady_cost` if it was timed,
+        else the median of the last others."""
+        (self.recent_costs if rows <= self.STEADY_ROWS else self.catch_up_costs).append(seconds)
+        if self.recent_costs:
+            self.draft_cost = statistics.median(self.recent_costs)
+        elif not self.steady_cost:
+            self.draft_cost = statistics.median(self.catch_up_costs)
         self.fastest_forward = min(self.fastest_forward, seconds)
         self.timed_forwards += 1
+
+    @property
+    def catch_up_cost(self) -> float:
+        """Median seconds of the recent forwards that projected more than :attr:`STEADY_ROWS`
+        new rows (0.0 before any)."""
+        return statistics.median(self.catch_up_costs) if self.catch_up_costs else 0.0
 
     def best_case_rate(self, cost: CostModel, max_draft: int, context: int | None = None) -> float:
         """Tokens per second DSpark would deliver if every draft were accepted: the best

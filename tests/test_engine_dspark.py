@@ -458,9 +458,11 @@ def test_warm_up_drafts_leave_no_dspark_evidence(tiny, tmp_path, monkeypatch):
     try:
         assert calls  # the warm-up drafted
         ds, fresh = eng.dspark_stats, DsparkStats()
-        assert (ds.cycles, ds.accepted_ema, ds.length_ema, ds.draft_cost) == (0, fresh.accepted_ema,
-                                                                              fresh.length_ema, 0.0)
+        assert (ds.cycles, ds.accepted_ema, ds.length_ema, ds.timed_forwards) == (0, fresh.accepted_ema,
+                                                                                  fresh.length_ema, 0)
         assert ds.realised == fresh.realised and ds.predicted == fresh.predicted
+        # the draft cost is the start-up timing of steady forwards, not the warm-up's forwards
+        assert ds.draft_cost == ds.steady_cost > 0 and not ds.recent_costs and not ds.catch_up_costs
         run(eng, prompts(1, seed=2)[0], "dspark", max_tokens=8)
         assert eng.dspark_stats is ds and ds.cycles >= 1  # requests feed this object
     finally:
@@ -489,6 +491,55 @@ def test_early_dspark_evidence_is_a_running_mean():
     ds.observe([], 0, 0)
     ds.observe([0.9, 0.9], 2, 1)
     assert ds.length_ema == 2.0 and ds.accepted_ema == pytest.approx(0.5)
+
+
+def test_draft_cost_is_the_steady_forwards_cost():
+    """Forwards that project more than ``STEADY_ROWS`` new context rows (a request's first, over
+    its prompt; a probe after 32+ cycles of other drafters) leave the draft cost at the steady
+    forwards' (timed at start-up until requests time their own); without either, they set it."""
+    from engine.scheduler import CostModel, DsparkStats
+
+    cost = CostModel([0.0015 + 0.0001 * k for k in range(16)])
+    ds = DsparkStats(steady_cost=0.0012)
+    ds.accepted_ema, ds.length_ema = 1.2, 3.0  # (2.2 tokens per 3.0 ms against 1.5 ms per token)
+    assert ds.draft_cost == 0.0012 and ds.expected_rate(cost) > 1 / cost.T(1)
+    for rows in (200, 40, DsparkStats.STEADY_ROWS + 1):
+        ds.observe_cost(0.0028, rows)
+    assert ds.draft_cost == 0.0012 and ds.catch_up_cost == 0.0028 and ds.timed_forwards == 3
+    assert ds.expected_rate(cost) > 1 / cost.T(1)  # (priced at 2.8 ms it would lose)
+    ds.observe_cost(0.0014, DsparkStats.STEADY_ROWS)
+    ds.observe_cost(0.0016, 3)
+    assert ds.draft_cost == pytest.approx(0.0015) and ds.fastest_forward == 0.0014
+    unknown = DsparkStats()  # nothing timed at start-up: the dear forwards are all there is
+    unknown.observe_cost(0.0028, 200)
+    assert unknown.draft_cost == 0.0028
+    unknown.observe_cost(0.0013, 2)
+    assert unknown.draft_cost == 0.0013
+
+
+def test_engine_times_each_forward_by_the_new_context_rows_it_projects(tiny, tmp_path, monkeypatch):
+    """A request's first DSpark forward projects its whole context; every later one of a request
+    drafting each cycle projects only the last cycle's committed rows (the anchor and the
+    accepted drafts), so only the first is a catch-up."""
+    from engine.scheduler import DsparkStats
+
+    path = make_drafter(tiny, tmp_path / "drafter")
+    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40, 300)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    seen = []
+    try:
+        ds = eng.dspark_stats
+        original = ds.observe_cost
+        monkeypatch.setattr(ds, "observe_cost", lambda seconds, rows=0: (seen.append(rows), original(seconds, rows)))
+        prompt = [int(t) for t in np.random.default_rng(3).integers(3, 259, 48)]
+        _, _, last = run(eng, prompt, speculative=FORCE, max_tokens=24, ignore_eos=True)
+        steps = last.stats.num_verify_steps
+        assert len(seen) >= steps - 1 > 3
+        assert seen[0] == len(prompt) - 1 > DsparkStats.STEADY_ROWS  # (the prompt's last token is the anchor)
+        assert all(1 <= r <= eng.dspark.config.block_size + 1 for r in seen[1:]), seen
+        assert len(ds.catch_up_costs) == 1 and len(ds.recent_costs) == min(len(seen) - 1, DsparkStats.COST_WINDOW)
+    finally:
+        eng.stop()
 
 
 def test_draft_cost_ignores_a_first_forward_that_compiled_kernels():
@@ -567,7 +618,7 @@ def test_a_winning_dspark_restores_the_probe_share(dspark_engine, monkeypatch):
     monkeypatch.setattr(cost, "alpha", 0.0)  # (observe() leaves the curve alone)
     monkeypatch.setattr(cost, "_curve", [0.003 + 0.0002 * k for k in range(cost.max_rows)])
     monkeypatch.setattr(ds, "draft_cost", 0.001)
-    monkeypatch.setattr(ds, "observe_cost", lambda seconds: None)
+    monkeypatch.setattr(ds, "observe_cost", lambda seconds, rows=0: None)
     monkeypatch.setattr(ds, "probe_share", DsparkStats.PROBE_SHARE_MIN)
     monkeypatch.setattr(ds, "accepted_ema", 4.0)
     monkeypatch.setattr(ds, "length_ema", 4.0)

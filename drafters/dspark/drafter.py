@@ -307,6 +307,13 @@ class DSparkDrafter:
         """Positions whose context rows the drafter holds (cached + pending)."""
         return self._length + sum(int(h.shape[0]) for h in self._pending)
 
+    @property
+    def projected_length(self) -> int:
+        """Positions whose context rows are already projected into the draft cache: a
+        :meth:`propose` with the anchor at position ``p`` projects ``p - projected_length`` new
+        rows first (inside the fused launch for up to ``MAX_PADDED_ROWS``, else as MLX ops)."""
+        return self._length
+
     def reset(self) -> None:
         self._keys: list[mx.array] = []
         self._values: list[mx.array] = []
