@@ -406,7 +406,10 @@ def main(argv=None) -> dict:
             ds = eng.dspark_stats
             results["workloads"][w["name"]]["dspark_after"] = {
                 "timed_forwards": ds.timed_forwards, "fastest_forward_ms": round(ds.fastest_forward * 1e3, 3),
-                "draft_cost_ms": round(ds.draft_cost * 1e3, 3), "probe_s": round(ds.probe_seconds, 4),
+                "draft_cost_ms": round(ds.draft_cost * 1e3, 3),
+                "steady_cost_at_start_ms": round(ds.steady_cost * 1e3, 3),
+                "steady_forwards": len(ds.recent_costs), "catch_up_cost_ms": round(ds.catch_up_cost * 1e3, 3),
+                "accepted_ema": round(ds.accepted_ema, 3), "probe_s": round(ds.probe_seconds, 4),
                 "decode_s": round(ds.decode_seconds, 3), "cycles": ds.cycles,
                 "can_win": ds.can_win(eng.cost, eng.dspark.config.block_size)}
         line = "  ".join(f"{m}: {s['decode_tokens_per_s']:.1f} tok/s x{s['speedup']:.2f}"
@@ -415,6 +418,8 @@ def main(argv=None) -> dict:
                             if s["acceptance_rate"] is not None else "")
                          for m, s in summary.items())
         print(f"{w['name']:12s} identical={identical}  {line}", flush=True)
+        if "dspark_after" in results["workloads"][w["name"]]:  # (in the log too: a JSON may not come back)
+            print(f"{'':12s} dspark_after {results['workloads'][w['name']]['dspark_after']}", flush=True)
         if args.out:  # after every workload, so a run cut short keeps what it measured
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(results, indent=1))
