@@ -468,9 +468,14 @@ class Engine:
             # there was gated off before the first request, and budget-limited probes moved the
             # estimate back by 5% each. The stats start afresh below.)
         if self.dspark is not None and self.cost.max_rows > 1:
-            steady = self._time_dspark_forward()
+            try:
+                steady = self._time_dspark_forward()
+                log.info("DSpark steady forward: %.3f ms (T(1) %.3f ms)", steady * 1e3, self.cost.T(1) * 1e3)
+            except Exception:  # (only a first estimate: requests time their own forwards)
+                log.warning("DSpark forward not timed at start-up", exc_info=True)
+                steady = 0.0
             self.dspark_stats = DsparkStats(steady_cost=steady)
-            log.info("DSpark steady forward: %.3f ms (T(1) %.3f ms)", steady * 1e3, self.cost.T(1) * 1e3)
+            self._stop_point()
         if cfg.prefix_cache_bytes > 0:  # after the warm-up, which must not count in its metrics
             if PrefixCache.supports(self.runner.make_cache()):
                 self.prefix_cache = PrefixCache(cfg.prefill_step, cfg.prefix_cache_bytes)
@@ -590,10 +595,10 @@ class Engine:
         cfg = self.dspark.config
         drafter = self._dspark_drafter(self.dspark, self.target_taps.embed, self.target_taps.lm_head,
                                        self._dspark_step)
-        dtype = self.target_taps.embed(mx.array([0])).dtype
         width = cfg.num_taps * cfg.hidden_size
         key = mx.random.key(0)  # (its own key: the global RNG is left alone)
-        rows = mx.random.normal((96 + 3 * (reps + 1), width), key=key).astype(dtype)
+        # float32, as requests pass them (engine.runner.join_rows)
+        rows = mx.random.normal((96 + 3 * (reps + 1), width), dtype=mx.float32, key=key)
         tokens = [int(t) % cfg.vocab_size for t in range(7, 7 + 97)]
         mx.eval(rows)
         drafter.propose(DraftContext(tokens, rows[:96]), cfg.block_size)

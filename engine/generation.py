@@ -294,10 +294,12 @@ class Sequence:
                                            min(2 * self.dspark_probe_every, DSPARK_PROBE_MAX))
                 started = time.perf_counter()
                 option = self._propose_dspark(ctx, budget, cost)
-                if probe:  # (a forward that compiled a graph is charged at the usual cost)
+                if probe:  # (a forward that compiled a graph is charged at the usual cost of a
+                    # probe, a catch-up forward)
                     traced = getattr(self.drafters["dspark"], "traced", False)
-                    self.dspark_stats.observe_probe(self.dspark_stats.draft_cost if traced
-                                                    else time.perf_counter() - started)
+                    ds = self.dspark_stats
+                    ds.observe_probe((ds.catch_up_cost or ds.draft_cost) if traced
+                                     else time.perf_counter() - started)
                 dspark_ran = True
                 if option[1] == 0 and not forced:  # paid for, drafted nothing
                     self.dspark_stats.observe([], 0, 0)
@@ -335,7 +337,7 @@ class Sequence:
         new_rows = len(self.tokens) - 1 - drafter.projected_length  # (projected by this forward)
         proposal = self._grammar_cut(drafter.propose(ctx, budget))
         if not getattr(drafter, "traced", False):  # a forward that compiled a graph is not typical
-            self.dspark_stats.observe_cost(time.perf_counter() - started, new_rows)
+            self.dspark_stats.observe_cost(time.perf_counter() - started, rows=new_rows)
         proposal.drafter = "dspark"
         raw = proposal.confidence or [0.5] * len(proposal.tokens)
         conditional = self.dspark_stats.calibrated(raw)

@@ -312,7 +312,7 @@ class DsparkStats:
     # whenever it could win, as before the thirty-third session (except that a cycle without room
     # to draft drops it now), a knob for side-by-side benchmarks
     TAP_WHILE_IDLE = False
-    # draft_cost is the median of this many most recent timed forwards: one outlier (a forward
+    # draft_cost is the median of this many most recent timed steady forwards: one outlier (a forward
     # that compiled CUDA kernels on a fresh machine took ~17 s on an H100; an EMA seeded with it
     # still read 147 ms after 45 forwards of ~2 ms, docs/benchmarks.md "Thirty-fourth session")
     # is ignored from the third forward on, and a lasting change is followed within five
@@ -408,7 +408,7 @@ class DsparkStats:
         the best other option promised when it was chosen."""
         self.probe_share = self.PROBE_SHARE
 
-    def observe_cost(self, seconds: float, rows: int = 0) -> None:
+    def observe_cost(self, seconds: float, *, rows: int) -> None:
         """A timed DSpark forward (propose) that projected ``rows`` new context rows took
         ``seconds``. :attr:`draft_cost` is the median of the last :attr:`COST_WINDOW` steady
         forwards (``rows <= STEADY_ROWS``); before any, :attr:`steady_cost` if it was timed,

@@ -48,7 +48,7 @@ class _TrailingSlash:
     without it, before the guard and the router see it. Starlette would answer it with a 307
     redirect without a body, which a client that does not follow redirects (httpx's default)
     reads as an unexplained failure. The root path and paths ending in ``//`` are left alone
-    (404)."""
+    (no route has them). The guard sees the path the router serves, so a slash opens nothing."""
 
     def __init__(self, app):
         self.app = app

@@ -279,7 +279,7 @@ def test_best_case_rate_bounds_what_a_probe_could_find():
     for seconds in (0.05, 0.002, 0.001):  # one slow reading (a stall) among fast ones
         assert ds.best_case_rate(cost, 7) == float("inf")  # too few forwards timed: probes measure
         assert ds.best_case_rate(cost, 0) == 0.0 and not ds.can_win(cost, 0)  # but no room, no win
-        ds.observe_cost(seconds)
+        ds.observe_cost(seconds, rows=1)
     forward = 0.001 / DsparkStats.ABSORB_MARGIN  # the fastest, less what absorbing rows may add
     expected = max((1 + n) / (cost.T(n + 1) + forward) for n in range(1, 8))
     assert ds.best_case_rate(cost, 7) == pytest.approx(expected) == pytest.approx(8 / (cost.T(8) + forward))
@@ -292,7 +292,7 @@ def test_best_case_rate_bounds_what_a_probe_could_find():
     assert ds.best_case_rate(slow, 7, context=1100) == pytest.approx(8 / (slow.T(8, 1100) + forward))
     ds = DsparkStats()
     for _ in range(DsparkStats.BOUND_AFTER):
-        ds.observe_cost(0.05)
+        ds.observe_cost(0.05, rows=1)
     assert ds.best_case_rate(cost, 7) < 1 / cost.T(1) and not ds.can_win(cost, 7)  # a dear one could not
 
 
@@ -303,7 +303,7 @@ def test_worth_tapping_needs_a_drafter_that_could_be_chosen_or_probed(monkeypatc
     ds = DsparkStats()
     assert ds.worth_tapping(cost, 7)  # no evidence yet: the first probe always fits the budget
     for _ in range(DsparkStats.BOUND_AFTER):
-        ds.observe_cost(0.002)  # forwards cheap enough that a block accepted whole would win
+        ds.observe_cost(0.002, rows=1)  # forwards cheap enough that a block accepted whole would win
     ds.observe([0.9] * 7, 7, 0)  # ... but nothing it drafted was accepted
     ds.observe_probe(0.002)  # and its probe spent the budget (no decode time earned yet)
     assert ds.can_win(cost, 7) and not ds.may_probe()
@@ -319,7 +319,7 @@ def test_worth_tapping_needs_a_drafter_that_could_be_chosen_or_probed(monkeypatc
     assert ds.expected_rate(cost) > 1 / cost.T(1) and ds.worth_tapping(cost, 7)
     dear = DsparkStats()
     for _ in range(DsparkStats.BOUND_AFTER):
-        dear.observe_cost(0.05)
+        dear.observe_cost(0.05, rows=1)
     dear.accepted_ema = 6.0
     assert dear.may_probe() and not dear.worth_tapping(cost, 7)  # could not win even then
 
@@ -453,10 +453,13 @@ def test_warm_up_drafts_leave_no_dspark_evidence(tiny, tmp_path, monkeypatch):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(DSparkDrafter, "propose", counting)
+    before_timing = []
+    timing = Engine._time_dspark_forward
+    monkeypatch.setattr(Engine, "_time_dspark_forward", lambda self: (before_timing.append(len(calls)), timing(self))[1])
     eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40, 300)),
                  loaded=tiny).start(wait=True, timeout=300)
     try:
-        assert calls  # the warm-up drafted
+        assert before_timing[0] > 0 and len(before_timing) == 1  # the warm-up drafted, before the timing
         ds, fresh = eng.dspark_stats, DsparkStats()
         assert (ds.cycles, ds.accepted_ema, ds.length_ema, ds.timed_forwards) == (0, fresh.accepted_ema,
                                                                                   fresh.length_ema, 0)
@@ -493,6 +496,25 @@ def test_early_dspark_evidence_is_a_running_mean():
     assert ds.length_ema == 2.0 and ds.accepted_ema == pytest.approx(0.5)
 
 
+def test_engine_starts_when_the_start_up_timing_fails(tiny, tmp_path, monkeypatch):
+    """The start-up timing of a steady forward is only a first estimate: if it raises, the
+    engine starts anyway and prices DSpark from the forwards requests time."""
+    path = make_drafter(tiny, tmp_path / "drafter")
+
+    def broken(self):
+        raise RuntimeError("no launch")
+
+    monkeypatch.setattr(Engine, "_time_dspark_forward", broken)
+    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40, 300)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    try:
+        assert eng.dspark_stats.steady_cost == 0.0
+        ids, _, _ = run(eng, prompts(1, seed=2)[0], "dspark", max_tokens=8)
+        assert ids and eng.dspark_stats.timed_forwards >= 1 and eng.dspark_stats.draft_cost > 0
+    finally:
+        eng.stop()
+
+
 def test_draft_cost_is_the_steady_forwards_cost():
     """Forwards that project more than ``STEADY_ROWS`` new context rows (a request's first, over
     its prompt; a probe after 32+ cycles of other drafters) leave the draft cost at the steady
@@ -504,16 +526,16 @@ def test_draft_cost_is_the_steady_forwards_cost():
     ds.accepted_ema, ds.length_ema = 1.2, 3.0  # (2.2 tokens per 3.0 ms against 1.5 ms per token)
     assert ds.draft_cost == 0.0012 and ds.expected_rate(cost) > 1 / cost.T(1)
     for rows in (200, 40, DsparkStats.STEADY_ROWS + 1):
-        ds.observe_cost(0.0028, rows)
+        ds.observe_cost(0.0028, rows=rows)
     assert ds.draft_cost == 0.0012 and ds.catch_up_cost == 0.0028 and ds.timed_forwards == 3
     assert ds.expected_rate(cost) > 1 / cost.T(1)  # (priced at 2.8 ms it would lose)
-    ds.observe_cost(0.0014, DsparkStats.STEADY_ROWS)
-    ds.observe_cost(0.0016, 3)
+    ds.observe_cost(0.0014, rows=DsparkStats.STEADY_ROWS)
+    ds.observe_cost(0.0016, rows=3)
     assert ds.draft_cost == pytest.approx(0.0015) and ds.fastest_forward == 0.0014
     unknown = DsparkStats()  # nothing timed at start-up: the dear forwards are all there is
-    unknown.observe_cost(0.0028, 200)
+    unknown.observe_cost(0.0028, rows=200)
     assert unknown.draft_cost == 0.0028
-    unknown.observe_cost(0.0013, 2)
+    unknown.observe_cost(0.0013, rows=2)
     assert unknown.draft_cost == 0.0013
 
 
@@ -530,7 +552,7 @@ def test_engine_times_each_forward_by_the_new_context_rows_it_projects(tiny, tmp
     try:
         ds = eng.dspark_stats
         original = ds.observe_cost
-        monkeypatch.setattr(ds, "observe_cost", lambda seconds, rows=0: (seen.append(rows), original(seconds, rows)))
+        monkeypatch.setattr(ds, "observe_cost", lambda seconds, *, rows: (seen.append(rows), original(seconds, rows=rows)))
         prompt = [int(t) for t in np.random.default_rng(3).integers(3, 259, 48)]
         _, _, last = run(eng, prompt, speculative=FORCE, max_tokens=24, ignore_eos=True)
         steps = last.stats.num_verify_steps
@@ -550,15 +572,15 @@ def test_draft_cost_ignores_a_first_forward_that_compiled_kernels():
 
     cost = CostModel([0.0015 + 0.0001 * k for k in range(16)])
     ds = DsparkStats()
-    ds.observe_cost(17.0)
+    ds.observe_cost(17.0, rows=1)
     assert ds.draft_cost == 17.0
-    ds.observe_cost(0.002)
-    ds.observe_cost(0.0021)
+    ds.observe_cost(0.002, rows=1)
+    ds.observe_cost(0.0021, rows=1)
     assert ds.draft_cost == pytest.approx(0.0021)
     ds.accepted_ema, ds.length_ema = 6.0, 7.0  # blocks accepted nearly whole: DSpark wins
     assert ds.expected_rate(cost) > 1 / cost.T(1)
     for _ in range(DsparkStats.COST_WINDOW):  # forwards got dearer for good
-        ds.observe_cost(0.05)
+        ds.observe_cost(0.05, rows=1)
     assert ds.draft_cost == 0.05 and ds.expected_rate(cost) < 1 / cost.T(1)
 
 
@@ -567,7 +589,7 @@ def test_probe_budget_rule():
 
     ds = DsparkStats()
     for _ in range(DsparkStats.BOUND_AFTER):  # a forward's cost is known: losing probes halve the share
-        ds.observe_cost(0.05)
+        ds.observe_cost(0.05, rows=1)
     assert ds.may_probe()  # the first probe always runs
     ds.observe_probe(0.1)
     assert not ds.may_probe()
@@ -584,10 +606,10 @@ def test_probe_share_shrinks_with_every_losing_probe_and_recovers_on_a_win():
 
     ds = DsparkStats()
     for _ in range(DsparkStats.BOUND_AFTER - 1):  # probes that measure a forward's cost keep the share
-        ds.observe_cost(0.01)
+        ds.observe_cost(0.01, rows=1)
         ds.observe_probe(0.01)
         assert ds.probe_share == DsparkStats.PROBE_SHARE
-    ds.observe_cost(0.01)
+    ds.observe_cost(0.01, rows=1)
     ds.probe_seconds = 0.0
     shares = []
     for _ in range(8):
@@ -618,7 +640,7 @@ def test_a_winning_dspark_restores_the_probe_share(dspark_engine, monkeypatch):
     monkeypatch.setattr(cost, "alpha", 0.0)  # (observe() leaves the curve alone)
     monkeypatch.setattr(cost, "_curve", [0.003 + 0.0002 * k for k in range(cost.max_rows)])
     monkeypatch.setattr(ds, "draft_cost", 0.001)
-    monkeypatch.setattr(ds, "observe_cost", lambda seconds, rows=0: None)
+    monkeypatch.setattr(ds, "observe_cost", lambda seconds, *, rows: None)
     monkeypatch.setattr(ds, "probe_share", DsparkStats.PROBE_SHARE_MIN)
     monkeypatch.setattr(ds, "accepted_ema", 4.0)
     monkeypatch.setattr(ds, "length_ema", 4.0)

@@ -204,6 +204,12 @@ def test_right_key_passes_and_probes_stay_open(guarded_server):
     assert httpx.get(url + "/v1/models", headers={"Authorization": f"bearer  {KEY}"}).status_code == 200
     for path in ("/health", "/ready", "/metrics"):  # probes and scrapes need no key by default
         assert httpx.get(url + path).status_code == 200
+        assert httpx.get(url + path + "/").status_code == 200  # (a trailing slash: the same path)
+    for path in ("/v1/models/", "/v1/models/tiny-llama/"):  # ... and no way around the key
+        assert_envelope(httpx.get(url + path), 401, "authentication_error", "invalid_api_key")
+        assert httpx.get(url + path, headers=AUTH).status_code == 200
+    assert_envelope(httpx.post(url + "/v1/completions/", json={"prompt": "x", "max_tokens": 1}),
+                    401, "authentication_error", "invalid_api_key")
     client = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0)
     assert client.completions.create(model="tiny-llama", prompt="ab", max_tokens=3).usage.completion_tokens >= 1
     with pytest.raises(openai.AuthenticationError):
