@@ -615,6 +615,29 @@ def test_init_from_target_starts_from_the_last_layers(tiny_target):
         init_from_target(wide, model)
 
 
+def test_init_from_a_saved_drafter_trains_it_further(tiny_target, tmp_path):
+    """``init=<drafter dir>``: the saved drafter (4-bit here) in float32 with its own
+    architecture (the arch's other fields ignored), its weights the file's dequantized ones;
+    a drafter for another target, or a path that holds none, is refused."""
+    model, tok = tiny_target
+    start = train_dspark_new_model(model, tok, DraftArch(layers=2, target_layer_ids=[0, 1], block_size=4,
+                                                         markov_rank=16, mask_token_id=0))
+    saved = save_dspark(start, tmp_path / "q4", bits=4, group_size=32)
+    want = load_dspark(saved, dequantize=True)
+    net = train_dspark_new_model(model, tok, DraftArch(layers=1, block_size=7, markov_rank=64, init=str(saved)))
+    assert net.config.to_dict() == want.config.to_dict() and net.config.num_hidden_layers == 2
+    assert net.config.quantization is None and isinstance(net.layers[1].mlp.up_proj, nn.Linear)
+    got, ref = dict(tree_flatten(net.parameters())), dict(tree_flatten(want.parameters()))
+    assert got.keys() == ref.keys()
+    assert all(got[k].dtype == mx.float32 and mx.array_equal(got[k], ref[k]) for k in got)
+    assert not mx.array_equal(got["layers.0.mlp.up_proj.weight"], start.layers[0].mlp.up_proj.weight)  # (4-bit)
+    other, _ = tiny_model(layers=3, hidden=32, seed=1)
+    with pytest.raises(ValueError, match="hidden 64; the target has vocab .* hidden 32"):
+        train_dspark_new_model(other, tok, DraftArch(init=str(saved)))
+    with pytest.raises(ValueError, match="a drafter directory"):
+        train_dspark_new_model(model, tok, DraftArch(init=str(tmp_path)))
+
+
 def train_dspark_new_model(target, tok, arch):
     from drafters.dspark.train import _new_model
 

@@ -32,7 +32,9 @@ run=$root/dspark-run
 # 128 (RANK). The defaults are v3's run (docs/benchmarks.md): a bfloat16 target for generation and training,
 # self-instruct questions, package code from the staged site directory (CODE_ROOTS); HumanEval
 # is not staged (HUMANEVAL=1 if it is; evaluate on a CPU with dspark_eval.py --run-prompts).
-# INIT=target starts a new drafter from the target's last layers (docs/dspark.md, Initialisation).
+# INIT=target starts a new drafter from the target's last layers (docs/dspark.md, Initialisation);
+# INIT=<drafter dir> trains a saved drafter further (its architecture; a fresh AdamW and cosine
+# schedule at LR), e.g. v8 carried as .dev/v8 and copied to /root/v8: INIT=/root/v8 LR=2e-4.
 # MICRO=2 splits each step's 64 sequences into two passes: the same gradient in about half the
 # activation memory (7 layers at 64 x 1,024 tokens ran out of an H100's 80 GB in v8's run).
 recipe=(--target default --layers "${LAYERS:-3}" --block-size 7 --markov-rank "${RANK:-128}"
@@ -41,7 +43,7 @@ recipe=(--target default --layers "${LAYERS:-3}" --block-size 7 --markov-rank "$
         $(for r in ${CODE_ROOTS-/tmp/site}; do printf -- '--code-root %s ' "$r"; done)
         --target-weights "${TARGET_WEIGHTS:-bfloat16}" $([ "${HUMANEVAL:-0}" = 1 ] || echo --no-humaneval)
         --gen-batch-size "${GEN_BATCH:-1024}" --gen-shard-size "${GEN_SHARD:-1024}"
-        --batch-size "${BATCH:-64}" --micro-batches "${MICRO:-1}" --num-anchors "${ANCHORS:-64}" --max-seq-len 1024 --lr 6e-4 --save-every 200
+        --batch-size "${BATCH:-64}" --micro-batches "${MICRO:-1}" --num-anchors "${ANCHORS:-64}" --max-seq-len 1024 --lr "${LR:-6e-4}" --save-every 200
         --eval-per-source "${EVAL_N:-0}" --eval-max-new-tokens 128 --seed "${SEED:-0}" --no-progress
         --init "${INIT:-random}")
 train_dspark() {

@@ -64,7 +64,8 @@ class DraftArch:
     mask_token_id: int | None = None
     confidence_head: bool = True
     # "random" (DeepSpec's N(0, 0.02)) or "target": the draft layers start as copies of the
-    # target's last decoder layers and ``fc`` passes the deepest tap through (init_from_target)
+    # target's last decoder layers and ``fc`` passes the deepest tap through (init_from_target);
+    # or a saved drafter's directory: train it further (its own architecture, dequantized)
     init: str = "random"
 
 
@@ -677,6 +678,8 @@ class RunResult:
 
 
 def _new_model(target: nn.Module, tokenizer, arch: DraftArch, seed: int) -> DSparkModel:
+    if arch.init not in ("random", "target"):
+        return _from_drafter(Path(arch.init), target, arch.init)
     mask_id = arch.mask_token_id if arch.mask_token_id is not None else default_mask_token_id(tokenizer)
     cfg: DSparkConfig = draft_config_from_target(
         model_config_dict(target), num_hidden_layers=arch.layers, target_layer_ids=arch.target_layer_ids,
@@ -686,8 +689,27 @@ def _new_model(target: nn.Module, tokenizer, arch: DraftArch, seed: int) -> DSpa
     init_weights(model, seed=seed)
     if arch.init == "target":
         init_from_target(model, target)
-    elif arch.init != "random":
-        raise ValueError(f"init={arch.init!r}: 'random' or 'target'")
+    return model
+
+
+def _from_drafter(path: Path, target: nn.Module, name: str) -> DSparkModel:
+    """A saved drafter (a directory in the DeepSpec layout, quantized or not) to train further
+    with a fresh optimizer and schedule: its own architecture (the other :class:`DraftArch`
+    fields are ignored), its weights dequantized to float32.
+
+    Raises:
+        ValueError: ``path`` holds no drafter, or one made for another target's vocabulary
+            or hidden size.
+    """
+    if not (path / "config.json").is_file():
+        raise ValueError(f"init={name!r}: 'random', 'target' or a drafter directory (config.json + safetensors)")
+    model = load_dspark(path, dtype="float32", dequantize=True)
+    want, cfg = model_config_dict(target), model.config
+    if (cfg.vocab_size, cfg.hidden_size) != (want["vocab_size"], want["hidden_size"]):
+        raise ValueError(f"init={name!r}: drafter for vocab {cfg.vocab_size}, hidden {cfg.hidden_size}; the target "
+                         f"has vocab {want['vocab_size']}, hidden {want['hidden_size']}")
+    log.info("starting from the drafter in %s (%d layers, Markov rank %d)", path, cfg.num_hidden_layers,
+             cfg.markov_rank)
     return model
 
 
@@ -914,8 +936,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--markov-rank", type=int, default=a.markov_rank)
     g.add_argument("--mask-token-id", type=int, default=None)
     g.add_argument("--no-confidence-head", action="store_true")
-    g.add_argument("--init", choices=("random", "target"), default=a.init,
-                   help="a new drafter's weights: random (DeepSpec's), or the target's last layers")
+    g.add_argument("--init", default=a.init,
+                   help="a new drafter's weights: random (DeepSpec's), target (the target's last layers), or "
+                        "a saved drafter's directory to train further (its architecture; fresh optimizer and schedule)")
     g = p.add_argument_group("data")
     g.add_argument("--n-code", type=int, default=d.n_code)
     g.add_argument("--n-instruct", type=int, default=d.n_instruct)
