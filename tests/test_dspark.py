@@ -628,7 +628,7 @@ def test_init_from_a_saved_drafter_trains_it_further(tiny_target, tmp_path):
     assert net.config.to_dict() == want.config.to_dict() and net.config.num_hidden_layers == 2
     assert net.config.quantization is None and isinstance(net.layers[1].mlp.up_proj, nn.Linear)
     got, ref = dict(tree_flatten(net.parameters())), dict(tree_flatten(want.parameters()))
-    assert got.keys() == ref.keys()
+    assert got.keys() == ref.keys() == dict(tree_flatten(net.trainable_parameters())).keys()  # (none frozen)
     assert all(got[k].dtype == mx.float32 and mx.array_equal(got[k], ref[k]) for k in got)
     assert not mx.array_equal(got["layers.0.mlp.up_proj.weight"], start.layers[0].mlp.up_proj.weight)  # (4-bit)
     other, _ = tiny_model(layers=3, hidden=32, seed=1)
@@ -636,6 +636,16 @@ def test_init_from_a_saved_drafter_trains_it_further(tiny_target, tmp_path):
         train_dspark_new_model(other, tok, DraftArch(init=str(saved)))
     with pytest.raises(ValueError, match="a drafter directory"):
         train_dspark_new_model(model, tok, DraftArch(init=str(tmp_path)))
+    deeper, _ = tiny_model(layers=5, hidden=64, seed=1)  # (same widths, taps in range: another target)
+    with pytest.raises(ValueError, match="a target of 3 layers tapping .*this target has 5"):
+        train_dspark_new_model(deeper, tok, DraftArch(init=str(saved)))
+    config = json.loads((saved / "config.json").read_text())
+    (saved / "config.json").write_text(json.dumps({**config, "mask_token_id": 10**6}))
+    with pytest.raises(ValueError, match="mask token 1000000 outside the vocabulary"):
+        train_dspark_new_model(model, tok, DraftArch(init=str(saved)))
+    with pytest.raises(ValueError, match="a drafter directory"):  # (before any data is generated)
+        train_dspark(model, tok, tmp_path / "run", arch=DraftArch(init=str(tmp_path / "typo")), progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def train_dspark_new_model(target, tok, arch):

@@ -697,20 +697,36 @@ def _from_drafter(path: Path, target: nn.Module, name: str) -> DSparkModel:
     with a fresh optimizer and schedule: its own architecture (the other :class:`DraftArch`
     fields are ignored), its weights dequantized to float32.
 
+    A drafter saved without confidence-head weights loads without the head and trains
+    without it (the loader turns it off); this trainer's own saves always have it.
+
     Raises:
-        ValueError: ``path`` holds no drafter, or one made for another target's vocabulary
-            or hidden size.
+        ValueError: ``path`` holds no drafter, or one made for another target (vocabulary,
+            hidden size, layer count), or whose taps or mask token this target lacks.
     """
-    if not (path / "config.json").is_file():
-        raise ValueError(f"init={name!r}: 'random', 'target' or a drafter directory (config.json + safetensors)")
+    check_init(name)
     model = load_dspark(path, dtype="float32", dequantize=True)
     want, cfg = model_config_dict(target), model.config
+    n = len(target.model.layers)
     if (cfg.vocab_size, cfg.hidden_size) != (want["vocab_size"], want["hidden_size"]):
         raise ValueError(f"init={name!r}: drafter for vocab {cfg.vocab_size}, hidden {cfg.hidden_size}; the target "
                          f"has vocab {want['vocab_size']}, hidden {want['hidden_size']}")
+    if cfg.num_target_layers not in (None, n) or cfg.target_layer_ids[-1] > n - 2:
+        raise ValueError(f"init={name!r}: drafter for a target of {cfg.num_target_layers} layers tapping "
+                         f"{cfg.target_layer_ids}; this target has {n}")
+    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
+        raise ValueError(f"init={name!r}: mask token {cfg.mask_token_id} outside the vocabulary")
     log.info("starting from the drafter in %s (%d layers, Markov rank %d)", path, cfg.num_hidden_layers,
              cfg.markov_rank)
+    model.train()
     return model
+
+
+def check_init(init: str) -> None:
+    """Raise ValueError unless ``init`` is ``random``, ``target`` or a directory holding a
+    drafter's ``config.json`` (checked before any data is generated)."""
+    if init not in ("random", "target") and not (Path(init) / "config.json").is_file():
+        raise ValueError(f"init={init!r}: 'random', 'target' or a drafter directory (config.json + safetensors)")
 
 
 def _float_weight(module: nn.Module) -> mx.array:
@@ -826,6 +842,8 @@ def _prepare(target, tokenizer, out_dir: Path, arch: DraftArch, data: DataConfig
     if ckpt is not None:
         model, optimizer, step = restore(ckpt, train)
         log.info("resuming from %s (step %d)", ckpt, step)
+        if arch.init not in ("random", "target"):
+            log.warning("init=%s ignored: the run resumes from its own checkpoint", arch.init)
         return model, optimizer, step
     model = _new_model(target, tokenizer, arch, train.seed)
     (out_dir / "run_config.json").write_text(json.dumps(
@@ -881,6 +899,7 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
             ``steps=0``), e.g. to generate on one machine and train on another.
     """
     arch, data, train = arch or DraftArch(), data or DataConfig(), train or TrainConfig()
+    check_init(arch.init)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + time_budget_s if time_budget_s else None
