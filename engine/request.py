@@ -106,6 +106,19 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int | None = None
 
+    # Values past float32's reach act as their limits (they would overflow to inf/NaN or round
+    # to 0 in the float32 math and sample garbage): a temperature below this is greedy (vLLM's
+    # _SAMPLING_EPS), and top_p and repetition_penalty are raised to it (top_p: only the top
+    # token survives either way; the penalty stays extreme without dividing by zero).
+    EPS = 1e-5
+
+    def __post_init__(self):
+        if 0.0 < self.temperature < self.EPS:
+            object.__setattr__(self, "temperature", 0.0)
+        for name in ("top_p", "repetition_penalty"):
+            if 0.0 < getattr(self, name) < self.EPS:
+                object.__setattr__(self, name, self.EPS)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0

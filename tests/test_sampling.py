@@ -39,6 +39,26 @@ def test_rows_match_one_row_decoding(params):
             history.append(draft[r])
 
 
+def test_values_past_float32_act_as_their_limits():
+    """A temperature too small for float32 is greedy, a top_p that rounds to 0 keeps the top
+    token, and a repetition penalty that rounds to 0 does not divide by it: no NaN or empty
+    distribution (each once sampled garbage: token 0 at temperature 1e-39)."""
+    logits = logits_rows(4, seed=5)
+    committed = [1, 2, 3]
+    greedy = mx.argmax(logits, axis=-1).tolist()
+    for params in (SamplingParams(temperature=1e-39), SamplingParams(temperature=1e-6, seed=4),
+                   SamplingParams(temperature=2.0, top_p=5e-324, seed=4),
+                   SamplingParams(temperature=1.0, top_p=1e-46, seed=4)):
+        pipe = LogitsPipeline(params, seed=4, prompt_len=1)
+        assert pipe.choose(pipe.process(logits, committed), 3).tolist() == greedy, params
+    assert SamplingParams(temperature=1e-6).greedy and not SamplingParams(temperature=1e-4).greedy
+    assert SamplingParams(top_p=1e-46).top_p == SamplingParams.EPS and SamplingParams(top_p=0.5).top_p == 0.5
+    row = mx.array([[1.0, 2.0, -1.0] + [0.0] * (V - 3)])  # token 0 seen: a penalty below 1 lifts it
+    pipe = LogitsPipeline(SamplingParams(temperature=0.0, repetition_penalty=5e-324), seed=0, prompt_len=1)
+    out = pipe.process(row, [0, 2])
+    assert bool(mx.all(mx.isfinite(out)).item()) and pipe.choose(out, 2).item() == 0
+
+
 def test_penalties_see_only_their_rows_history():
     params = SamplingParams(temperature=0.0, presence_penalty=2.0)
     pipe = LogitsPipeline(params, seed=0, prompt_len=2)
