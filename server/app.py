@@ -47,8 +47,9 @@ class _TrailingSlash:
     """Pure ASGI: a path with one trailing slash (``/v1/completions/``) is served as the path
     without it, before the guard and the router see it. Starlette would answer it with a 307
     redirect without a body, which a client that does not follow redirects (httpx's default)
-    reads as an unexplained failure. The root path and paths ending in ``//`` are left alone
-    (no route has them). The guard sees the path the router serves, so a slash opens nothing."""
+    reads as an unexplained failure. The root path and paths ending in ``//`` are left alone:
+    they get the JSON 404 (the app makes no redirects). The guard sees the path the router
+    serves, so a slash opens nothing."""
 
     def __init__(self, app):
         self.app = app
@@ -82,7 +83,8 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
         # seconds away: the CLI does not wait for it (server/cli.py)
         engine.stop(timeout=10.0 if engine.ready else 1.0)
 
-    app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan)
+    # (no redirects: _TrailingSlash serves one trailing slash, other paths the router lacks get a 404)
+    app = FastAPI(title="specserve", version="0.1.0", lifespan=lifespan, redirect_slashes=False)
     app.state.engine = engine
     app.state.settings = settings
     app.state.metrics = metrics
@@ -124,19 +126,19 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
                 "created": app.state.started, "owned_by": "specserve",
                 "max_model_len": info.get("context_length")}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         if engine.loaded is None:
             return {"object": "list", "data": []}
         return {"object": "list", "data": [_model_card()]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         if engine.loaded is None or model_id.lower() != engine.loaded.name.lower():
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return _model_card()
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -319,8 +319,12 @@ def test_a_trailing_slash_serves_the_same_endpoint(tiny_server):
     r = httpx.get(tiny_server.url + "/v1/models/", timeout=30)
     assert r.status_code == 200 and r.json()["object"] == "list"
     assert httpx.get(tiny_server.url + "/health/?verbose=1", timeout=30).json()["status"] == "ok"
-    r = httpx.get(tiny_server.url + "/v1/models//", timeout=30)
-    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+    for path in ("/v1/models//", "/v1/completions//", "/metrics//"):  # a JSON 404, never a redirect
+        r = httpx.request("POST" if "completions" in path else "GET", tiny_server.url + path, timeout=30,
+                          json={"prompt": "hello", "max_tokens": 1} if "completions" in path else None)
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error", (path, r.status_code)
+    for path in ("/v1/models", "/v1/models/", "/metrics"):  # HEAD wherever GET works
+        assert httpx.head(tiny_server.url + path, timeout=30).status_code == 200, path
     r = httpx.get(tiny_server.url + "/metrics/", timeout=30)
     assert r.status_code == 200 and "specserve" in r.text
 
