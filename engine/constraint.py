@@ -109,6 +109,8 @@ def regex_grammar(pattern: str) -> str:
     what clients mean: Unicode ``\\d`` let a model write ``🯸🯸🯸🯸`` for a year)."""
     from llguidance import LLMatcher, regex_to_lark
 
+    if (len(pattern) - len(pattern.rstrip("\\"))) % 2:  # (regex_to_lark would drop it: `a\` matched "a")
+        raise GrammarError("the regex ends in an unescaped backslash")
     try:
         return LLMatcher.grammar_from_lark(f"start: /{regex_to_lark(pattern, 'dws')}/")
     except (ValueError, TypeError, RuntimeError) as exc:

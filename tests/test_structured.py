@@ -405,6 +405,8 @@ def test_json_object_regex_and_choice(tiny_server, tiny):
      "response_format.json_schema.schema"),  # (a keyword llguidance does not enforce: refused, not ignored)
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
     ({"structured_outputs": {"regex": "[0-9"}}, "structured_outputs.regex"),
+    ({"structured_outputs": {"regex": "a\\"}}, "structured_outputs.regex"),  # (a lone trailing backslash)
+    ({"structured_outputs": {"regex": "\\d+\\\\\\"}}, "structured_outputs.regex"),  # (\d+\\\: three)
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"choice": []}}, "structured_outputs.choice"),
     ({"structured_outputs": {"choice": ["a"]}, "response_format": {"type": "json_object"}}, "structured_outputs"),
