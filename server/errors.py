@@ -143,7 +143,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 404 and message == "Not Found":
             message = f"Unknown path {request.url.path}"
         if exc.status_code == 400 and message == _BODY_PARSE_FAILED:
-            return error_response(400, "Invalid JSON body: not UTF-8 encoded JSON, or nested too deeply", code="invalid_json")
+            return error_response(400, "Invalid JSON body: not UTF-8 encoded JSON, nested too deeply, or a number "
+                                  "longer than 4300 digits", code="invalid_json")
         return error_response(exc.status_code, message, code=getattr(exc, "code", None),
                               headers=getattr(exc, "headers", None))
 

@@ -184,7 +184,8 @@ class Settings(BaseSettings):
     shutdown_timeout: float = Field(
         20.0, ge=0,
         description="On SIGTERM/SIGINT: new requests get 503 while in-flight ones get this many seconds to "
-        "finish; the rest are then ended with a 503 error and the process exits 0. Keep it below the "
+        "finish; the rest are then ended with a 503 error and the process exits (0 after SIGTERM, 130 after "
+        "SIGINT). Keep it below the "
         "orchestrator's kill grace period (Kubernetes: 30 s).",
     )
 
