@@ -572,9 +572,9 @@ class Engine:
         self.dspark = load_dspark(path, dtype="float32", dequantize=fused.backend() == "cpu")
         cfg = self.dspark.config
         args = self.loaded.model.args
-        if (cfg.vocab_size, cfg.hidden_size) != (args.vocab_size, args.hidden_size):
-            raise ValueError(f"DSpark drafter {path} (vocab {cfg.vocab_size}, hidden {cfg.hidden_size}) does "
-                             f"not match the target (vocab {args.vocab_size}, hidden {args.hidden_size})")
+        why = cfg.target_mismatch(args.vocab_size, args.hidden_size, len(self.loaded.model.layers))
+        if why:
+            raise ValueError(f"DSpark drafter {path} does not fit the target: {why}")
         self.target_taps = TargetTaps(self.loaded.model, cfg.target_layer_ids)
         self._dspark_drafter = DSparkDrafter
         self._dspark_step = DraftStep(self.dspark, self.target_taps.embed, self.target_taps.lm_head,

@@ -637,7 +637,7 @@ def test_init_from_a_saved_drafter_trains_it_further(tiny_target, tmp_path):
     with pytest.raises(ValueError, match="a drafter directory"):
         train_dspark_new_model(model, tok, DraftArch(init=str(tmp_path)))
     deeper, _ = tiny_model(layers=5, hidden=64, seed=1)  # (same widths, taps in range: another target)
-    with pytest.raises(ValueError, match="a target of 3 layers tapping .*this target has 5"):
+    with pytest.raises(ValueError, match="a target of 3 layers tapping .*the target has 5"):
         train_dspark_new_model(deeper, tok, DraftArch(init=str(saved)))
     config = json.loads((saved / "config.json").read_text())
     (saved / "config.json").write_text(json.dumps({**config, "mask_token_id": 10**6}))

@@ -5,6 +5,8 @@ drafter a Markov bias that favours chosen tokens and push the target toward the 
 with a request logit_bias.
 """
 
+import json
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -497,6 +499,21 @@ def test_early_dspark_evidence_is_a_running_mean():
     ds.observe([], 0, 0)
     ds.observe([0.9, 0.9], 2, 1)
     assert ds.length_ema == 2.0 and ds.accepted_ema == pytest.approx(0.5)
+
+
+def test_a_drafter_for_another_target_is_refused_at_start_up(tiny, tmp_path):
+    """A drafter whose widths match but whose target had other layers (its taps would read the
+    wrong depths) does not load: the engine reports why instead of drafting nonsense."""
+    path = make_drafter(tiny, tmp_path / "drafter")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_target_layers": 30}))
+    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40,)),
+                 loaded=tiny)
+    try:
+        with pytest.raises(RuntimeError, match="does not fit the target: drafter for a target of 30 layers"):
+            eng.start(wait=True, timeout=300)
+    finally:
+        eng.stop()
 
 
 def test_engine_starts_when_the_start_up_timing_fails(tiny, tmp_path, monkeypatch):

@@ -132,6 +132,19 @@ class DSparkConfig:
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 
+    def target_mismatch(self, vocab_size: int, hidden_size: int, num_layers: int) -> str | None:
+        """Why this drafter cannot run on a target of these widths and decoder layers (it shares
+        the target's embedding and LM head and taps its layers), or None when it can."""
+        if (self.vocab_size, self.hidden_size) != (vocab_size, hidden_size):
+            return (f"drafter for vocab {self.vocab_size}, hidden {self.hidden_size}; the target has vocab "
+                    f"{vocab_size}, hidden {hidden_size}")
+        if self.num_target_layers not in (None, num_layers) or self.target_layer_ids[-1] > num_layers - 2:
+            return (f"drafter for a target of {self.num_target_layers} layers tapping {self.target_layer_ids}; "
+                    f"the target has {num_layers}")
+        if not 0 <= self.mask_token_id < vocab_size:
+            return f"mask token {self.mask_token_id} outside the vocabulary"
+        return None
+
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)

@@ -707,15 +707,9 @@ def _from_drafter(path: Path, target: nn.Module, name: str) -> DSparkModel:
     check_init(name)
     model = load_dspark(path, dtype="float32", dequantize=True)
     want, cfg = model_config_dict(target), model.config
-    n = len(target.model.layers)
-    if (cfg.vocab_size, cfg.hidden_size) != (want["vocab_size"], want["hidden_size"]):
-        raise ValueError(f"init={name!r}: drafter for vocab {cfg.vocab_size}, hidden {cfg.hidden_size}; the target "
-                         f"has vocab {want['vocab_size']}, hidden {want['hidden_size']}")
-    if cfg.num_target_layers not in (None, n) or cfg.target_layer_ids[-1] > n - 2:
-        raise ValueError(f"init={name!r}: drafter for a target of {cfg.num_target_layers} layers tapping "
-                         f"{cfg.target_layer_ids}; this target has {n}")
-    if not 0 <= cfg.mask_token_id < cfg.vocab_size:
-        raise ValueError(f"init={name!r}: mask token {cfg.mask_token_id} outside the vocabulary")
+    why = cfg.target_mismatch(want["vocab_size"], want["hidden_size"], len(target.model.layers))
+    if why:
+        raise ValueError(f"init={name!r}: {why}")
     log.info("starting from the drafter in %s (%d layers, Markov rank %d)", path, cfg.num_hidden_layers,
              cfg.markov_rank)
     model.train()
