@@ -735,12 +735,13 @@ def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target)
     prompts = [tok.encode("hello there"), tok.encode("abc")]
     seen = []
     ev = evaluate_acceptance(taps, trained, prompts, [2], max_new_tokens=12,
-                             on_cycle=lambda logits, drafts, a: seen.append((logits.shape, len(drafts), a)))
+                             on_cycle=lambda logits, drafts, a, conf: seen.append((logits.shape, len(drafts), a, conf)))
     assert 1.0 <= ev["mean_acceptance_length"] <= 5.0 and len(ev["acceptance_per_position"]) == 4
     assert math.isclose(ev["mean_acceptance_length"], ev["tokens"] / ev["cycles"])
     assert ev["tokens"] >= ev["cycles"] >= 2
-    assert len(seen) == ev["cycles"] and sum(a + 1 for _, _, a in seen) == ev["tokens"]
-    assert all(shape == (n + 1, model.args.vocab_size) and 0 <= a <= n for shape, n, a in seen)
+    assert len(seen) == ev["cycles"] and sum(a + 1 for _, _, a, _ in seen) == ev["tokens"]
+    assert all(shape == (n + 1, model.args.vocab_size) and 0 <= a <= n for shape, n, a, _ in seen)
+    assert all(len(conf) == n and all(0.0 <= c <= 1.0 for c in conf) for _, n, _, conf in seen)
 
 
 def test_acceptance_by_target_confidence_bins():
@@ -756,6 +757,17 @@ def test_acceptance_by_target_confidence_bins():
     assert [b["share"] for b in first["bins"]] == pytest.approx([1 / 3, 0, 0, 0, 2 / 3], abs=1e-3)
     assert [b["acceptance"] for b in first["bins"]] == [0.0, None, None, None, 1.0]
     assert [b["acceptance"] for b in every["bins"]] == [0.0, 1.0, None, None, pytest.approx(2 / 3, abs=1e-3)]
+
+
+def test_confidence_head_calibration_per_slot():
+    """``benchmarks.dspark_confidence.confidence_head``: mean ``prod_{i<=k} c_i`` per slot
+    against the share of cycles with the first ``k`` drafts accepted; None without a head."""
+    from benchmarks.dspark_confidence import confidence_head
+
+    out = confidence_head([([0.5, 0.5, 1.0], 0), ([1.0, 0.8, 0.5], 2), ([0.9, 0.1, 0.2], 3)])
+    assert out["predicted_prefix_survival"] == pytest.approx([0.8, 0.38, 0.223], abs=1e-3)
+    assert out["realised_prefix_survival"] == pytest.approx([2 / 3, 2 / 3, 1 / 3], abs=1e-3)
+    assert confidence_head([(None, 1)]) == {"predicted_prefix_survival": None, "realised_prefix_survival": None}
 
 
 def test_prompt_sources_and_splits(tmp_path):

@@ -456,7 +456,8 @@ def _generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
 
 def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[list[int]],
                         eos_ids, max_new_tokens: int = 128, progress: bool = False,
-                        on_cycle: Callable[[mx.array, list[int], int], None] | None = None) -> dict:
+                        on_cycle: Callable[[mx.array, list[int], int, list[float] | None], None] | None = None
+                        ) -> dict:
     """Greedy speculative decoding with the drafter (dspark.md section 5), for diagnostics.
 
     Each cycle drafts a full block, verifies ``[anchor, drafts]`` with the target's own forward
@@ -466,7 +467,8 @@ def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[li
 
     Args:
         on_cycle: called after each verify pass with the target's logits ``[L + 1, V]`` of the
-            anchor and the ``L`` drafts, the drafts, and how many were accepted (diagnostics).
+            anchor and the ``L`` drafts, the drafts, how many were accepted, and the confidence
+            head's ``[c_1..c_L]`` (None without one) (diagnostics).
 
     Returns:
         ``mean_acceptance_length`` (committed tokens per verify pass, bonus included),
@@ -496,7 +498,7 @@ def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[li
             while a < len(draft.tokens) and draft.tokens[a] == choice[a]:
                 a += 1
             if on_cycle is not None:
-                on_cycle(logits, list(draft.tokens), a)
+                on_cycle(logits, list(draft.tokens), a, draft.confidence)
             reached[: min(a + 1, len(draft.tokens))] += 1
             accepted[:a] += 1
             for c in cache:
