@@ -39,9 +39,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--workloads", default="novel_code,novel_chat")
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--cycles", type=int, default=60, help="cycles of the eager/compiled comparison")
+    ap.add_argument("--drafter", default=None, help="a DSpark drafter directory (default: the shipped one)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    eng = Engine(EngineConfig(speculation="dspark", dspark=True)).start(wait=True)
+    eng = Engine(EngineConfig(speculation="dspark", dspark=True, dspark_drafter=args.drafter)).start(wait=True)
     forwards: list[tuple[int, float]] = []  # (context rows absorbed, ms)
     propose = dspark_drafter.DSparkDrafter.propose
 
