@@ -792,8 +792,8 @@ class Engine:
         the owner's remaining ``R`` rows, so its own ``P`` rows are done after about
         ``P + min(R, P)`` rows of work; waiting costs ``R + P - S`` for ``S`` shared rows not yet
         cached, which is less exactly when ``S > 0`` and ``R < P + S``. Only an owner that stores
-        into the namespace this request reads (same ``cache_salt``, same DSpark-taps setting) and
-        only what fits the cache's budget count.
+        where this request reads (same ``cache_salt``; with DSpark taps if this request has them:
+        :meth:`PrefixCache.fetch`) and only what fits the cache's budget count.
 
         A request whose whole prompt an active sequence is prefilling (:meth:`_prompt_twin`)
         always waits for it: it then copies every position but the anchor, not just whole
@@ -813,7 +813,7 @@ class Engine:
         for _, seq in self._active:
             other = seq.request
             if (seq.prefilled or seq.finished or other.prompt_logprobs or other.cache_salt != request.cache_salt
-                    or (seq.taps is not None) != taps or seq.cache is None):  # stores nothing it could use
+                    or (taps and seq.taps is None) or seq.cache is None):  # stores nothing it could use
                 continue
             shared = handle.shared.get(other.request_id)
             if shared is None:  # whole chunks in common, computed once per (waiter, owner)
@@ -837,17 +837,17 @@ class Engine:
         ``request`` can then copy instead of prefilling it (the ``n`` choices of one request, or
         the same prompt sent at once by several clients): the same prompt tokens and
         ``cache_salt``, plain per-layer KV caches, neither with prompt logprobs (they need every
-        row's logits) or DSpark taps (the drafter takes the prompt's hidden rows), and only with
-        the prefix cache on (copies follow its sharing rules: off, requests share nothing). Its
-        rows before the anchor are the ones this request's own prefill would compute: the same
-        chunks of the same tokens at the same positions. ``dspark``: whether ``request`` runs
-        DSpark."""
+        row's logits), ``request`` without DSpark taps (the drafter takes the prompt's hidden rows,
+        which a copy leaves out; the twin may have them: its KV is the same), and only with the
+        prefix cache on (copies follow its sharing rules: off, requests share nothing). Its rows
+        before the anchor are the ones this request's own prefill would compute: the same chunks
+        of the same tokens at the same positions. ``dspark``: whether ``request`` runs DSpark."""
         if (self.prefix_cache is None or request.prompt_logprobs or len(request.prompt_tokens) < 2
                 or dspark):
             return None
         for _, seq in self._active:
             other = seq.request
-            if (not seq.finished and seq.cache is not None and seq.taps is None and not other.prompt_logprobs
+            if (not seq.finished and seq.cache is not None and not other.prompt_logprobs
                     and other.cache_salt == request.cache_salt and other.prompt_tokens == request.prompt_tokens
                     and PrefixCache.supports(seq.cache)):
                 return seq

@@ -20,7 +20,11 @@ and verify passes, is never cached: a later prompt containing them prefills them
 Storage and lookup are mlx-lm's :class:`mlx_lm.models.cache.LRUPromptCache` (a token trie per
 namespace, exact / shorter / longer-and-trim matches, eviction of the least recently stored entry
 under a byte cap; a hit that uses a whole entry stores it again, so it counts as recent). Namespaces keep apart entries with and without DSpark hidden states and requests
-with different ``cache_salt`` values (vLLM's field: tenants that must not share cache timing).
+with different ``cache_salt`` values (vLLM's field: tenants that must not share cache timing). A
+request without DSpark reads both namespaces of its salt: an entry stored with hidden states holds
+the same KV bits (``drafters.dspark.TargetTaps`` runs the model's own modules), so a system prompt
+first prefilled by a DSpark request serves plain ones too. A DSpark request reads only entries
+with hidden states (its drafter needs the prompt's rows).
 """
 
 from __future__ import annotations
@@ -128,7 +132,9 @@ class PrefixCache:
         return ("taps" if taps else "kv", salt or "")
 
     def fetch(self, prompt: list[int], taps: bool, salt: str | None = None) -> PrefixHit | None:
-        """The longest cached whole-chunk prefix of ``prompt`` (None on a miss).
+        """The longest cached whole-chunk prefix of ``prompt`` (None on a miss): with ``taps``,
+        among entries stored with hidden rows; without, among all entries of ``salt`` (a tapped
+        entry's KV serves a plain request; its hidden rows are left out).
 
         Counts ``len(prompt)`` queried tokens and the hit's length as hit tokens.
         """
@@ -137,16 +143,20 @@ class PrefixCache:
             self.queries += len(prompt)
             if usable == 0:
                 return None
-            # The sentinel (-1, never a token) makes mlx-lm's lookup keep all `usable` positions
-            # when a longer entry matches them (it otherwise leaves the last one out).
-            cache, _ = self._store.fetch_nearest_cache(self._namespace(taps, salt), prompt[:usable] + [-1])
+            cache = stored_taps = None
+            for ns_taps in (True,) if taps else (False, True):
+                # The sentinel (-1, never a token) makes mlx-lm's lookup keep all `usable` positions
+                # when a longer entry matches them (it otherwise leaves the last one out).
+                found, _ = self._store.fetch_nearest_cache(self._namespace(ns_taps, salt), prompt[:usable] + [-1])
+                if found is not None and (cache is None or found[0].offset > cache[0].offset):
+                    cache, stored_taps = found, ns_taps
         if cache is None:
             return None
         aligned = min(cache[0].offset, usable) // self.block * self.block
         if aligned == 0:
             return None
         layers = []
-        for stored in cache[:-1] if taps else cache:
+        for stored in cache[:-1] if stored_taps else cache:
             layer = ExactKVCache()  # fresh arrays objects: the request's writes never reach the entry
             keys, values = stored.arrays
             layer.state = (keys[..., :aligned, :], values[..., :aligned, :], aligned)
@@ -155,7 +165,7 @@ class PrefixCache:
         with self._lock:
             self.hits += aligned
             if aligned == cache[0].length:  # the whole entry is in use: make it the most recent
-                self._store.insert_cache(self._namespace(taps, salt), prompt[:aligned], cache)
+                self._store.insert_cache(self._namespace(stored_taps, salt), prompt[:aligned], cache)
         return PrefixHit(layers, hidden, aligned)
 
     def insert(self, prompt: list[int], cache: list, hidden: mx.array | None, taps: bool,

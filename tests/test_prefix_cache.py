@@ -85,7 +85,47 @@ def test_taps_rows_follow_the_kv():
     assert pc.insert(prompt, kv_cache(59), hidden, taps=True) == 48
     hit = pc.fetch(prompt[:35] + [9] * 10, taps=True)
     assert hit.num_tokens == 32 and mx.array_equal(hit.hidden, hidden[:32]).item()
-    assert pc.fetch(prompt, taps=False) is None
+    assert pc.fetch(list(range(1, 60)), taps=True) is None and pc.fetch(prompt, taps=True, salt="b") is None
+
+
+def test_plain_requests_read_tapped_entries_and_take_the_longer_match():
+    """A tapped entry's KV serves a request without taps (hidden rows left out; same salt only),
+    never the reverse; between a plain and a tapped entry the longer match wins, and a hit that
+    uses a whole tapped entry refreshes it in its own namespace."""
+    one = 2 * 2 * (2 * BLOCK * 4) * 4  # one chunk of KV: layers, k/v, [2, BLOCK, 4] float32
+    pc = PrefixCache(BLOCK, 1 << 30)
+    prompt = list(range(300, 360))
+    tapped = kv_cache(59, seed=1)
+    assert pc.insert(prompt, tapped, mx.zeros((59, 3)), taps=True) == 48
+    hit = pc.fetch(prompt, taps=False)
+    assert hit.num_tokens == 48 and hit.hidden is None and len(hit.cache) == len(tapped)
+    for got, ref in zip(hit.cache, tapped):
+        assert mx.array_equal(got.keys, ref.keys[..., :48, :]).item()
+        assert mx.array_equal(got.values, ref.values[..., :48, :]).item()
+    assert pc.fetch(prompt, taps=False, salt="tenant-b") is None
+
+    plain = kv_cache(59, seed=2)
+    assert pc.insert(prompt[:2 * BLOCK + 1], plain, None, taps=False) == 2 * BLOCK
+    assert pc.fetch(prompt[:40], taps=True).hidden.shape == (32, 3)  # (only the tapped entry is read)
+    hit = pc.fetch(prompt, taps=False)  # tapped: 48 positions, plain: 32
+    assert hit.num_tokens == 48 and mx.array_equal(hit.cache[0].keys, tapped[0].keys[..., :48, :]).item()
+    hit = pc.fetch(prompt[:2 * BLOCK + 1], taps=False)  # 32 each: either holds the same bits in use
+    assert hit.num_tokens == 2 * BLOCK
+    pc = PrefixCache(BLOCK, 1 << 30)  # the plain entry longer
+    pc.insert(prompt[:2 * BLOCK + 1], tapped, mx.zeros((59, 3)), taps=True)
+    pc.insert(prompt, plain, None, taps=False)
+    hit = pc.fetch(prompt, taps=False)
+    assert hit.num_tokens == 48 and mx.array_equal(hit.cache[0].keys, plain[0].keys[..., :48, :]).item()
+
+    # The tapped entry, used whole by a plain request, becomes the most recent: a third entry
+    # then evicts the plain one.
+    pc = PrefixCache(BLOCK, 5 * one + 48 * 3 * 4)  # room for the first two entries
+    pc.insert(prompt, tapped, mx.zeros((59, 3)), taps=True)  # 3 chunks + hidden rows
+    other = [7] * (2 * BLOCK + 1)
+    pc.insert(other, kv_cache(2 * BLOCK), None, taps=False)  # 2 chunks
+    assert pc.fetch(prompt, taps=False).num_tokens == 48
+    pc.insert([8] * (2 * BLOCK + 1), kv_cache(2 * BLOCK), None, taps=False)  # over the budget
+    assert pc.fetch(prompt, taps=False) is not None and pc.fetch(other, taps=False) is None
 
 
 def test_a_hit_holds_only_the_rows_it_uses_and_refreshes_a_whole_entry():
@@ -229,9 +269,47 @@ def test_dspark_drafts_read_cached_hidden_states(tiny, tmp_path):
         assert accepted > 0 and warm.prefix_cache_info()["hits"] > 0
         # a prompt cut short mid-prefill stores its hidden rows with its chunks' KV
         cancelled_mid_prefill(cold, warm, 29, False, force)
+        plain_requests_reuse_tapped_prompts(cold, warm, force)
     finally:
         cold.stop()
         warm.stop()
+
+
+def plain_requests_reuse_tapped_prompts(cold, warm, force: SpeculativeParams) -> None:
+    """Requests without DSpark reuse prompts prefilled with its taps (the same KV bits): from the
+    prefix cache, and as a prompt twin sent beside a DSpark request; each output equals cold's."""
+    import asyncio
+
+    for p in session_prompts(23)[:3]:
+        run(warm, p, "x", max_tokens=2, speculative=force)  # stored with its hidden rows
+        ids, text, _ = run(cold, p, "off", max_tokens=12)
+        w_ids, w_text, w_last = run(warm, p, "off", max_tokens=12)
+        assert (w_ids, w_text) == (ids, text) and w_last.cached_tokens == warm.prefix_cache.cacheable(len(p))
+    rng = random.Random(31)
+    prompt = [rng.randrange(3, 259) for _ in range(6 * BLOCK + 5)]
+    reference = run(cold, prompt, "off", max_tokens=12)[0]
+
+    async def together(dspark_prompt, plain_prompt):
+        streams = [warm.submit(GenerationRequest(prompt_tokens=list(p), max_tokens=12, speculative=spec,
+                                                 sampling=SamplingParams(temperature=0.0)))
+                   for p, spec in ((dspark_prompt, force), (plain_prompt, SpeculativeParams("off")))]
+
+        async def drain(stream):
+            return [e async for e in stream]
+        return await asyncio.gather(*(drain(s) for s in streams))
+
+    tapped, plain = asyncio.run(together(prompt, prompt))
+    assert tapped[-1].error is None and plain[-1].error is None
+    assert [t for e in plain for t in e.token_ids] == reference
+    assert (tapped[-1].cached_tokens, plain[-1].cached_tokens) == (0, len(prompt) - 1)
+    # Sharing only whole chunks with the DSpark request, whose prompt ends sooner: the plain one
+    # waits for them (engine._awaits_prefill) instead of prefilling them too.
+    shared = [rng.randrange(3, 259) for _ in range(6 * BLOCK)]
+    owner, waiter = shared + [5], shared + [rng.randrange(3, 259) for _ in range(2 * BLOCK)]
+    reference = run(cold, waiter, "off", max_tokens=12)[0]
+    tapped, plain = asyncio.run(together(owner, waiter))
+    assert [t for e in plain for t in e.token_ids] == reference
+    assert (tapped[-1].cached_tokens, plain[-1].cached_tokens) == (0, 6 * BLOCK)
 
 
 # ---- over HTTP -----------------------------------------------------------------------------------
