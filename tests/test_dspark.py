@@ -573,6 +573,21 @@ def test_target_taps_match_the_model(tiny_target):
     assert mx.allclose(hidden[..., 64:128], h0, atol=1e-6)
 
 
+def test_target_taps_refuse_a_forward_that_does_more():
+    """A target whose forward scales its embeddings (as Gemma, Granite and MiniCPM do) would
+    give other logits under DSpark's taps, and other KV to the prefix cache: refused."""
+    model, _ = tiny_model(layers=2, hidden=64)
+    TargetTaps(model, [0, 1])  # (the plain model passes)
+
+    class Scaled(type(model.model)):
+        def __call__(self, inputs, cache=None, input_embeddings=None):
+            return super().__call__(inputs, cache, self.embed_tokens(inputs) * 1.5)
+
+    model.model.__class__ = Scaled
+    with pytest.raises(ValueError, match="Scaled's differs"):
+        TargetTaps(model, [0, 1])
+
+
 def test_init_from_target_starts_from_the_last_layers(tiny_target):
     """``init="target"``: draft layer i is target layer n - L + i (projections, both norms; a
     quantized target's dequantized), the final norm is the target's, ``fc`` passes the deepest

@@ -805,11 +805,11 @@ def test_draft_fused_pass_matches_the_mlx_block_forward(stand_in, tmp_path, cont
     assert step.fused_error(context) < (1e-3 if ON_CUDA else 1e-4)
 
 
-@pytest.mark.parametrize("broken", ["context_rows", "greedy_draft"])
+@pytest.mark.parametrize("broken", ["context_rows", "greedy_draft", "logits"])
 def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in, tmp_path, monkeypatch, broken):
-    """The engine's probe runs every launch variant: a launch that writes wrong context rows, or
-    drafts other tokens than the MLX ops' greedy draft, fails it (the engine then keeps the MLX
-    ops under ``fused=auto``)."""
+    """The engine's probe runs every launch variant: a launch that writes wrong context rows,
+    drafts other tokens than the MLX ops' greedy draft, or whose logits are 2% off (its tokens
+    still right), fails it (the engine then keeps the MLX ops under ``fused=auto``)."""
     from drafters.dspark import DraftStep
     from metal_kernels.fused import DraftFusedPass
 
@@ -822,6 +822,8 @@ def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in
                                    *inputs[2:]], template, output_shapes)
         if broken == "greedy_draft" and t["MARKOV"]:
             outs[9] = (outs[9] + 1) % inputs[names.index("we")].shape[0]
+        if broken == "logits":
+            outs[0] = outs[0] * 1.02
         return outs
 
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)

@@ -24,7 +24,11 @@ class TargetTaps:
         layer_ids: tapped decoder layers (``-1`` = embedding output).
 
     Raises:
-        ValueError: the model has another structure (sliding-window or hybrid layers).
+        ValueError: the model has another structure (sliding-window or hybrid layers), or its
+            forward does more than that order (Gemma's, Granite's or MiniCPM's embedding scale,
+            say): on a 4-token probe, :meth:`forward` must leave the model's own logits and KV
+            bit for bit, since verify passes run through it and the engine's prefix cache lends
+            a tapped prefill's KV to requests without taps.
     """
 
     def __init__(self, model: nn.Module, layer_ids: list[int]):
@@ -39,6 +43,22 @@ class TargetTaps:
         if self.layer_ids and self.layer_ids[-1] >= self.num_layers:
             raise ValueError(f"tap {self.layer_ids[-1]} beyond the target's {self.num_layers} layers")
         self.tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
+        self._check_plain_forward()
+
+    def _check_plain_forward(self) -> None:
+        from mlx_lm.models.cache import make_prompt_cache
+
+        ids = mx.arange(1, 5, dtype=mx.uint32)[None]
+        own, tapped = make_prompt_cache(self.model), make_prompt_cache(self.model)
+        want = self.model(ids, cache=own)
+        final, _ = self.forward(ids, tapped)
+        same = mx.array_equal(self.lm_head(final), want, equal_nan=True).item()
+        for a, b in zip(own, tapped):
+            same = same and all(mx.array_equal(x, y, equal_nan=True).item() for x, y in zip(a.state, b.state))
+        if not same:
+            raise ValueError(f"DSpark taps need a target whose forward is embedding, layers, norm and head "
+                             f"and nothing else; {type(self.inner).__name__}'s differs (its logits or KV "
+                             f"change when run layer by layer)")
 
     def embed(self, ids: mx.array) -> mx.array:
         """Token ids ``[...]`` -> embeddings ``[..., d]`` (the target's frozen table)."""
