@@ -825,7 +825,8 @@ class Engine:
                     while prompt[shared:shared + block] == other.prompt_tokens[shared:shared + block]:
                         shared += block
                 handle.shared[other.request_id] = shared
-            shared = min(shared, self.prefix_cache.storable(len(other.prompt_tokens), seq.cache))
+            hidden_bytes = 0 if seq.taps is None else seq.taps.row_bytes
+            shared = min(shared, self.prefix_cache.storable(len(other.prompt_tokens), seq.cache, hidden_bytes))
             saved = shared - seq.cached_tokens
             remaining = max(0, len(other.prompt_tokens) - 1 - seq.num_prefilled)
             if saved > 0 and remaining < len(prompt) - 1 + saved:

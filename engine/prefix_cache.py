@@ -116,15 +116,17 @@ class PrefixCache:
         token, the first anchor, is never prefilled)."""
         return (prompt_len - 1) // self.block * self.block
 
-    def storable(self, prompt_len: int, cache: list) -> int:
+    def storable(self, prompt_len: int, cache: list, hidden_bytes: int = 0) -> int:
         """Positions :meth:`insert` would store for a ``prompt_len``-token prompt prefilled into
-        ``cache``: whole chunks, capped by the byte budget (DSpark hidden rows not counted; before
-        the first chunk is prefilled the budget is not known yet and only chunks count)."""
+        ``cache``: whole chunks, capped by the byte budget, which ``hidden_bytes`` per position of
+        DSpark hidden rows share with the KV (before the first chunk is prefilled the budget is
+        not known yet and only chunks count)."""
         if not self.supports(cache):
             return 0
         if cache[0].keys is None:
             return self.cacheable(prompt_len)
         per_position = sum(c.keys.nbytes // c.keys.shape[2] + c.values.nbytes // c.values.shape[2] for c in cache)
+        per_position += hidden_bytes
         return min(self.cacheable(prompt_len), self.max_bytes // per_position // self.block * self.block)
 
     @staticmethod

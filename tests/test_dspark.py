@@ -568,6 +568,7 @@ def test_target_taps_match_the_model(tiny_target):
     final, hidden = taps.forward(ids)
     assert mx.array_equal(taps.lm_head(final), model(ids))
     assert hidden.shape == (1, 5, 3 * 64)
+    assert hidden[0, 0].astype(mx.float32).nbytes == taps.row_bytes  # (the prefix cache's budgeting)
     assert mx.array_equal(hidden[..., :64], model.model.embed_tokens(ids))
     h0 = model.model.layers[0](model.model.embed_tokens(ids), "causal")
     assert mx.allclose(hidden[..., 64:128], h0, atol=1e-6)

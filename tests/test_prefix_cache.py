@@ -128,6 +128,19 @@ def test_plain_requests_read_tapped_entries_and_take_the_longer_match():
     assert pc.fetch(prompt, taps=False) is not None and pc.fetch(other, taps=False) is None
 
 
+def test_storable_counts_what_insert_stores_with_and_without_taps():
+    """A waiting request counts on :meth:`PrefixCache.storable` positions of an owner's prompt:
+    exactly what :meth:`PrefixCache.insert` then stores, tapped hidden rows sharing the budget."""
+    one = 2 * 2 * (2 * BLOCK * 4) * 4  # one chunk of KV: layers, k/v, [2, BLOCK, 4] float32
+    prompt = list(range(500, 500 + 4 * BLOCK + 1))
+    for taps in (False, True):
+        pc = PrefixCache(BLOCK, 3 * one + 100)  # 3 chunks of KV; 2 with 3 float32 hidden values a row
+        cache = kv_cache(4 * BLOCK)
+        hidden = mx.zeros((4 * BLOCK, 3)) if taps else None
+        expected = pc.storable(len(prompt), cache, hidden_bytes=3 * 4 if taps else 0)
+        assert expected == pc.insert(prompt, cache, hidden, taps=taps) == (2 if taps else 3) * BLOCK
+
+
 def test_a_hit_holds_only_the_rows_it_uses_and_refreshes_a_whole_entry():
     one = 2 * 2 * (2 * BLOCK * 4) * 4  # one stored chunk: layers, k/v, [2, BLOCK, 4] float32
     pc = PrefixCache(BLOCK, 3 * one)

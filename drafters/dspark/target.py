@@ -60,6 +60,11 @@ class TargetTaps:
                              f"and nothing else; {type(self.inner).__name__}'s differs (its logits or KV "
                              f"change when run layer by layer)")
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one position's tapped states as the engine keeps them (float32, ``m*d``)."""
+        return 4 * len(self.layer_ids) * self.model.args.hidden_size
+
     def embed(self, ids: mx.array) -> mx.array:
         """Token ids ``[...]`` -> embeddings ``[..., d]`` (the target's frozen table)."""
         return self.inner.embed_tokens(ids)
