@@ -639,7 +639,8 @@ class Engine:
             probe = DraftStep(self.dspark, self.target_taps.embed, self.target_taps.lm_head, compiled=False, fused=fp)
             err = probe.fused_error(fp.segment + 37)  # two key segments: the cross-segment combine runs
             if not err <= DRAFT_PROBE_TOLERANCE:
-                raise fused.FusedPassError(f"fused draft logits differ from the MLX ops' by {err:.3g} of their scale")
+                raise fused.FusedPassError(f"the fused draft differs from the MLX ops' by {err:.3g} (logits: of "
+                                           f"their scale; greedy drafts: in confidence, or 1 for other tokens)")
         except Exception:
             if mode == "on":
                 raise

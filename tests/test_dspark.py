@@ -574,9 +574,10 @@ def test_target_taps_match_the_model(tiny_target):
     assert mx.allclose(hidden[..., 64:128], h0, atol=1e-6)
 
 
-def test_target_taps_refuse_a_forward_that_does_more():
+def test_target_taps_refuse_a_forward_that_does_more(tmp_path):
     """A target whose forward scales its embeddings (as Gemma, Granite and MiniCPM do) would
-    give other logits under DSpark's taps, and other KV to the prefix cache: refused."""
+    give other logits under DSpark's taps, and other KV to the prefix cache: refused, by the
+    trainer too before it generates anything."""
     model, _ = tiny_model(layers=2, hidden=64)
     TargetTaps(model, [0, 1])  # (the plain model passes)
 
@@ -587,6 +588,10 @@ def test_target_taps_refuse_a_forward_that_does_more():
     model.model.__class__ = Scaled
     with pytest.raises(ValueError, match="Scaled's differs"):
         TargetTaps(model, [0, 1])
+    tok = TokenizerWrapper(byte_tokenizer(), eos_token_ids=[2])
+    with pytest.raises(ValueError, match="Scaled's differs"):
+        train_dspark(model, tok, tmp_path / "run", records=[], progress=False)  # (no prompts: fails fast either way)
+    assert not (tmp_path / "run" / "data").exists()
 
 
 def test_init_from_target_starts_from_the_last_layers(tiny_target):

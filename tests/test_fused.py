@@ -805,11 +805,12 @@ def test_draft_fused_pass_matches_the_mlx_block_forward(stand_in, tmp_path, cont
     assert step.fused_error(context) < (1e-3 if ON_CUDA else 1e-4)
 
 
-@pytest.mark.parametrize("broken", ["context_rows", "greedy_draft", "logits"])
+@pytest.mark.parametrize("broken", ["context_rows", "greedy_draft", "logits", "nan_confidence"])
 def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in, tmp_path, monkeypatch, broken):
     """The engine's probe runs every launch variant: a launch that writes wrong context rows,
-    drafts other tokens than the MLX ops' greedy draft, or whose logits are 2% off (its tokens
-    still right), fails it (the engine then keeps the MLX ops under ``fused=auto``)."""
+    drafts other tokens than the MLX ops' greedy draft, whose logits are 2% off (its tokens
+    still right) or whose confidence is NaN, fails it (the engine then keeps the MLX ops under
+    ``fused=auto``)."""
     from drafters.dspark import DraftStep
     from metal_kernels.fused import DraftFusedPass
 
@@ -824,6 +825,8 @@ def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in
             outs[9] = (outs[9] + 1) % inputs[names.index("we")].shape[0]
         if broken == "logits":
             outs[0] = outs[0] * 1.02
+        if broken == "nan_confidence" and t["MARKOV"] and t["CONF"]:
+            outs[10] = outs[10] * float("nan")
         return outs
 
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)

@@ -223,7 +223,8 @@ class DraftStep:
         random context rows (a start-up probe): the largest logit difference relative to the
         largest MLX logit, for the block forward alone and with the last 3 context rows written
         by the launch itself; with the greedy draft in the launch (``markov``), 1.0 if its
-        tokens differ from the MLX ops' greedy draft, else the largest confidence difference.
+        tokens differ from the MLX ops' greedy draft, else the largest absolute confidence
+        difference; infinity if any of these is NaN.
         Float32 sums in another order differ by ~1e-6; against MLX-CUDA, whose float32 matmuls
         run in TF32 (ml-explore/mlx#3860), by 1e-4 to 1.5e-3 (a 7-layer drafter); a broken
         launch by ~1.
@@ -271,9 +272,9 @@ class DraftStep:
                 out = launch(True, new)
                 if out.tokens.tolist() != want_tokens.tolist():
                     errors.append(1.0)
-                elif want_conf is not None:  # (confidences lie in [0, 1]: the difference is relative)
+                elif want_conf is not None:  # (confidences lie in [0, 1]: no scale to divide by)
                     errors.append(mx.abs(out.confidence - want_conf).max().item())
-        return max(errors)
+        return max(e if e == e else float("inf") for e in errors)  # (NaN: a broken launch)
 
     def failed(self, errors: mx.array | None) -> bool:
         """Whether an evaluated fused launch gave up at a grid barrier (its drafts are garbage;

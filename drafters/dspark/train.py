@@ -893,6 +893,11 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
         export_bits: bits of the shipped export (None = no export).
         generate_only: stop after the self-distillation data is written (``completed=True``,
             ``steps=0``), e.g. to generate on one machine and train on another.
+
+    Raises:
+        ValueError: before any generation, a target DSpark cannot tap (:class:`TargetTaps`) or an
+            ``arch.init`` that is neither ``random``, ``target`` nor a drafter directory; later, an
+            init drafter made for another target, or no training examples.
     """
     arch, data, train = arch or DraftArch(), data or DataConfig(), train or TrainConfig()
     check_init(arch.init)
@@ -900,6 +905,7 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + time_budget_s if time_budget_s else None
     target.freeze()
+    TargetTaps(target, [0])  # (raises now, not after hours of generation, for a target it cannot tap)
     rows = _load_or_generate(target, tokenizer, out_dir, data, records, progress, deadline)
     if rows is None:
         return RunResult(str(out_dir), completed=False, steps=0)
