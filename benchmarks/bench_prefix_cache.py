@@ -16,7 +16,15 @@ earlier entry helps: with the cache on, the copies that arrive during the first 
 wait for it and reuse its chunks. Reported: wall time until all N finish, TTFT median and
 maximum, cached tokens, and whether every copy equals the single-request output.
 
+``--first-method dspark`` first sends each turn's prompt as a one-token request that runs DSpark
+(forced to draft, so its prefill taps the prompt's hidden rows) to both engines, under a cache salt
+of that turn's own, and the measured request (``--method``) follows under the same salt: the
+cache-on engine can then reuse only what the DSpark request stored (a plain request reads entries
+stored with DSpark taps; ``engine/prefix_cache.py``).
+
     python -m benchmarks.bench_prefix_cache --out benchmarks/results/prefix_cache_cpu.json
+    python -m benchmarks.bench_prefix_cache --first-method dspark --method prompt_lookup \
+        --out benchmarks/results/prefix_cache_tapped_cpu.json
 """
 
 from __future__ import annotations
@@ -61,9 +69,11 @@ def system_prompt(file: Path) -> str:
             f"\n\nThe user is working on `{file.relative_to(ROOT)}`:\n```python\n{source}\n```")
 
 
-def run_turn(eng: Engine, tokens: list[int], max_tokens: int, method: str, salt: str | None = None) -> dict:
+def run_turn(eng: Engine, tokens: list[int], max_tokens: int, method: str, salt: str | None = None,
+             min_draft: int = 0) -> dict:
+    speculative = SpeculativeParams(method=method, min_draft_tokens=min_draft)
     req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens, sampling=SamplingParams(temperature=0.0),
-                            speculative=SpeculativeParams(method=method), cache_salt=salt)
+                            speculative=speculative, cache_salt=salt)
     start = time.perf_counter()
     ids, ttft, last = [], None, None
     for event in eng.generate(req, timeout=3600):
@@ -100,12 +110,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--weights", default="auto", help="SPECSERVE_WEIGHTS")
     ap.add_argument("--kernels", default="off", choices=["auto", "off"], help="SPECSERVE_KERNELS")
     ap.add_argument("--shared", type=int, default=0, help="then N copies of turn 1's prompt at once")
+    ap.add_argument("--first-method", default=None,
+                    help="send each turn's prompt first as a 1-token request of this method, under the turn's own "
+                         "salt (dspark: loads the drafter and forces its drafts)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
     loaded = load_target(args.model, weights=args.weights)
     tok = loaded.tokenizer
-    cfg = dict(speculation="auto", prefill_step=args.prefill_step, kernels=args.kernels)
+    cfg = dict(speculation="auto", prefill_step=args.prefill_step, kernels=args.kernels,
+               dspark="dspark" in (args.method, args.first_method))
     engines = {"off": Engine(EngineConfig(prefix_cache_bytes=0, **cfg), loaded=loaded).start(wait=True),
                "on": Engine(EngineConfig(**cfg), loaded=loaded).start(wait=True)}
     messages = [{"role": "system", "content": system_prompt(Path(args.file))}]
@@ -115,7 +129,12 @@ def main(argv: list[str] | None = None) -> int:
             messages.append({"role": "user", "content": question})
             tokens = list(tok.apply_chat_template(messages, add_generation_prompt=True))
             order = ("off", "on") if i % 2 == 0 else ("on", "off")
-            res = {name: run_turn(engines[name], tokens, args.max_tokens, args.method) for name in order}
+            salt = None
+            if args.first_method:
+                salt = f"turn-{i}-{time.time_ns()}"
+                for name in order:
+                    run_turn(engines[name], tokens, 1, args.first_method, salt, min_draft=1)
+            res = {name: run_turn(engines[name], tokens, args.max_tokens, args.method, salt) for name in order}
             identical = res["off"]["ids"] == res["on"]["ids"]
             turns.append({
                 "turn": i + 1, "prompt_tokens": len(tokens), "cached_tokens": res["on"]["cached"],
@@ -141,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             eng.stop()
     report = {"machine": platform.platform(), "python": sys.version.split()[0], "model": loaded.name,
               "weights": loaded.weights, "prefill_step": args.prefill_step, "method": args.method,
+              "first_method": args.first_method,
               "max_tokens": args.max_tokens, "prefix_cache": engines["on"].prefix_cache_info(), "turns": turns,
               "shared": shared}
     if args.out:
