@@ -52,6 +52,10 @@ from .target import TargetTaps, model_config_dict
 log = logging.getLogger("specserve.dspark.train")
 
 
+# DraftArch.init values that make a new drafter; any other value names a saved drafter's directory
+NEW_INITS = ("random", "target")
+
+
 @dataclass
 class DraftArch:
     """Architecture of a new drafter (ignored when resuming)."""
@@ -680,7 +684,7 @@ class RunResult:
 
 
 def _new_model(target: nn.Module, tokenizer, arch: DraftArch, seed: int) -> DSparkModel:
-    if arch.init not in ("random", "target"):
+    if arch.init not in NEW_INITS:
         return _from_drafter(Path(arch.init), target, arch.init)
     mask_id = arch.mask_token_id if arch.mask_token_id is not None else default_mask_token_id(tokenizer)
     cfg: DSparkConfig = draft_config_from_target(
@@ -721,7 +725,7 @@ def _from_drafter(path: Path, target: nn.Module, name: str) -> DSparkModel:
 def check_init(init: str) -> None:
     """Raise ValueError unless ``init`` is ``random``, ``target`` or a directory holding a
     drafter's ``config.json`` (checked before any data is generated)."""
-    if init not in ("random", "target") and not (Path(init) / "config.json").is_file():
+    if init not in NEW_INITS and not (Path(init) / "config.json").is_file():
         raise ValueError(f"init={init!r}: 'random', 'target' or a drafter directory (config.json + safetensors)")
 
 
@@ -838,7 +842,7 @@ def _prepare(target, tokenizer, out_dir: Path, arch: DraftArch, data: DataConfig
     if ckpt is not None:
         model, optimizer, step = restore(ckpt, train)
         log.info("resuming from %s (step %d)", ckpt, step)
-        if arch.init not in ("random", "target"):
+        if arch.init not in NEW_INITS:
             log.warning("init=%s ignored: the run resumes from its own checkpoint", arch.init)
         return model, optimizer, step
     model = _new_model(target, tokenizer, arch, train.seed)
