@@ -30,6 +30,7 @@ from .request import (  # noqa: E402
     SpecStats,
     SpeculativeParams,
     TokenEvent,
+    TokenIdOutOfRange,
     TokenLogprob,
 )
 from .stats import NullSink, StatsSink  # noqa: E402
@@ -56,6 +57,7 @@ __all__ = [
     "StatsSink",
     "StreamingDetokenizer",
     "TokenEvent",
+    "TokenIdOutOfRange",
     "TokenLogprob",
     "choice_grammar",
     "json_grammar",

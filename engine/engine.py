@@ -57,6 +57,7 @@ from .request import (
     RequestTimeout,
     SpeculativeParams,
     TokenEvent,
+    TokenIdOutOfRange,
 )
 from .runner import Calibration, TargetRunner, cost_model
 from .scheduler import AcceptanceModel, CostModel, DsparkStats, RequestAcceptance
@@ -282,9 +283,9 @@ class Engine:
         if not request.prompt_tokens:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = loaded.config.get("vocab_size") or len(loaded.tokenizer._tokenizer)
-        bad = [t for t in request.prompt_tokens if not 0 <= t < vocab]
+        bad = [i for i, t in enumerate(request.prompt_tokens) if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"token id {bad[0]} is out of range [0, {vocab})", param="prompt")
+            raise TokenIdOutOfRange(request.prompt_tokens[bad[0]], bad[0], vocab)
         if request.max_tokens < 1 and not (request.max_tokens == 0 and request.prompt_logprobs):
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
         if len(request.prompt_tokens) + request.max_tokens > loaded.context_length:
@@ -300,9 +301,10 @@ class Engine:
         for token, _ in request.sampling.logit_bias:
             if not 0 <= token < vocab:
                 raise InvalidRequestError(f"logit_bias token {token} is out of range", param="logit_bias")
-        bad = [t for t in request.stop_token_ids if not 0 <= t < vocab]
+        bad = [i for i, t in enumerate(request.stop_token_ids) if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"stop token id {bad[0]} is out of range [0, {vocab})", param="stop_token_ids")
+            raise InvalidRequestError(f"stop token id {request.stop_token_ids[bad[0]]} is out of range [0, {vocab})",
+                                      param=f"stop_token_ids.{bad[0]}")
         if request.grammar is not None and request.grammar_matcher is None:  # (last: the costly check)
             request.grammar_matcher = self.prepare_grammar(request.grammar)
 

@@ -30,6 +30,16 @@ class InvalidRequestError(EngineError):
         self.code = code
 
 
+class TokenIdOutOfRange(InvalidRequestError):
+    """A prompt token id outside ``[0, vocab)`` (HTTP 400). ``index`` is its position in the
+    request's ``prompt_tokens``, so the server can name the element (``prompt.3``) as it does
+    for a negative id, which the schema refuses."""
+
+    def __init__(self, token: int, index: int, vocab: int, param: str = "prompt"):
+        super().__init__(f"token id {token} is out of range [0, {vocab})", param=param)
+        self.index = index
+
+
 class ContextLengthExceeded(InvalidRequestError):
     """prompt + max_tokens exceed the model's context window (HTTP 400)."""
 

@@ -30,6 +30,7 @@ from engine import (
     SpeculativeParams,
     StreamingDetokenizer,
     TokenEvent,
+    TokenIdOutOfRange,
     TokenLogprob,
     choice_grammar,
     json_grammar,
@@ -69,6 +70,7 @@ class Job:
     tools: list[dict] | None = None  # the request's tools, as the template and the parser see them
     max_tool_calls: int | None = None  # 1 with parallel_tool_calls false
     grammar_param: str | None = None  # the field that asked for structured output
+    prompt_ids_param: str | None = None  # a prompt given as token ids: its field ("prompt.1"), for errors
 
     def tool_splitter(self) -> ToolCallSplitter | None:
         return ToolCallSplitter(self.tool_format, self.tools, self.max_tool_calls) if self.tool_format else None
@@ -252,8 +254,10 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
     table = _state(request).engine.loaded.token_table
     grammar, grammar_param = output_grammar(body)
     jobs = []
+    one_id_list = isinstance(body.prompt, list) and isinstance(body.prompt[0], int)
     for p_index, (tokens, text) in enumerate(_prompts(request, body)):
         check_prompt_length(settings, tokens, "prompt")
+        ids_param = None if text is not None else "prompt" if one_id_list else f"prompt.{p_index}"
         echo, specials = None, {}
         for i in range(body.n):
             req = GenerationRequest(
@@ -270,7 +274,7 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
                 cache_salt=body.cache_salt,
                 grammar=grammar,
             )
-            job = Job(len(jobs), req, echo, specials, grammar_param=grammar_param)
+            job = Job(len(jobs), req, echo, specials, grammar_param=grammar_param, prompt_ids_param=ids_param)
             if body.echo and echo is None:
                 validate(request, job)  # token ids in range before decoding them
                 echo = job.prompt_text = text if text is not None else table.decode(tokens)
@@ -523,6 +527,8 @@ def validate(request: Request, job: Job) -> None:
         _state(request).metrics.request_rejected(type(exc).__name__)
         if isinstance(exc, ContextLengthExceeded):
             exc.param = job.prompt_param if exc.prompt_tokens >= exc.context_length else job.max_tokens_param
+        elif isinstance(exc, TokenIdOutOfRange) and job.prompt_ids_param:
+            exc.param = f"{job.prompt_ids_param}.{exc.index}"
         raise _name_grammar_field(job, exc) from None
 
 
