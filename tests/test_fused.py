@@ -838,6 +838,38 @@ def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in
     assert step.fused_error(40) > DRAFT_PROBE_TOLERANCE
 
 
+def test_start_up_probe_takes_a_near_tie_for_what_it_is(stand_in, tmp_path, monkeypatch):
+    """A launch whose first greedy token is the MLX ops' runner-up (a near tie that TF32 rounding
+    in the MLX ops can break the other way on MLX-CUDA) is off by exactly the runner-up's gap in
+    the corrected logits, relative to their scale, not by 1.0: the engine keeps the launch when
+    that gap is within DRAFT_PROBE_TOLERANCE."""
+    from drafters.dspark import DraftStep
+    from metal_kernels.fused import DraftFusedPass
+
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    _, net = _draft_net(loaded, tmp_path / "d")
+    taps = _draft_parts(loaded, net)
+    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=DraftFusedPass(net, loaded.model))
+    gaps = []
+
+    def runner_up(inputs, template, output_shapes, **kw):
+        outs = reference_pass(inputs, template, output_shapes)
+        if dict(template)["MARKOV"]:
+            logits = outs[0].reshape(-1, outs[0].shape[-1])[0]
+            corrected = logits.astype(mx.float32) + net.markov_bias(mx.array([1]))[0].astype(mx.float32)
+            order = mx.argsort(-corrected).tolist()
+            assert outs[9].reshape(-1)[0].item() == order[0]
+            gaps.append((corrected[order[0]] - corrected[order[1]]).item() / mx.abs(outs[0]).max().item())
+            outs[9] = mx.concatenate([mx.array([order[1]], dtype=outs[9].dtype), outs[9].reshape(-1)[1:]]).reshape(
+                outs[9].shape)
+        return outs
+
+    monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: runner_up))
+    err = step.fused_error(40)
+    assert gaps and 0 < max(gaps) < 1.0
+    assert err == pytest.approx(max(gaps), rel=1e-3, abs=1e-4 if ON_CUDA else 1e-6)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stand_in, tmp_path, temperature):
     """Two drafters fed the same committed rows, one through the launch and one through MLX ops,

@@ -222,9 +222,11 @@ class DraftStep:
         """How far the fused launch is from the MLX ops over a draft cache of ``context >= 4``
         random context rows (a start-up probe): the largest logit difference relative to the
         largest MLX logit, for the block forward alone and with the last 3 context rows written
-        by the launch itself; with the greedy draft in the launch (``markov``), 1.0 if its
-        tokens differ from the MLX ops' greedy draft, else the largest absolute confidence
-        difference; infinity if any of these is NaN.
+        by the launch itself; with the greedy draft in the launch (``markov``), at the first
+        slot whose token differs from the MLX ops' greedy draft, how far the launch's token
+        falls below theirs in their corrected logits (relative to the same scale: a near tie
+        is not a fault), and the largest absolute confidence difference up to that slot;
+        infinity if any of these is NaN.
         Float32 sums in another order differ by ~1e-6; against MLX-CUDA, whose float32 matmuls
         run in TF32 (ml-explore/mlx#3860), by 1e-4 to 1.5e-3 (a 7-layer drafter); a broken
         launch by ~1.
@@ -270,11 +272,25 @@ class DraftStep:
             errors.append((mx.abs(launch(False, new).logits - want).max() / scale).item())
             if fused.markov:
                 out = launch(True, new)
-                if out.tokens.tolist() != want_tokens.tolist():
-                    errors.append(1.0)
-                elif want_conf is not None:  # (confidences lie in [0, 1]: no scale to divide by)
-                    errors.append(mx.abs(out.confidence - want_conf).max().item())
+                got, ref = out.tokens.tolist(), want_tokens.tolist()
+                k = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
+                if k < len(ref):  # (later slots follow other tokens: nothing to compare there)
+                    errors.append(self._tie_gap(want[k], anchor if k == 0 else want_tokens[k - 1 : k],
+                                                ref[k], got[k]) / scale.item())
+                if want_conf is not None:  # (confidences lie in [0, 1]: no scale to divide by)
+                    errors.append(mx.abs(out.confidence[: k + 1] - want_conf[: k + 1]).max().item())
         return max(e if e == e else float("inf") for e in errors)  # (NaN: a broken launch)
+
+    def _tie_gap(self, logits: mx.array, prev: mx.array, want: int, got: int) -> float:
+        """How far the launch's greedy token ``got`` falls below the MLX ops' ``want`` in their
+        Markov-corrected logits (``logits`` ``[V]`` plus the bias after ``prev`` ``[1]``): the
+        two references round differently (TF32 on MLX-CUDA), so a near tie may go either way;
+        infinity for a token outside the vocabulary."""
+        if not 0 <= got < logits.shape[-1]:
+            return float("inf")
+        bias = self.network.markov_bias(prev)
+        corrected = logits if bias is None else logits + bias[0].astype(mx.float32)
+        return (corrected[want] - corrected[got]).item()
 
     def failed(self, errors: mx.array | None) -> bool:
         """Whether an evaluated fused launch gave up at a grid barrier (its drafts are garbage;
