@@ -15,6 +15,10 @@ gzipped copy ``h200_session.sh gen`` returns): the first ``--per-source`` eval-s
 each source, 96 new tokens, as sets ``run_<source>`` (``--run-split train``: its first training
 prompts instead, as ``train_<source>``).
 
+The result's ``_setup.run_records`` keeps the run sets' prompts themselves (ids, sources,
+texts), so a later evaluation can repeat them without the run's prompt file (``.dev/`` does not
+outlive a session): ``--run-sets-from RESULT.json``.
+
 ``--max-new-tokens N`` gives every set N new tokens instead (generation still stops at EOS).
 The training data's responses run to 256 tokens, and DeepSpec's evaluator decodes to EOS; the
 default 96 measures only the openings of responses, where the text is least repetitive.
@@ -28,6 +32,7 @@ import json
 import re
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import engine  # noqa: F401  (OpenBLAS before mlx.core)
@@ -87,12 +92,39 @@ def run_prompt_sets(path: str, per_source: int, split: str = "eval") -> dict:
     return {f"run_{src}": (recs, 96) for src, recs in sorted(by_source.items()) if recs}
 
 
+def setup_record(target: str, sets: dict, run_names) -> dict:
+    """The result's ``_setup``: the target, the loop, every set's prompt ids and new tokens, and
+    the prompts of the sets named in ``run_names`` (read back by :func:`saved_run_sets`)."""
+    return {"target": target,
+            "loop": "drafters.dspark.train.evaluate_acceptance (full block every cycle, greedy)",
+            "prompts": {k: [r.id for r in v[0]] for k, v in sets.items()},
+            "max_new_tokens": {k: v[1] for k, v in sets.items()},
+            "run_records": {k: [asdict(r) for r in sets[k][0]] for k in run_names}}
+
+
+def saved_run_sets(path: str) -> dict:
+    """``name -> (records, new tokens)``: the run sets an earlier result of this script kept in
+    ``_setup.run_records`` (its ``run_<source>`` / ``train_<source>`` sets).
+
+    Raises:
+        ValueError: the result kept no run sets (written before they were kept, or without
+            ``--run-prompts``).
+    """
+    setup = json.loads(Path(path).read_text())["_setup"]
+    saved = setup.get("run_records") or {}
+    if not saved:
+        raise ValueError(f"{path} keeps no run sets (_setup.run_records)")
+    return {name: ([PromptRecord(**r) for r in rows], setup["max_new_tokens"][name]) for name, rows in saved.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("drafters", nargs="+", help="NAME=DRAFTER_DIR")
     ap.add_argument("--target", default="default")
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-prompts", default=None, help="a training run's prompts.jsonl[.gz]: add its held-out sets")
+    ap.add_argument("--run-sets-from", default=None,
+                    help="an earlier result of this script: repeat the run sets it kept (instead of --run-prompts)")
     ap.add_argument("--per-source", type=int, default=10)
     ap.add_argument("--only-run-prompts", action="store_true", help="skip the fixed sets")
     ap.add_argument("--run-split", choices=("eval", "train"), default="eval",
@@ -100,22 +132,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="new tokens for every set (default: 96, 64 for instruct_trainfamily_heldout)")
     args = ap.parse_args(argv)
-    if args.only_run_prompts and not args.run_prompts:
-        ap.error("--only-run-prompts needs --run-prompts")
+    if args.run_prompts and args.run_sets_from:
+        ap.error("--run-prompts and --run-sets-from exclude each other")
+    if args.only_run_prompts and not (args.run_prompts or args.run_sets_from):
+        ap.error("--only-run-prompts needs --run-prompts or --run-sets-from")
     if args.per_source < 1:
         ap.error("--per-source must be at least 1")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         ap.error("--max-new-tokens must be at least 1")
     target = load_target(args.target)
     sets = {} if args.only_run_prompts else prompt_sets()
+    run_sets = {}
     if args.run_prompts:
-        sets.update(run_prompt_sets(args.run_prompts, args.per_source, args.run_split))
+        run_sets = run_prompt_sets(args.run_prompts, args.per_source, args.run_split)
+    elif args.run_sets_from:
+        run_sets = saved_run_sets(args.run_sets_from)
+    sets.update(run_sets)
     if args.max_new_tokens is not None:
         sets = {k: (records, args.max_new_tokens) for k, (records, _) in sets.items()}
-    out = {"_setup": {"target": f"{target.name} ({target.weights})",
-                      "loop": "drafters.dspark.train.evaluate_acceptance (full block every cycle, greedy)",
-                      "prompts": {k: [r.id for r in v[0]] for k, v in sets.items()},
-                      "max_new_tokens": {k: v[1] for k, v in sets.items()}}}
+    out = {"_setup": setup_record(f"{target.name} ({target.weights})", sets, run_sets)}
     for spec in args.drafters:
         name, path = spec.split("=", 1)
         net = load_dspark(path)

@@ -3,6 +3,7 @@ the per-request drafter and a tiny training run (CPU, tiny shapes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -1007,3 +1008,28 @@ def test_teacher_forced_positions_agree_with_the_decoding_loop(tiny_target):
         positions_batch([], response, 4)
     hand = acceptance_summary(np.array([[1.0, 0.5, 0.0], [0.2, 1.0, 1.0]]), np.array([[1.0, 1.0, 0.0], [0.0, 1.0, 1.0]]))
     assert hand == {"blocks": 2, "tau_soft": round((2.5 + 1.6) / 2, 3), "tau_greedy": 2.0, "first_slot": 0.5}
+
+
+def test_eval_result_keeps_its_run_sets_for_a_later_evaluation(tmp_path):
+    """``benchmarks.dspark_eval``: a result keeps its run sets' prompts (``_setup.run_records``)
+    and ``saved_run_sets`` reads back the same records and new tokens, without the run's prompt
+    file; a result without them is refused."""
+    from benchmarks.dspark_eval import run_prompt_sets, saved_run_sets, setup_record
+    from drafters.dspark.data import PromptRecord
+
+    rows = [PromptRecord("code:a.py:0", "code", "eval", text="def f(x):\n    return x\n"),
+            PromptRecord("code:b.py:0", "code", "train", text="import os\n"),
+            PromptRecord("instruct:math:3", "instruct", "eval", messages=[{"role": "user", "content": "2+2?"}]),
+            PromptRecord("instruct:math:4", "instruct", "eval", messages=[{"role": "user", "content": "3+3?"}])]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in rows))
+    run = run_prompt_sets(str(prompts), per_source=1)
+    assert {k: [r.id for r in v[0]] for k, v in run.items()} == {"run_code": ["code:a.py:0"],
+                                                                 "run_instruct": ["instruct:math:3"]}
+    fixed = {"fixed": ([rows[1]], 64)}
+    result = tmp_path / "result.json"
+    result.write_text(json.dumps({"_setup": setup_record("tiny", {**fixed, **run}, run)}))
+    assert saved_run_sets(str(result)) == run
+    result.write_text(json.dumps({"_setup": setup_record("tiny", fixed, {})}))
+    with pytest.raises(ValueError, match="keeps no run sets"):
+        saved_run_sets(str(result))
