@@ -48,6 +48,8 @@ from drafters.dspark.target import TargetTaps
 from drafters.dspark.train import evaluate_acceptance
 from engine.loader import load_target
 
+RUN_NEW_TOKENS = 96  # new tokens of a run set (--run-prompts, --run-sets-from)
+
 
 def prompt_sets() -> dict:
     """``name -> (prompt records, new tokens)``."""
@@ -80,7 +82,7 @@ def run_prompt_sets(path: str, per_source: int, split: str = "eval") -> dict:
         for row in rows:
             if row["split"] == "train" and len(by_source.setdefault(row["source"], [])) < per_source:
                 by_source[row["source"]].append(PromptRecord(**row))
-        return {f"train_{src}": (recs, 96) for src, recs in sorted(by_source.items()) if recs}
+        return {f"train_{src}": (recs, RUN_NEW_TOKENS) for src, recs in sorted(by_source.items()) if recs}
     trained = [_body(r) for r in rows if r["split"] == "train"]
     for row in rows:
         if row["split"] == "eval" and len(by_source.setdefault(row["source"], [])) < per_source:
@@ -89,7 +91,7 @@ def run_prompt_sets(path: str, per_source: int, split: str = "eval") -> dict:
             copied = (row.get("text") is None or len(body) >= 80) and any(body in t for t in trained)
             if not copied:
                 by_source[row["source"]].append(PromptRecord(**row))
-    return {f"run_{src}": (recs, 96) for src, recs in sorted(by_source.items()) if recs}
+    return {f"run_{src}": (recs, RUN_NEW_TOKENS) for src, recs in sorted(by_source.items()) if recs}
 
 
 def setup_record(target: str, sets: dict, run_names) -> dict:
@@ -103,18 +105,18 @@ def setup_record(target: str, sets: dict, run_names) -> dict:
 
 
 def saved_run_sets(path: str) -> dict:
-    """``name -> (records, new tokens)``: the run sets an earlier result of this script kept in
-    ``_setup.run_records`` (its ``run_<source>`` / ``train_<source>`` sets).
+    """``name -> (records, 96)``: the run sets an earlier result of this script kept in
+    ``_setup.run_records`` (its ``run_<source>`` / ``train_<source>`` sets), with the run sets'
+    own new tokens whatever that result's ``--max-new-tokens`` was (give it again to repeat it).
 
     Raises:
         ValueError: the result kept no run sets (written before they were kept, or without
             ``--run-prompts``).
     """
-    setup = json.loads(Path(path).read_text())["_setup"]
-    saved = setup.get("run_records") or {}
+    saved = (json.loads(Path(path).read_text()).get("_setup") or {}).get("run_records") or {}
     if not saved:
         raise ValueError(f"{path} keeps no run sets (_setup.run_records)")
-    return {name: ([PromptRecord(**r) for r in rows], setup["max_new_tokens"][name]) for name, rows in saved.items()}
+    return {name: ([PromptRecord(**r) for r in rows], RUN_NEW_TOKENS) for name, rows in saved.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--run-prompts", default=None, help="a training run's prompts.jsonl[.gz]: add its held-out sets")
     ap.add_argument("--run-sets-from", default=None,
-                    help="an earlier result of this script: repeat the run sets it kept (instead of --run-prompts)")
+                    help="an earlier result of this script: repeat the run sets it kept (instead of --run-prompts; "
+                         "--per-source and --run-split do not apply)")
     ap.add_argument("--per-source", type=int, default=10)
     ap.add_argument("--only-run-prompts", action="store_true", help="skip the fixed sets")
     ap.add_argument("--run-split", choices=("eval", "train"), default="eval",

@@ -642,7 +642,7 @@ class Engine:
             err = probe.fused_error(fp.segment + 37)  # two key segments: the cross-segment combine runs
             if not err <= DRAFT_PROBE_TOLERANCE:
                 raise fused.FusedPassError(f"the fused draft differs from the MLX ops' by {err:.3g} (logits: of "
-                                           f"their scale; greedy drafts: in confidence, or 1 for other tokens)")
+                                           f"their scale; greedy drafts: a token's gap below their best, of that scale, or in confidence)")
         except Exception:
             if mode == "on":
                 raise

@@ -805,11 +805,13 @@ def test_draft_fused_pass_matches_the_mlx_block_forward(stand_in, tmp_path, cont
     assert step.fused_error(context) < (1e-3 if ON_CUDA else 1e-4)
 
 
-@pytest.mark.parametrize("broken", ["context_rows", "greedy_draft", "logits", "nan_confidence"])
+@pytest.mark.parametrize("broken", ["context_rows", "greedy_draft", "later_slots", "logits", "nan_confidence",
+                                    "short_draft"])
 def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in, tmp_path, monkeypatch, broken):
     """The engine's probe runs every launch variant: a launch that writes wrong context rows,
-    drafts other tokens than the MLX ops' greedy draft, whose logits are 2% off (its tokens
-    still right) or whose confidence is NaN, fails it (the engine then keeps the MLX ops under
+    drafts other tokens than the MLX ops' greedy draft (at every slot, or after a right first
+    one), fewer tokens than the block, whose logits are 2% off (its tokens still right) or
+    whose confidence is NaN, fails it (the engine then keeps the MLX ops under
     ``fused=auto``)."""
     from drafters.dspark import DraftStep
     from metal_kernels.fused import DraftFusedPass
@@ -823,6 +825,12 @@ def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in
                                    *inputs[2:]], template, output_shapes)
         if broken == "greedy_draft" and t["MARKOV"]:
             outs[9] = (outs[9] + 1) % inputs[names.index("we")].shape[0]
+        if broken == "later_slots" and t["MARKOV"]:  # (the first token right, the rest wrong)
+            flat = outs[9].reshape(-1)
+            later = (flat[1:] + 1) % inputs[names.index("we")].shape[0]
+            outs[9] = mx.concatenate([flat[:1], later]).reshape(outs[9].shape)
+        if broken == "short_draft" and t["MARKOV"]:
+            outs[9] = outs[9].reshape(-1)[:1]
         if broken == "logits":
             outs[0] = outs[0] * 1.02
         if broken == "nan_confidence" and t["MARKOV"] and t["CONF"]:
@@ -838,36 +846,50 @@ def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in
     assert step.fused_error(40) > DRAFT_PROBE_TOLERANCE
 
 
-def test_start_up_probe_takes_a_near_tie_for_what_it_is(stand_in, tmp_path, monkeypatch):
-    """A launch whose first greedy token is the MLX ops' runner-up (a near tie that TF32 rounding
-    in the MLX ops can break the other way on MLX-CUDA) is off by exactly the runner-up's gap in
-    the corrected logits, relative to their scale, not by 1.0: the engine keeps the launch when
-    that gap is within DRAFT_PROBE_TOLERANCE."""
+def test_probe_scores_a_greedy_draft_by_its_gaps_after_its_own_tokens(tmp_path):
+    """The probe's greedy-draft rule (``DraftStep._greedy_draft_errors``), against the MLX ops fed
+    the launch's own tokens: the MLX ops' own draft scores 0; a launch token that a near tie in
+    the MLX ops' corrected logits (TF32 rounding on MLX-CUDA) puts just below their best costs
+    that gap of the logits' scale, within the engine's DRAFT_PROBE_TOLERANCE, while a wrong token
+    at any slot, a near tie included before it, costs far more; a draft of the wrong length, a
+    token outside the vocabulary, or a missing or wrong confidence fails outright."""
+    from types import SimpleNamespace
+
     from drafters.dspark import DraftStep
-    from metal_kernels.fused import DraftFusedPass
+    from drafters.dspark.model import sample_block
 
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     _, net = _draft_net(loaded, tmp_path / "d")
     taps = _draft_parts(loaded, net)
-    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=DraftFusedPass(net, loaded.model))
-    gaps = []
+    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False)
+    slots, vocab = net.config.block_size, net.config.vocab_size
+    logits = mx.random.normal((slots, vocab), key=mx.random.key(3)) * 4
+    h = mx.random.normal((slots, net.config.hidden_size), key=mx.random.key(5))
+    anchor = mx.array([1], dtype=mx.int32)
+    tokens, _, conf = sample_block(net, logits, h, anchor, 0)
+    scale = mx.abs(logits).max()
 
-    def runner_up(inputs, template, output_shapes, **kw):
-        outs = reference_pass(inputs, template, output_shapes)
-        if dict(template)["MARKOV"]:
-            logits = outs[0].reshape(-1, outs[0].shape[-1])[0]
-            corrected = logits.astype(mx.float32) + net.markov_bias(mx.array([1]))[0].astype(mx.float32)
-            order = mx.argsort(-corrected).tolist()
-            assert outs[9].reshape(-1)[0].item() == order[0]
-            gaps.append((corrected[order[0]] - corrected[order[1]]).item() / mx.abs(outs[0]).max().item())
-            outs[9] = mx.concatenate([mx.array([order[1]], dtype=outs[9].dtype), outs[9].reshape(-1)[1:]]).reshape(
-                outs[9].shape)
-        return outs
+    def score(logits, tokens, confidence=conf):
+        return max(step._greedy_draft_errors(SimpleNamespace(tokens=tokens, confidence=confidence), logits, h,
+                                             anchor, scale))
 
-    monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: runner_up))
-    err = step.fused_error(40)
-    assert gaps and 0 < max(gaps) < 1.0
-    assert err == pytest.approx(max(gaps), rel=1e-3, abs=1e-4 if ON_CUDA else 1e-6)
+    assert score(logits, tokens) < 1e-6
+    # a near tie at slot 0: another token X now leads the launch's token by eps of the scale
+    corrected = logits[0] + net.markov_bias(anchor)[0].astype(mx.float32)
+    first = tokens[0].item()
+    other = mx.argsort(-corrected).tolist()[1]
+    for eps in (1e-3, 5e-2):
+        lift = (corrected[first] - corrected[other]).item() + eps * scale.item()
+        tied = logits.at[0, other].add(lift)
+        assert abs(score(tied, tokens) - eps) < 1e-4
+        assert (score(tied, tokens) <= DRAFT_PROBE_TOLERANCE) == (eps < DRAFT_PROBE_TOLERANCE)
+    wrong_later = mx.concatenate([tokens[:1], (tokens[1:] + 1) % vocab])
+    assert score(logits.at[0, other].add((corrected[first] - corrected[other]).item()), wrong_later) > 0.05
+    assert score(logits, (tokens + 1) % vocab) > 0.05
+    assert score(logits, tokens[:1]) == float("inf")
+    assert score(logits, tokens.at[2].add(vocab)) == float("inf")
+    assert score(logits, tokens, confidence=None) == float("inf")
+    assert score(logits, tokens, confidence=conf * 0.5) > 0.05
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])

@@ -222,11 +222,10 @@ class DraftStep:
         """How far the fused launch is from the MLX ops over a draft cache of ``context >= 4``
         random context rows (a start-up probe): the largest logit difference relative to the
         largest MLX logit, for the block forward alone and with the last 3 context rows written
-        by the launch itself; with the greedy draft in the launch (``markov``), at the first
-        slot whose token differs from the MLX ops' greedy draft, how far the launch's token
-        falls below theirs in their corrected logits (relative to the same scale: a near tie
-        is not a fault), and the largest absolute confidence difference up to that slot;
-        infinity if any of these is NaN.
+        by the launch itself; with the greedy draft in the launch (``markov``), how far its
+        tokens fall below the MLX ops' best choices after the same previous tokens (relative
+        to the same scale: a near tie is not a fault) and the largest absolute confidence
+        difference (:meth:`_greedy_draft_errors`); infinity if any of these is NaN.
         Float32 sums in another order differ by ~1e-6; against MLX-CUDA, whose float32 matmuls
         run in TF32 (ml-explore/mlx#3860), by 1e-4 to 1.5e-3 (a 7-layer drafter); a broken
         launch by ~1.
@@ -254,8 +253,7 @@ class DraftStep:
         visible = (mx.arange(capacity) < context)[None, None]
         h = network(x0, mx.array([[context]], dtype=mx.int32), list(zip(keys, values)), visible, fast=True)[0, 0]
         want = self.lm_head(h).astype(mx.float32)
-        want_tokens, _, want_conf = sample_block(network, want, h, anchor, 0)
-        mx.eval(want, want_tokens, *(a for a in (want_conf,) if a is not None))
+        mx.eval(want, h)
         scale = mx.abs(want).max()
 
         def launch(greedy: bool, new: int):
@@ -271,26 +269,34 @@ class DraftStep:
         for new in (0, 3) if fused.absorbs else (0,):
             errors.append((mx.abs(launch(False, new).logits - want).max() / scale).item())
             if fused.markov:
-                out = launch(True, new)
-                got, ref = out.tokens.tolist(), want_tokens.tolist()
-                k = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
-                if k < len(ref):  # (later slots follow other tokens: nothing to compare there)
-                    errors.append(self._tie_gap(want[k], anchor if k == 0 else want_tokens[k - 1 : k],
-                                                ref[k], got[k]) / scale.item())
-                if want_conf is not None:  # (confidences lie in [0, 1]: no scale to divide by)
-                    errors.append(mx.abs(out.confidence[: k + 1] - want_conf[: k + 1]).max().item())
+                errors += self._greedy_draft_errors(launch(True, new), want, h, anchor, scale)
         return max(e if e == e else float("inf") for e in errors)  # (NaN: a broken launch)
 
-    def _tie_gap(self, logits: mx.array, prev: mx.array, want: int, got: int) -> float:
-        """How far the launch's greedy token ``got`` falls below the MLX ops' ``want`` in their
-        Markov-corrected logits (``logits`` ``[V]`` plus the bias after ``prev`` ``[1]``): the
-        two references round differently (TF32 on MLX-CUDA), so a near tie may go either way;
-        infinity for a token outside the vocabulary."""
-        if not 0 <= got < logits.shape[-1]:
-            return float("inf")
-        bias = self.network.markov_bias(prev)
-        corrected = logits if bias is None else logits + bias[0].astype(mx.float32)
-        return (corrected[want] - corrected[got]).item()
+    def _greedy_draft_errors(self, out, logits: mx.array, h: mx.array, anchor: mx.array, scale: mx.array) -> list:
+        """A greedy launch's draft against the MLX ops fed the launch's own tokens (each slot's
+        Markov bias and confidence follow the launch's token before it; the base ``logits``
+        ``[L, V]`` and states ``h`` ``[L, d]`` do not depend on the draft): over all slots, how
+        far the launch's token falls below the best Markov-corrected logit, relative to
+        ``scale`` (0 where it is the best; a near tie that the MLX ops' TF32 rounding on
+        MLX-CUDA breaks the other way costs its small gap, a wrong token ~1), and the largest
+        confidence difference (confidences lie in [0, 1]: no scale). Infinity for tokens of
+        another shape or outside the vocabulary, or a confidence missing or of another shape."""
+        slots, vocab = logits.shape
+        tokens = out.tokens.reshape(-1).astype(mx.int32)
+        if tokens.shape[0] != slots or not all(0 <= t < vocab for t in tokens.tolist()):
+            return [float("inf")]
+        prevs = mx.concatenate([anchor, tokens[:-1]])
+        bias = self.network.markov_bias(prevs)
+        corrected = logits if bias is None else logits + bias.astype(mx.float32)
+        picked = mx.take_along_axis(corrected, tokens[:, None], axis=-1)[:, 0]
+        errors = [((corrected.max(axis=-1) - picked).max() / scale).item()]
+        conf = self.network.confidence_logits(h, prevs)
+        if conf is not None:
+            if out.confidence is None or out.confidence.size != slots:
+                return [float("inf")]
+            want_conf = mx.sigmoid(conf.astype(mx.float32))
+            errors.append(mx.abs(out.confidence.reshape(-1).astype(mx.float32) - want_conf).max().item())
+        return errors
 
     def failed(self, errors: mx.array | None) -> bool:
         """Whether an evaluated fused launch gave up at a grid barrier (its drafts are garbage;
