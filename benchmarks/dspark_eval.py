@@ -71,7 +71,9 @@ def run_prompt_sets(path: str, per_source: int, split: str = "eval") -> dict:
     """``run_<source> -> (held-out records, 96)`` from a run's prompt file (JSONL, maybe gzipped):
     the first ``per_source`` eval-split prompts of each source whose content does not occur
     inside a training prompt's (copied code crossed the file split of runs before the
-    fourteenth session's fix; raw prefixes shorter than 80 characters are not checked).
+    fourteenth session's fix; raw prefixes shorter than 80 characters are not checked); for
+    template instructions, one per training family in turn (since the forty-first session;
+    the held-out families have their own set).
     Sources without such prompts are left out. ``split="train"`` gives the first training
     prompts instead, as ``train_<source>`` (how the drafter does on what it was trained on)."""
     opener = gzip.open if path.endswith(".gz") else open
@@ -84,13 +86,33 @@ def run_prompt_sets(path: str, per_source: int, split: str = "eval") -> dict:
                 by_source[row["source"]].append(PromptRecord(**row))
         return {f"train_{src}": (recs, RUN_NEW_TOKENS) for src, recs in sorted(by_source.items()) if recs}
     trained = [_body(r) for r in rows if r["split"] == "train"]
+    families: dict[str, list[PromptRecord]] = {}  # template instructions, by family
+
+    def copied(row) -> bool:  # (a raw completion's first line or two, e.g. "def forward(", is no copy)
+        body = _body(row)
+        return (row.get("text") is None or len(body) >= 80) and any(body in t for t in trained)
+
     for row in rows:
-        if row["split"] == "eval" and len(by_source.setdefault(row["source"], [])) < per_source:
-            body = _body(row)
-            # (a raw completion's first line or two, e.g. "def forward(", is no copy)
-            copied = (row.get("text") is None or len(body) >= 80) and any(body in t for t in trained)
-            if not copied:
-                by_source[row["source"]].append(PromptRecord(**row))
+        if row["split"] != "eval":
+            continue
+        if row["source"] == "instruct":
+            family = row["id"].split(":")[1]
+            queue = families.setdefault(family, [])
+            # (held-out families have their own fixed set, instruct_heldout)
+            if family not in HELDOUT_FAMILIES and len(queue) < per_source and not copied(row):
+                queue.append(PromptRecord(**row))
+        elif len(by_source.setdefault(row["source"], [])) < per_source and not copied(row):
+            by_source[row["source"]].append(PromptRecord(**row))
+    # one per family in turn (families in order of first appearance): arithmetic questions are
+    # 80% of the held-out template instructions and nearly copied (mean acceptance ~5.5), so the
+    # first ten alone measure one family
+    queues = [q for q in families.values() if q]
+    picked: list[PromptRecord] = []
+    while queues and len(picked) < per_source:
+        picked += [q.pop(0) for q in queues][: per_source - len(picked)]
+        queues = [q for q in queues if q]
+    if picked:
+        by_source["instruct"] = picked
     return {f"run_{src}": (recs, RUN_NEW_TOKENS) for src, recs in sorted(by_source.items()) if recs}
 
 

@@ -1011,7 +1011,8 @@ def test_teacher_forced_positions_agree_with_the_decoding_loop(tiny_target):
 
 
 def test_eval_result_keeps_its_run_sets_for_a_later_evaluation(tmp_path):
-    """``benchmarks.dspark_eval``: a result keeps its run sets' prompts (``_setup.run_records``)
+    """``benchmarks.dspark_eval``: run sets take the first held-out prompts per source (template
+    instructions: per family in turn); a result keeps their prompts (``_setup.run_records``)
     and ``saved_run_sets`` reads back the same records and new tokens, without the run's prompt
     file; a result without them is refused."""
     from benchmarks.dspark_eval import run_prompt_sets, saved_run_sets, setup_record
@@ -1026,6 +1027,12 @@ def test_eval_result_keeps_its_run_sets_for_a_later_evaluation(tmp_path):
     run = run_prompt_sets(str(prompts), per_source=1)
     assert {k: [r.id for r in v[0]] for k, v in run.items()} == {"run_code": ["code:a.py:0"],
                                                                  "run_instruct": ["instruct:math:3"]}
+    # template instructions: one per training family in turn; held-out families stay out
+    more = rows + [PromptRecord("instruct:email:5", "instruct", "eval", messages=[{"role": "user", "content": "e"}]),
+                   PromptRecord("instruct:explain:6", "instruct", "eval", messages=[{"role": "user", "content": "x"}])]
+    prompts.write_text("".join(json.dumps(dataclasses.asdict(r)) + "\n" for r in more))
+    assert [r.id for r in run_prompt_sets(str(prompts), per_source=3)["run_instruct"][0]] == [
+        "instruct:math:3", "instruct:explain:6", "instruct:math:4"]
     fixed = {"fixed": ([rows[1]], 64)}
     result = tmp_path / "result.json"
     result.write_text(json.dumps({"_setup": setup_record("tiny", {**fixed, **run}, run)}))
