@@ -17,6 +17,10 @@
 #                                    # another SEED): benchmarks/gpu/merge_dspark_data.py
 #   h200_session.sh bench            # plain / prompt lookup / DSpark / auto on every workload
 # Results go to $OUT (JSON, the exported drafter, logs).
+# Staging (forty-first session): PART_MB=36 ../shared/tools/stage-for-gpu.sh --pip mlx-lm==0.32.2
+#   SmolLM2-135M-Instruct.Q4_1.gguf llguidance-1.9.1-cp39-abi3-manylinux_2_31_x86_64.whl gives six
+#   parts; with the ~27 MB checkout a part must stay under ~36 MB (a call carries 64 MiB in all).
+#   Nothing under .dev/ outlives a session: generate the data a GPU session trains on in it.
 set -euo pipefail
 stage=/root/s
 if [ -d "$stage" ] && [ ! -d /tmp/site/mlx ]; then
