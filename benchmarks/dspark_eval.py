@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import re
 import sys
@@ -106,11 +107,7 @@ def run_prompt_sets(path: str, per_source: int, split: str = "eval") -> dict:
     # one per family in turn (families in order of first appearance): arithmetic questions are
     # 80% of the held-out template instructions and nearly copied (mean acceptance ~5.5), so the
     # first ten alone measure one family
-    queues = [q for q in families.values() if q]
-    picked: list[PromptRecord] = []
-    while queues and len(picked) < per_source:
-        picked += [q.pop(0) for q in queues][: per_source - len(picked)]
-        queues = [q for q in queues if q]
+    picked = [r for turn in itertools.zip_longest(*families.values()) for r in turn if r is not None][:per_source]
     if picked:
         by_source["instruct"] = picked
     return {f"run_{src}": (recs, RUN_NEW_TOKENS) for src, recs in sorted(by_source.items()) if recs}

@@ -283,9 +283,9 @@ class Engine:
         if not request.prompt_tokens:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = loaded.config.get("vocab_size") or len(loaded.tokenizer._tokenizer)
-        bad = [i for i, t in enumerate(request.prompt_tokens) if not 0 <= t < vocab]
-        if bad:
-            raise TokenIdOutOfRange(request.prompt_tokens[bad[0]], bad[0], vocab)
+        bad = next((i for i, t in enumerate(request.prompt_tokens) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise TokenIdOutOfRange(request.prompt_tokens[bad], bad, vocab)
         if request.max_tokens < 1 and not (request.max_tokens == 0 and request.prompt_logprobs):
             raise InvalidRequestError("max_tokens must be at least 1", param="max_tokens")
         if len(request.prompt_tokens) + request.max_tokens > loaded.context_length:
@@ -301,10 +301,10 @@ class Engine:
         for token, _ in request.sampling.logit_bias:
             if not 0 <= token < vocab:
                 raise InvalidRequestError(f"logit_bias token {token} is out of range", param="logit_bias")
-        bad = [i for i, t in enumerate(request.stop_token_ids) if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"stop token id {request.stop_token_ids[bad[0]]} is out of range [0, {vocab})",
-                                      param=f"stop_token_ids.{bad[0]}")
+        bad = next((i for i, t in enumerate(request.stop_token_ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"stop token id {request.stop_token_ids[bad]} is out of range [0, {vocab})",
+                                      param=f"stop_token_ids.{bad}")
         if request.grammar is not None and request.grammar_matcher is None:  # (last: the costly check)
             request.grammar_matcher = self.prepare_grammar(request.grammar)
 

@@ -154,24 +154,24 @@ def output_grammar(body: SamplingFields) -> tuple[str | None, str | None]:
         raise APIError(400, f"the output format does not compile: {exc}", param=param) from None
 
 
-def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int], str | None]]:
+def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int], str | None, str | None]]:
+    """``(tokens, text or None, field)`` per prompt; ``field`` names a prompt given as token ids
+    (``prompt`` or ``prompt.<i>``) for errors about one of its ids (None for text)."""
     tokenizer = _state(request).engine.loaded.tokenizer
     p = body.prompt
-    if isinstance(p, str):
-        items = [p]
-    elif isinstance(p[0], int):
-        items = [p]
+    if isinstance(p, str) or isinstance(p[0], int):
+        items = [(p, "prompt")]
     else:
-        items = list(p)
+        items = [(item, f"prompt.{i}") for i, item in enumerate(p)]
     if len(items) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     out = []
-    for item in items:
+    for item, ids_param in items:
         if isinstance(item, str):
             check_text_length(request, item)
-            out.append((tokenizer.encode(item), item))
+            out.append((tokenizer.encode(item), item, None))
         else:
-            out.append((list(item), None))
+            out.append((list(item), None, ids_param))
     return out
 
 
@@ -254,10 +254,8 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
     table = _state(request).engine.loaded.token_table
     grammar, grammar_param = output_grammar(body)
     jobs = []
-    one_id_list = isinstance(body.prompt, list) and isinstance(body.prompt[0], int)
-    for p_index, (tokens, text) in enumerate(_prompts(request, body)):
+    for p_index, (tokens, text, ids_param) in enumerate(_prompts(request, body)):
         check_prompt_length(settings, tokens, "prompt")
-        ids_param = None if text is not None else "prompt" if one_id_list else f"prompt.{p_index}"
         echo, specials = None, {}
         for i in range(body.n):
             req = GenerationRequest(
