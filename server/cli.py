@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     from engine import BLAS, MLX_ENV, Engine
 
     from .app import create_app, drain
+    from .http_protocol import uvicorn_config
     from .metrics import Metrics
 
     log = logging.getLogger("specserve")
@@ -118,10 +119,7 @@ def main(argv: list[str] | None = None) -> None:
             if sig == signal.SIGTERM and sig in self._captured_signals:
                 self._captured_signals.remove(sig)
 
-    # after the drain only finished responses remain to be flushed
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            timeout_graceful_shutdown=5)
-    server = Server(config)
+    server = Server(uvicorn_config(app, metrics, settings.host, settings.port, settings.log_level))
     try:
         server.run()
     except BaseException as exc:  # SystemExit (uvicorn's start-up failures), KeyboardInterrupt, bugs

@@ -65,9 +65,10 @@ class LiveServer:
 
         import uvicorn
 
+        from server.http_protocol import uvicorn_config
+
         self.engine, self.metrics = eng, metrics
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
+        self.server = uvicorn.Server(uvicorn_config(app, metrics, "127.0.0.1", 0, "warning"))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         import time

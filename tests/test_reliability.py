@@ -429,3 +429,37 @@ def test_probe_answers_are_not_counted_as_errors():
     scrape = _get(app, "/metrics").text
     assert 'specserve:errors_total{type="unavailable_error"} 2.0' in scrape
     assert 'specserve:requests_rejected_total{reason="EngineUnavailable"} 2.0' in scrape
+
+
+def _raw_exchange(server, data: bytes) -> bytes:
+    """``data`` sent as is over a fresh connection; everything the server answers until it closes."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(data)
+        chunks = []
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("raw", [
+    b"NOT AN HTTP REQUEST\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nHost: x\r\na header without a colon\r\n\r\n",
+    b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: many\r\n\r\n{"prompt": "a"}',
+], ids=["request_line", "header_line", "content_length"])
+def test_malformed_http_gets_an_openai_style_400_and_the_server_keeps_serving(tiny_server, raw):
+    """Bytes uvicorn refuses before the app runs get the API's JSON error envelope (not its
+    plain-text 400), count as a rejection, and close only their own connection."""
+    rejected = metric(tiny_server, "requests_rejected_total", 'reason="InvalidHTTP"')
+    head, _, body = _raw_exchange(tiny_server, raw).partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    assert lines[0].startswith("HTTP/1.1 400"), lines
+    headers = dict(line.lower().split(": ", 1) for line in lines[1:])
+    assert headers["content-type"] == "application/json" and headers["connection"] == "close"
+    assert int(headers["content-length"]) == len(body)
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", None, "invalid_http_request")
+    assert metric(tiny_server, "requests_rejected_total", 'reason="InvalidHTTP"') == rejected + 1
+    r = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
