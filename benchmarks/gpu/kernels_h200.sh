@@ -128,8 +128,9 @@ EOF
       MLX_USE_CUDA_GRAPHS=1 timeout -k 5 200 python3 -m benchmarks.gpu.dspark_forward --no-dense \
         --iters "${ITERS:-100}" --out "$out/dspark_forward_h200_graphs.json" 2>&1 | grep -v "^INFO" | tail -4
     fi
-    timeout -k 5 120 python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
-      --out "$out/dspark_cost_h200.json" 2>&1 | grep -v "^INFO" | tail -12 ;;
+    # (the engine's start-up calibration alone took over 85 s on a fresh H100: give it 300)
+    timeout -k 5 "${COST_LIMIT:-300}" python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
+      ${DRAFTER:+--drafter "$DRAFTER"} --out "$out/dspark_cost_h200.json" 2>&1 | grep -v "^INFO" | tail -12 ;;
   mma)
     [ "${SKIP_CHECK:-0}" = 1 ] ||
       python3 benchmarks/kernel_check.py --out "$out/kernel_check_mma.json" -k "${CHECK_K:-const_shape or tiles_and}" 2>&1 | tail -20
