@@ -5,9 +5,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import pytest
+from dspark_helpers import make_drafter
 from helpers import assert_no_leaks
 from test_engine import prompts
-from test_engine_dspark import make_drafter
 
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
 from engine.runner import TargetRunner

@@ -10,14 +10,13 @@ import json
 import mlx.core as mx
 import numpy as np
 import pytest
+from dspark_helpers import DS, FORCE, make_drafter
 from helpers import generate_all, pass_logits, run
 from scipy import stats
 from test_engine import prompts
 from test_structured import GRAMMAR, _json_prompts
 from tiny import tiny_loaded
 
-from drafters.dspark import DSparkModel, init_weights, save_dspark
-from drafters.dspark.config import draft_config_from_target
 from engine import (
     Engine,
     EngineConfig,
@@ -26,31 +25,6 @@ from engine import (
     SamplingParams,
     SpeculativeParams,
 )
-
-DS = SpeculativeParams("dspark")
-FORCE = SpeculativeParams("dspark", min_draft_tokens=3)
-
-
-def favour(net: DSparkModel, boosts: dict[int, float]) -> None:
-    """Markov bias ``W2(W1[prev])`` = ``boosts[t]`` for every previous token."""
-    r = net.config.markov_rank
-    w1 = mx.ones_like(net.markov_head.markov_w1.weight)
-    w2 = mx.zeros_like(net.markov_head.markov_w2.weight)
-    for token, value in boosts.items():
-        w2[token] = value / r
-    net.markov_head.markov_w1.weight = w1
-    net.markov_head.markov_w2.weight = w2
-
-
-def make_drafter(tiny, path, boosts=None):
-    cfg = draft_config_from_target(tiny.config, num_hidden_layers=1, target_layer_ids=[0], block_size=5,
-                                   mask_token_id=0, markov_rank=16)
-    net = DSparkModel(cfg)
-    init_weights(net, std=0.05, seed=1)
-    if boosts:
-        favour(net, boosts)
-    save_dspark(net, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -722,7 +722,7 @@ def test_kernel_rows_do_not_depend_on_the_block_count():
 def test_engine_fused_passes_feed_dspark_its_hidden_states(stand_in, tmp_path):
     """DSpark reads the target's tapped hidden states from every verify pass: with fused passes
     they come from the pass's per-layer outputs, and greedy output stays identical to plain."""
-    from test_engine_dspark import FORCE, make_drafter
+    from dspark_helpers import FORCE, make_drafter
 
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     path = make_drafter(loaded, tmp_path / "drafter", {77: 12.0})
@@ -749,7 +749,7 @@ def test_engine_fused_passes_feed_dspark_its_hidden_states(stand_in, tmp_path):
 def _draft_net(loaded, path, bits=4, boosts=None):
     """A tiny 2-layer DSpark drafter for ``loaded``, saved with ``bits`` (None: plain weights)
     and loaded back the way the engine loads it on a GPU (float32, quantized layers kept)."""
-    from test_engine_dspark import favour
+    from dspark_helpers import favour
 
     from drafters.dspark import DSparkModel, init_weights, load_dspark, save_dspark
     from drafters.dspark.config import draft_config_from_target
@@ -977,7 +977,7 @@ def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
     """With fused passes on, the engine probes and uses the one-launch block forward for a
     quantized drafter; greedy output stays identical to plain and DSpark drafts get accepted.
     With them off it keeps to MLX ops."""
-    from test_engine_dspark import FORCE
+    from dspark_helpers import FORCE
 
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     path, _ = _draft_net(loaded, tmp_path / "d", boosts={77: 12.0})

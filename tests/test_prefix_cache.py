@@ -7,8 +7,8 @@ import httpx
 import mlx.core as mx
 import pytest
 from conftest import tiny_live_server
+from dspark_helpers import make_drafter
 from helpers import run
-from test_engine_dspark import make_drafter
 from test_server import metric, post, sse_events
 
 from engine import (
