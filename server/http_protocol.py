@@ -1,10 +1,11 @@
 """uvicorn's HTTP/1.1 protocol, answering the requests it refuses itself as the API does.
 
-uvicorn refuses bytes that are not an HTTP/1.1 request (a malformed request line or header, an
-upgrade it cannot serve) before any application code runs, with a plain-text 400
-(``Invalid HTTP request received.``). :func:`json_error_protocol` gives its h11 protocol with
-the same status, the ``{"error": {"message", "type", "param", "code"}}`` body of every other
-error of this server (code ``invalid_http_request``), and a hook that counts the refusal;
+uvicorn's h11 protocol answers bytes that do not parse as HTTP/1.1 (a malformed request line,
+header or ``Content-Length``, or a malformed chunked body, which cuts off a request the app was
+already reading) with a plain-text 400 (``Invalid HTTP request received.``) and closes the
+connection. :func:`json_error_protocol` gives that protocol with the same status, the
+``{"error": {"message", "type", "param", "code"}}`` body of every other error of this server
+(code ``invalid_http_request``), and a hook that counts the refusal;
 :func:`uvicorn_config` is the one uvicorn configuration the CLI (and the tests' live servers)
 serve the app with.
 """
@@ -26,15 +27,23 @@ INVALID_HTTP_CODE = "invalid_http_request"
 def json_error_protocol(on_reject: Callable[[], None] | None = None) -> type[H11Protocol]:
     """An :class:`H11Protocol` subclass for ``uvicorn.Config(http=...)`` whose own 400 answers
     are OpenAI-style JSON; ``on_reject()`` runs once per refused connection (the metrics'
-    rejection counter). The connection closes after the answer, as uvicorn's does."""
+    rejection counter). The connection closes after the answer, as uvicorn's does. Where the
+    app has already answered on the connection (a 401 or 413 sent before a chunked body ended
+    badly), no second response can follow: the connection just closes, counted nowhere (its
+    request was, with the app's answer). uvicorn's own method raises h11's
+    ``LocalProtocolError`` there, which asyncio logs as a fatal error with a traceback."""
 
     class JSONErrorH11Protocol(H11Protocol):
         def send_400_response(self, msg: str) -> None:
+            if self.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):  # (a response went out)
+                self.transport.close()
+                return
             if on_reject is not None:
                 on_reject()
             body = json.dumps(error_body(msg, "invalid_request_error", None, INVALID_HTTP_CODE),
                               ensure_ascii=True, separators=(",", ":")).encode()
-            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+            headers = [*self.server_state.default_headers,  # (date and server, as on every response)
+                       (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                        (b"connection", b"close")]
             for event in (h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
                           h11.Data(data=body), h11.EndOfMessage()):

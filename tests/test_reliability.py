@@ -456,10 +456,36 @@ def test_malformed_http_gets_an_openai_style_400_and_the_server_keeps_serving(ti
     assert lines[0].startswith("HTTP/1.1 400"), lines
     headers = dict(line.lower().split(": ", 1) for line in lines[1:])
     assert headers["content-type"] == "application/json" and headers["connection"] == "close"
-    assert int(headers["content-length"]) == len(body)
+    assert int(headers["content-length"]) == len(body) and headers["server"] == "uvicorn" and headers["date"]
     err = json.loads(body)["error"]
     assert set(err) == {"message", "type", "param", "code"} and err["message"]
     assert (err["type"], err["param"], err["code"]) == ("invalid_request_error", None, "invalid_http_request")
     assert metric(tiny_server, "requests_rejected_total", 'reason="InvalidHTTP"') == rejected + 1
     r = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "a", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_a_body_that_breaks_after_the_apps_answer_closes_quietly(guarded_server, caplog):
+    """A chunked body that turns malformed after the app has answered (a 401: no key, sent before
+    the body is read) cannot get a second response: the connection just closes, with no error
+    logged (uvicorn's own 400 raises h11's LocalProtocolError there, a fatal-error traceback)
+    and no InvalidHTTP counted; the server keeps serving."""
+    rejected = metric(guarded_server, "requests_rejected_total", 'reason="InvalidHTTP"')
+    host, port = guarded_server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=20) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b'Transfer-Encoding: chunked\r\n\r\n5\r\n{"pro\r\n')
+        data = b""
+        while b"\r\n\r\n" not in data or not data.rstrip().endswith(b"}"):
+            part = sock.recv(65536)
+            assert part, data
+            data += part
+        assert data.startswith(b"HTTP/1.1 401"), data
+        sock.sendall(b"not a chunk size\r\n")
+        rest = b""
+        while part := sock.recv(65536):
+            rest += part
+    assert rest == b""  # closed, nothing after the 401
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert metric(guarded_server, "requests_rejected_total", 'reason="InvalidHTTP"') == rejected
+    assert httpx.get(guarded_server.url + "/v1/models", headers=AUTH, timeout=30).status_code == 200

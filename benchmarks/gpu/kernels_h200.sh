@@ -119,17 +119,18 @@ EOF
       --out "$out/step_profile_fused_h200.json" ${STEP_ARGS:---reps 10 --decode-tokens 128 --engine-tokens 128 --context 512 --calibrate 16} \
       2>&1 | grep -v "^INFO" | tail -40 ;;
   draft)
-    # (the GPU tests compile several kernel variants each: give them most of a call)
-    timeout -k 5 "${TEST_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_fused.py \
+    # (the GPU tests compile several kernel variants each; the three steps' limits, 240 + 90 + 250
+    # s by default, fit one 600 s device call: GRAPHS_AB=1 needs a call of its own)
+    timeout -k 5 "${TEST_LIMIT:-240}" python3 -m pytest -q -p no:cacheprovider tests/test_fused.py \
       -k "${CHECK_K:-draft or drafter or probe}" -rfE 2>&1 | grep -v "^WARNING" | tail -30 || true
-    timeout -k 5 200 python3 -m benchmarks.gpu.dspark_forward --no-dense --iters "${ITERS:-100}" \
+    timeout -k 5 "${FORWARD_LIMIT:-90}" python3 -m benchmarks.gpu.dspark_forward --no-dense --iters "${ITERS:-100}" \
       --out "$out/dspark_forward_h200.json" 2>&1 | grep -v "^INFO" | tail -4
     if [ "${GRAPHS_AB:-0}" = 1 ]; then  # the same with MLX-CUDA's CUDA graphs (docs/kernels.md)
       MLX_USE_CUDA_GRAPHS=1 timeout -k 5 200 python3 -m benchmarks.gpu.dspark_forward --no-dense \
         --iters "${ITERS:-100}" --out "$out/dspark_forward_h200_graphs.json" 2>&1 | grep -v "^INFO" | tail -4
     fi
-    # (the engine's start-up calibration alone took over 85 s on a fresh H100: give it 300)
-    timeout -k 5 "${COST_LIMIT:-300}" python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
+    # (the engine's start-up calibration alone took over 85 s on a fresh H100)
+    timeout -k 5 "${COST_LIMIT:-250}" python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
       ${DRAFTER:+--drafter "$DRAFTER"} --out "$out/dspark_cost_h200.json" 2>&1 | grep -v "^INFO" | tail -12 ;;
   mma)
     [ "${SKIP_CHECK:-0}" = 1 ] ||
