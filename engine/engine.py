@@ -55,6 +55,7 @@ from .request import (
     GenerationRequest,
     InvalidRequestError,
     RequestTimeout,
+    SpecStats,
     SpeculativeParams,
     TokenEvent,
     TokenIdOutOfRange,
@@ -164,6 +165,9 @@ class Engine:
         self._state = "created"
         self._error: str | None = None
         self._queued = 0
+        # prompts scored this step (max_tokens 0, prompt logprobs: finished at their prefill), as
+        # (request, final event), for identical scoring requests waiting on them (_answer_scored)
+        self._scored: list[tuple[GenerationRequest, TokenEvent]] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -687,6 +691,8 @@ class Engine:
         twin = self._prompt_twin(request, dspark)
         if twin is not None and twin.prefilled:  # the same prompt, prefilled: copy it (n > 1 choices)
             seq.reuse_prefix(copy_prefix(twin.cache, seq.prompt_len - 1), None, seq.prompt_len - 1)
+            if seq.prompt_logprobs is not None:  # (the same rows' logits: _prompt_twin)
+                seq.prompt_logprobs = list(twin.prompt_logprobs)
             return seq
         # Prompt logprobs need every prompt row's logits: such requests prefill from scratch.
         if self.prefix_cache is not None and not request.prompt_logprobs:
@@ -765,6 +771,8 @@ class Engine:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
+        if self._scored:
+            self._answer_scored()
         deferred = []  # they keep their slots: later requests do not overtake them
         while self._waiting and len(self._active) + len(deferred) < self.config.max_active:
             handle = self._waiting.popleft()
@@ -782,6 +790,36 @@ class Engine:
                 handle.emit(TokenEvent(handle.request.request_id, [], "", finish_reason=FinishReason.ERROR,
                                        error=_as_engine_error(exc)))
         self._waiting.extendleft(reversed(deferred))
+
+    def _answer_scored(self) -> None:
+        """End the waiting prompt-scoring requests (``max_tokens`` 0 with prompt logprobs) whose
+        prompt a request scored in the last step, with its answer: the same prompt tokens,
+        ``cache_salt`` and ``logprobs`` count, so the same rows of the same prefill chunks, hence
+        the same bits (the other ``n - 1`` choices of an echo + logprobs request; they waited for
+        the first one's prefill as its prompt twins, :meth:`_prompt_twin`, but a scoring
+        request's sequence ends at its prefill and leaves no KV to copy). Like a twin's copy,
+        the prompt counts as cached, and only with the prefix cache on."""
+        scored, self._scored = self._scored, []
+        if self.prefix_cache is None:
+            return
+        keep = deque()
+        for handle in self._waiting:
+            req = handle.request
+            source = next((event for other, event in scored
+                           if req.max_tokens == 0 and req.prompt_logprobs and self._same_prompt_logprobs(req, other)
+                           and other.cache_salt == req.cache_salt and other.prompt_tokens == req.prompt_tokens), None)
+            if source is None:
+                keep.append(handle)
+                continue
+            with self._lock:
+                self._queued -= 1
+            self._done(req.request_id)
+            event = TokenEvent(req.request_id, [], "", finish_reason=source.finish_reason,
+                               prompt_tokens=source.prompt_tokens, cached_tokens=source.prompt_tokens - 1,
+                               prompt_logprobs=list(source.prompt_logprobs), stats=SpecStats(), elapsed=0.0)
+            handle.emit(event)
+            self.sink.request_finished(event)
+        self._waiting = keep
 
     def _awaits_prefill(self, handle: _Handle) -> bool:
         """Whether a waiting request should wait for a prompt now being prefilled instead of
@@ -840,22 +878,34 @@ class Engine:
         """An active sequence prefilling or having prefilled ``request``'s whole prompt, which
         ``request`` can then copy instead of prefilling it (the ``n`` choices of one request, or
         the same prompt sent at once by several clients): the same prompt tokens and
-        ``cache_salt``, plain per-layer KV caches, neither with prompt logprobs (they need every
-        row's logits), ``request`` without DSpark taps (the drafter takes the prompt's hidden rows,
-        which a copy leaves out; the twin may have them: its KV is the same), and only with the
-        prefix cache on (copies follow its sharing rules: off, requests share nothing). Its rows
-        before the anchor are the ones this request's own prefill would compute: the same chunks
-        of the same tokens at the same positions. ``dspark``: whether ``request`` runs DSpark."""
-        if (self.prefix_cache is None or request.prompt_logprobs or len(request.prompt_tokens) < 2
-                or dspark):
+        ``cache_salt``, plain per-layer KV caches, ``request`` without DSpark taps (the drafter
+        takes the prompt's hidden rows, which a copy leaves out; the twin may have them: its KV is
+        the same), and only with the prefix cache on (copies follow its sharing rules: off,
+        requests share nothing). Its rows before the anchor are the ones this request's own
+        prefill would compute: the same chunks of the same tokens at the same positions, whether
+        or not their logits were evaluated. So a request with prompt logprobs copies them too,
+        from a twin that has them for the same ``logprobs`` count (echo + logprobs with
+        ``n > 1``), and one that only scores its prompt (``max_tokens`` 0) takes a scoring
+        twin's answer when it ends (:meth:`_answer_scored`; a twin that scores leaves no KV, so
+        a request that decodes does not wait for it). ``dspark``: whether ``request`` runs
+        DSpark."""
+        if self.prefix_cache is None or len(request.prompt_tokens) < 2 or dspark:
             return None
         for _, seq in self._active:
             other = seq.request
-            if (not seq.finished and seq.cache is not None and not other.prompt_logprobs
+            if (not seq.finished and seq.cache is not None and self._same_prompt_logprobs(request, other)
                     and other.cache_salt == request.cache_salt and other.prompt_tokens == request.prompt_tokens
                     and PrefixCache.supports(seq.cache)):
                 return seq
         return None
+
+    @staticmethod
+    def _same_prompt_logprobs(request: GenerationRequest, other: GenerationRequest) -> bool:
+        """Whether ``other``'s sequence gives ``request`` every prompt logprob it needs (none, or
+        the same count, from a twin that keeps its KV or to a request that needs none)."""
+        return not request.prompt_logprobs or (
+            other.prompt_logprobs and other.logprobs == request.logprobs
+            and (other.max_tokens > 0 or request.max_tokens == 0))
 
     def _handle_dspark(self, handle: _Handle) -> bool:
         """:meth:`_runs_dspark` for a queued request, decided once, so that its wait for a prefix
@@ -991,6 +1041,8 @@ class Engine:
         if seq.finished:
             self._done(handle.request.request_id)
             seq.cache = None
+            if seq.request.max_tokens == 0 and event.prompt_logprobs is not None:  # (a scored prompt)
+                self._scored.append((seq.request, event))
         handle.emit(event)
         if seq.finished:
             self.sink.request_finished(event)

@@ -581,6 +581,62 @@ def test_a_prompt_twin_is_copied_only_where_it_computes_the_same_rows(engines, m
         warm._active = saved_active
 
 
+def test_echo_logprobs_choices_share_one_prefill(engines, monkeypatch):
+    """The n choices of an echo + logprobs request (the same prompt with prompt logprobs, sent at
+    once) prefill it once: the others copy the first one's rows and prompt logprobs, decoding
+    (max_tokens 4) or only scoring (max_tokens 0: the first one's answer), with a cold engine's
+    tokens and bits; another logprobs count prefills again, and a decoding request never waits
+    for a scoring one (it leaves no KV to copy)."""
+    import asyncio
+    import dataclasses
+
+    cold, warm = engines
+    rng = random.Random(1015)
+    prompt = [rng.randrange(3, 259) for _ in range(3 * BLOCK + 5)]
+
+    def req(rid, max_tokens, logprobs=2):
+        return dataclasses.replace(_req(rid, prompt, max_tokens), logprobs=logprobs, prompt_logprobs=True)
+
+    def output(events):
+        return ([(lp.token, lp.logprob, lp.top) for lp in events[0].prompt_logprobs],
+                [t for e in events for t in e.token_ids],
+                [(lp.token, lp.logprob, lp.top) for e in events for lp in e.logprobs or []])
+
+    async def at_once(requests):
+        async def drain(stream):
+            return [e async for e in stream]
+        return await asyncio.gather(*(drain(warm.submit(r)) for r in requests))
+
+    rows = []
+    real_prefill = warm.runner.prefill
+
+    def counting_prefill(tokens, *args, **kwargs):
+        rows.append(len(tokens))
+        return real_prefill(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(warm.runner, "prefill", counting_prefill)
+    for max_tokens in (4, 0):
+        ref = output(list(cold.generate(req("cold", max_tokens), timeout=600)))
+        ref3 = output(list(cold.generate(req("cold3", max_tokens, logprobs=3), timeout=600)))
+        rows.clear()
+        got = asyncio.run(at_once([req(f"c{i}", max_tokens) for i in range(3)] + [req("k3", max_tokens, 3)]))
+        assert sum(rows) == 2 * (len(prompt) - 1), (max_tokens, rows)  # c0's and k3's prefills only
+        assert [output(events) for events in got] == [ref, ref, ref, ref3]
+        assert len(ref[0]) == len(prompt) and len(ref[1]) == max_tokens
+        assert [events[-1].cached_tokens for events in got] == [0, len(prompt) - 1, len(prompt) - 1, 0]
+        assert all(events[-1].finish_reason == FinishReason.LENGTH for events in got)
+
+    scorer = warm._make_sequence(req("scorer", 0))  # (white-box: an active scoring owner)
+    saved_active, warm._active = warm._active, [(None, scorer)]
+    try:
+        assert warm._prompt_twin(req("score-too", 0), False) is scorer
+        assert warm._prompt_twin(dataclasses.replace(req("plain", 4), prompt_logprobs=False), False) is scorer
+        assert warm._prompt_twin(req("decodes", 4), False) is None
+        assert warm._prompt_twin(req("other-count", 0, logprobs=1), False) is None
+    finally:
+        warm._active = saved_active
+
+
 def test_usage_counts_a_requests_cache_hit_once_for_n_choices(prefix_server):
     """n choices of one prompt: the first prefills it, the others copy it; usage reports the
     request's own cache hit (0 for a new prompt), streamed or not, per prompt of a list."""
@@ -597,3 +653,34 @@ def test_usage_counts_a_requests_cache_hit_once_for_n_choices(prefix_server):
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, events[-1]
     again = post(prefix_server, "/v1/completions", body).json()  # (now a hit: the prompts' whole chunks)
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
+
+
+def test_echo_logprobs_with_n_choices_gives_each_the_prompts_logprobs(prefix_server):
+    """echo + logprobs with n = 3 (the choices share one prefill, above): every choice echoes the
+    prompt with the same logprobs, streamed or not, scoring (max_tokens 0) or decoding; usage
+    counts the prompt once."""
+    rng = random.Random(1016)
+    prompt = " ".join(f"w{rng.randrange(10**6)}" for _ in range(30))
+    for max_tokens in (0, 2):
+        body = {"prompt": prompt, "max_tokens": max_tokens, "n": 3, "echo": True, "logprobs": 2, "temperature": 0}
+        whole = post(prefix_server, "/v1/completions", body).json()
+        choices = sorted(whole["choices"], key=lambda c: c["index"])
+        assert [c["index"] for c in choices] == [0, 1, 2]
+        assert all(c["logprobs"] == choices[0]["logprobs"] and c["text"] == choices[0]["text"] for c in choices)
+        lp = choices[0]["logprobs"]
+        assert choices[0]["text"].startswith(prompt) and lp["token_logprobs"][0] is None
+        n_prompt = whole["usage"]["prompt_tokens"]
+        assert len(lp["tokens"]) == n_prompt + max_tokens and all(x is not None for x in lp["token_logprobs"][1:])
+        assert whole["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert whole["usage"]["completion_tokens"] == 3 * max_tokens
+        events = sse_events(post(prefix_server, "/v1/completions", {**body, "stream": True}))
+        per_choice = {}
+        for e in events:
+            for c in e["choices"]:
+                got = per_choice.setdefault(c["index"], {"text": "", "tokens": [], "lps": []})
+                got["text"] += c["text"]
+                got["tokens"] += c["logprobs"]["tokens"]
+                got["lps"] += c["logprobs"]["token_logprobs"]
+        assert sorted(per_choice) == [0, 1, 2]
+        assert all(per_choice[i] == {"text": choices[0]["text"], "tokens": lp["tokens"], "lps": lp["token_logprobs"]}
+                   for i in (0, 1, 2)), per_choice
