@@ -771,8 +771,6 @@ class Engine:
                 item = self._inbox.get_nowait()
         except queue.Empty:
             pass
-        if self._scored:
-            self._answer_scored()
         deferred = []  # they keep their slots: later requests do not overtake them
         while self._waiting and len(self._active) + len(deferred) < self.config.max_active:
             handle = self._waiting.popleft()
@@ -797,18 +795,23 @@ class Engine:
         ``cache_salt`` and ``logprobs`` count, so the same rows of the same prefill chunks, hence
         the same bits (the other ``n - 1`` choices of an echo + logprobs request; they waited for
         the first one's prefill as its prompt twins, :meth:`_prompt_twin`, but a scoring
-        request's sequence ends at its prefill and leaves no KV to copy). Like a twin's copy,
-        the prompt counts as cached, and only with the prefix cache on."""
+        request's sequence ends at its prefill and leaves no KV to copy). Runs at the end of the
+        step that scored them, so later requests prefill their own; a request cancelled or past
+        its deadline meanwhile is left to :meth:`_end_waiting`. Like a twin's copy, the prompt
+        counts as cached, and only with the prefix cache on."""
         scored, self._scored = self._scored, []
         if self.prefix_cache is None:
             return
+        with self._lock:
+            cancelled = set(self._cancelled)
+        now = time.monotonic()
         keep = deque()
         for handle in self._waiting:
             req = handle.request
             source = next((event for other, event in scored
-                           if req.max_tokens == 0 and req.prompt_logprobs and self._same_prompt_logprobs(req, other)
+                           if req.max_tokens == 0 and self._same_prompt_logprobs(req, other)
                            and other.cache_salt == req.cache_salt and other.prompt_tokens == req.prompt_tokens), None)
-            if source is None:
+            if source is None or self._end_reason(handle, cancelled, now) is not None:  # (those: _end_waiting)
                 keep.append(handle)
                 continue
             with self._lock:
@@ -816,7 +819,7 @@ class Engine:
             self._done(req.request_id)
             event = TokenEvent(req.request_id, [], "", finish_reason=source.finish_reason,
                                prompt_tokens=source.prompt_tokens, cached_tokens=source.prompt_tokens - 1,
-                               prompt_logprobs=list(source.prompt_logprobs), stats=SpecStats(), elapsed=0.0)
+                               prompt_logprobs=list(source.prompt_logprobs), stats=SpecStats())
             handle.emit(event)
             self.sink.request_finished(event)
         self._waiting = keep
@@ -887,7 +890,7 @@ class Engine:
         from a twin that has them for the same ``logprobs`` count (echo + logprobs with
         ``n > 1``), and one that only scores its prompt (``max_tokens`` 0) takes a scoring
         twin's answer when it ends (:meth:`_answer_scored`; a twin that scores leaves no KV, so
-        a request that decodes does not wait for it). ``dspark``: whether ``request`` runs
+        only requests that score the same way wait for it). ``dspark``: whether ``request`` runs
         DSpark."""
         if self.prefix_cache is None or len(request.prompt_tokens) < 2 or dspark:
             return None
@@ -901,11 +904,13 @@ class Engine:
 
     @staticmethod
     def _same_prompt_logprobs(request: GenerationRequest, other: GenerationRequest) -> bool:
-        """Whether ``other``'s sequence gives ``request`` every prompt logprob it needs (none, or
-        the same count, from a twin that keeps its KV or to a request that needs none)."""
-        return not request.prompt_logprobs or (
-            other.prompt_logprobs and other.logprobs == request.logprobs
-            and (other.max_tokens > 0 or request.max_tokens == 0))
+        """Whether ``other``'s sequence gives ``request`` what it copies: KV rows and every
+        prompt logprob it asks for (none, or the same count). A twin that only scores its prompt
+        (``max_tokens`` 0) keeps no KV, so it serves only requests that score the same way."""
+        if other.max_tokens == 0:
+            return (request.max_tokens == 0 and request.prompt_logprobs and other.prompt_logprobs
+                    and other.logprobs == request.logprobs)
+        return not request.prompt_logprobs or (other.prompt_logprobs and other.logprobs == request.logprobs)
 
     def _handle_dspark(self, handle: _Handle) -> bool:
         """:meth:`_runs_dspark` for a queued request, decided once, so that its wait for a prefix
@@ -957,6 +962,8 @@ class Engine:
         elif decoding:
             self._step_batch(decoding)
         self._active = [(h, s) for h, s in self._active if not s.finished]
+        if self._scored:
+            self._answer_scored()
 
     def _guarded(self, handle: _Handle, seq: Sequence, fn, *args) -> None:
         """Run ``fn(*args)``; an exception ends this request with an error event."""

@@ -630,11 +630,75 @@ def test_echo_logprobs_choices_share_one_prefill(engines, monkeypatch):
     saved_active, warm._active = warm._active, [(None, scorer)]
     try:
         assert warm._prompt_twin(req("score-too", 0), False) is scorer
-        assert warm._prompt_twin(dataclasses.replace(req("plain", 4), prompt_logprobs=False), False) is scorer
-        assert warm._prompt_twin(req("decodes", 4), False) is None
-        assert warm._prompt_twin(req("other-count", 0, logprobs=1), False) is None
+        for other in (req("decodes", 4), dataclasses.replace(req("plain", 4), prompt_logprobs=False),
+                      req("other-count", 0, logprobs=1)):
+            assert warm._prompt_twin(other, False) is None, other.request_id
     finally:
         warm._active = saved_active
+
+
+def test_only_identical_waiting_scoring_requests_take_a_scored_answer(tiny):
+    """max_active 1: a scoring request (max_tokens 0, prompt logprobs) runs while identical ones,
+    one with another cache_salt, one with another logprobs count and one cancelled in the step
+    that scores the prompt all wait. When it ends, only the identical ones take its answer (the others prefill their own, with
+    their own bits; the cancelled one ends cancelled); each request finishes once, the queue
+    empties, and a later identical request prefills again."""
+    import asyncio
+    import dataclasses
+
+    class Recorder:
+        def __init__(self):
+            self.finished = []
+
+        def request_finished(self, event):
+            self.finished.append((event.request_id, event.finish_reason))
+            if event.request_id == "first":  # (cancelled in the step that scores its prompt)
+                eng.cancel("gone")
+
+        def __getattr__(self, name):  # (the other sink calls)
+            return lambda *a, **k: None
+
+    sink = Recorder()
+    cfg = dict(speculation="off", prefill_step=BLOCK, max_active=1, calibration_contexts=(40,))
+    eng = Engine(EngineConfig(**cfg), loaded=tiny, sink=sink).start(wait=True, timeout=300)
+    cold = Engine(EngineConfig(prefix_cache_bytes=0, **cfg), loaded=tiny).start(wait=True, timeout=300)
+    try:
+        rng = random.Random(1017)
+        prompt = [rng.randrange(3, 259) for _ in range(2 * BLOCK + 7)]
+
+        def req(rid, logprobs=2, salt=None):
+            return dataclasses.replace(_req(rid, prompt, 0), logprobs=logprobs, prompt_logprobs=True, cache_salt=salt)
+
+        def lps(events):
+            return [(lp.token, lp.logprob, lp.top) for lp in events[0].prompt_logprobs]
+
+        rows = []
+        real_prefill = eng.runner.prefill
+        eng.runner.prefill = lambda tokens, *a, **k: rows.append(len(tokens)) or real_prefill(tokens, *a, **k)
+        ids = ["first", "same1", "salted", "k3", "gone", "same2"]
+        requests = [req("first"), req("same1"), req("salted", salt="b"), req("k3", logprobs=3), req("gone"), req("same2")]
+
+        async def at_once():
+            async def drain(stream):
+                return [e async for e in stream]
+            streams = [eng.submit(r) for r in requests]
+            return await asyncio.gather(*(drain(s) for s in streams))
+
+        got = dict(zip(ids, asyncio.run(at_once())))
+        ref, ref3 = (list(cold.generate(r, timeout=600)) for r in (req("c"), req("c3", logprobs=3)))
+        assert [lps(got[r]) for r in ("first", "same1", "same2", "salted", "k3")] == [lps(ref)] * 4 + [lps(ref3)]
+        assert [got[r][-1].cached_tokens for r in ("first", "same1", "same2", "salted", "k3")] == \
+            [0, len(prompt) - 1, len(prompt) - 1, 0, 0]
+        assert got["gone"][-1].finish_reason == FinishReason.CANCELLED
+        assert sum(rows) == 3 * (len(prompt) - 1), rows  # first, salted, k3
+        assert sorted(sink.finished) == sorted(
+            [(r, FinishReason.LENGTH) for r in ids if r != "gone"] + [("gone", FinishReason.CANCELLED)])
+        assert eng.queue_depth() == 0
+        rows.clear()
+        assert lps(list(eng.generate(req("later"), timeout=600))) == lps(ref) and sum(rows) == len(prompt) - 1
+    finally:
+        eng.stop()
+        cold.stop()
 
 
 def test_usage_counts_a_requests_cache_hit_once_for_n_choices(prefix_server):
