@@ -128,6 +128,18 @@ class TokenTable:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", "replace")
 
+    def token_raw(self, token: int) -> bytes:
+        """One token's own bytes (OpenAI chat ``logprobs`` ``bytes``): its UTF-8 fragment where
+        :meth:`token_text` shows a ``bytes:`` placeholder (part of a character), else the UTF-8
+        of what it shows."""
+        if self.token_bytes is not None:
+            raw = self.token_bytes[token]
+            try:
+                raw.decode("utf-8")
+            except UnicodeDecodeError:
+                return raw
+        return self.token_text(token).encode("utf-8")
+
     def token_text(self, token: int) -> str:
         """One token on its own, as OpenAI ``logprobs.tokens`` shows it."""
         if self.token_bytes is None:

@@ -304,7 +304,8 @@ class Engine:
                                       code="drafter_unavailable")
         for token, _ in request.sampling.logit_bias:
             if not 0 <= token < vocab:
-                raise InvalidRequestError(f"logit_bias token {token} is out of range", param="logit_bias")
+                raise InvalidRequestError(f"logit_bias token {token} is out of range [0, {vocab})",
+                                          param=f"logit_bias.{token}")
         bad = next((i for i, t in enumerate(request.stop_token_ids) if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidRequestError(f"stop token id {request.stop_token_ids[bad]} is out of range [0, {vocab})",

@@ -179,8 +179,12 @@ class Sequence:
                 self.finish_reason = FinishReason.LENGTH
                 break
         if self.finished and not stopped:  # release text held back for a possible stop string
-            tail, stopped = self.stop.feed(self.detok.flush())
-            parts.append(tail if stopped else tail + self.stop.flush())
+            tail = self.detok.flush()
+            # (a character the last token left unfinished ends it as U+FFFD: the cut made that,
+            # not the model, so no stop string is matched against it)
+            cut = "\ufffd" if tail.endswith("\ufffd") else ""
+            tail, stopped = self.stop.feed(tail[: len(tail) - len(cut)])
+            parts.append(tail if stopped else tail + self.stop.flush() + cut)
             if stopped:
                 self.finish_reason = FinishReason.STOP
         if self.first_token_at is None and ids:

@@ -151,12 +151,13 @@ def output_grammar(body: SamplingFields) -> tuple[str | None, str | None]:
         param = "response_format.json_schema.schema"
         return json_grammar(rf.json_schema.schema_, strict=bool(rf.json_schema.strict)), param
     except (GrammarError, ValueError, RuntimeError) as exc:
-        raise APIError(400, f"the output format does not compile: {exc}", param=param) from None
+        raise APIError(400, f"the output format does not compile: {exc}", param=param,
+                       code="invalid_output_format") from None
 
 
 def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int], str | None, str | None]]:
-    """``(tokens, text or None, field)`` per prompt; ``field`` names a prompt given as token ids
-    (``prompt`` or ``prompt.<i>``) for errors about one of its ids (None for text)."""
+    """``(tokens, text or None, field)`` per prompt; ``field`` names the prompt (``prompt``, or
+    ``prompt.<i>`` in a list) for errors about it or one of its ids."""
     tokenizer = _state(request).engine.loaded.tokenizer
     p = body.prompt
     if isinstance(p, str) or isinstance(p[0], int):
@@ -166,12 +167,12 @@ def _prompts(request: Request, body: CompletionRequest) -> list[tuple[list[int],
     if len(items) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     out = []
-    for item, ids_param in items:
+    for item, param in items:
         if isinstance(item, str):
-            check_text_length(request, item)
-            out.append((tokenizer.encode(item), item, None))
+            check_text_length(request, item, param)
+            out.append((tokenizer.encode(item), item, param))
         else:
-            out.append((list(item), None, ids_param))
+            out.append((list(item), None, param))
     return out
 
 
@@ -254,8 +255,8 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
     table = _state(request).engine.loaded.token_table
     grammar, grammar_param = output_grammar(body)
     jobs = []
-    for p_index, (tokens, text, ids_param) in enumerate(_prompts(request, body)):
-        check_prompt_length(settings, tokens, "prompt")
+    for p_index, (tokens, text, param) in enumerate(_prompts(request, body)):
+        check_prompt_length(settings, tokens, param)
         echo, specials = None, {}
         for i in range(body.n):
             req = GenerationRequest(
@@ -272,7 +273,8 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
                 cache_salt=body.cache_salt,
                 grammar=grammar,
             )
-            job = Job(len(jobs), req, echo, specials, grammar_param=grammar_param, prompt_ids_param=ids_param)
+            job = Job(len(jobs), req, echo, specials, prompt_param=param, grammar_param=grammar_param,
+                      prompt_ids_param=param if text is None else None)
             if body.echo and echo is None:
                 validate(request, job)  # token ids in range before decoding them
                 echo = job.prompt_text = text if text is not None else table.decode(tokens)
@@ -527,6 +529,8 @@ def validate(request: Request, job: Job) -> None:
             exc.param = job.prompt_param if exc.prompt_tokens >= exc.context_length else job.max_tokens_param
         elif isinstance(exc, TokenIdOutOfRange) and job.prompt_ids_param:
             exc.param = f"{job.prompt_ids_param}.{exc.index}"
+        elif exc.param == "prompt":  # (the engine sees one prompt: name it in the request's list)
+            exc.param = job.prompt_param
         raise _name_grammar_field(job, exc) from None
 
 
@@ -754,8 +758,7 @@ class LegacyLogprobs:
 
 def chat_logprobs(table, items: list[TokenLogprob]) -> list[dict]:
     def entry(token, logprob):
-        text = table.token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": table.token_text(token), "logprob": logprob, "bytes": list(table.token_raw(token))}
 
     return [
         {**entry(item.token, item.logprob), "top_logprobs": [entry(t, lp) for t, lp in item.top]}
@@ -845,13 +848,15 @@ async def stream_completions(request, jobs, streams, rid, model, created, table,
             "system_fingerprint": _state(request).fingerprint}
     logs = {job.index: LegacyLogprobs(table, typed=job.typed_specials) for job in jobs}
     echoed = set()
+    failed = False
     async with contextlib.aclosing(merged(request, jobs, streams)) as events:
         async for job, event in events:
             job.events.append(event)
             if event.error is not None:
                 err = _name_grammar_field(job, event.error)
                 yield _sse(error_body(str(err), err.type, err.param, err.code))
-                continue
+                failed = True  # (the stream's last event: leaving cancels the other choices)
+                break
             text = event.text
             items = list(event.logprobs or [])
             if job.index not in echoed and job.prompt_text is not None:
@@ -864,7 +869,7 @@ async def stream_completions(request, jobs, streams, rid, model, created, table,
             lp = logs[job.index].render(items) if job.request.logprobs is not None else None
             yield _sse({**base, "choices": [{"index": job.index, "text": text, "logprobs": lp,
                                              "finish_reason": reason}], "usage": None})
-    if include_usage:
+    if include_usage and not failed:
         yield _sse({**base, "choices": [], "usage": usage(jobs), "speculative_decoding": spec_summary(jobs)})
     yield _sse("[DONE]")
 
@@ -907,13 +912,15 @@ async def stream_chat(request, jobs, streams, rid, model, created, table, includ
     for job in jobs:
         yield _sse({**base, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], "usage": None})
+    failed = False
     async with contextlib.aclosing(merged(request, jobs, streams)) as events:
         async for job, event in events:
             job.events.append(event)
             if event.error is not None:
                 err = _name_grammar_field(job, event.error)
                 yield _sse(error_body(str(err), err.type, err.param, err.code))
-                continue
+                failed = True  # (the stream's last event: leaving cancels the other choices)
+                break
             reason = finish_reason(event)
             text, delta = event.text, {}
             splitter = splitters[job.index]
@@ -935,6 +942,6 @@ async def stream_chat(request, jobs, streams, rid, model, created, table, includ
                 delta = {"content": text, **delta}
             yield _sse({**base, "choices": [{"index": job.index, "delta": delta, "logprobs": lp,
                                              "finish_reason": reason}], "usage": None})
-    if include_usage:
+    if include_usage and not failed:
         yield _sse({**base, "choices": [], "usage": usage(jobs), "speculative_decoding": spec_summary(jobs)})
     yield _sse("[DONE]")

@@ -461,7 +461,7 @@ class TokenizeRequest(_JsonText, ToolFields):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_JsonText):
     """``POST /detokenize`` (vLLM's extension): the text of ``tokens``, special tokens spelled out."""
 
     model_config = ConfigDict(extra="ignore")

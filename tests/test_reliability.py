@@ -354,6 +354,14 @@ def test_timeout_stops_generation_with_a_clear_error(timeout_server):
         "messages": [{"role": "user", "content": "a"}], "ignore_eos": True, "stream": True})
     assert sse_events(r)[-1]["error"]["code"] == "request_timeout"
     assert metric(timeout_server, "request_success_total", 'finished_reason="timeout"') == before + 3
+    # n choices: one error event, the stream's last (no second one, no usage chunk after it)
+    for path, body in (("/v1/completions", LONG), ("/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "a"}], "ignore_eos": True, "max_tokens": 1900})):
+        r = httpx.post(timeout_server.url + path, timeout=30, json={
+            **body, "n": 2, "stream": True, "stream_options": {"include_usage": True}})
+        events = sse_events(r)
+        assert [e["error"]["code"] for e in events if "error" in e] == ["request_timeout"], events[-3:]
+        assert "error" in events[-1] and all(e.get("usage") is None for e in events), events[-3:]
     assert_no_leaks(timeout_server.engine)
     assert httpx.post(url, json={"prompt": "ab", "max_tokens": 4}).status_code == 200
 

@@ -252,6 +252,9 @@ def test_chat_logprobs(tiny_server):
         ({"prompt": "x", "logit_bias": {"+5": 1}}, 400, "logit_bias"),
         ({"prompt": "x", "logit_bias": {"\u0665": 1}}, 400, "logit_bias"),  # (an Arabic-Indic 5: int() reads it)
         ({"prompt": "x", "logit_bias": {"5": 1, "05": -1}}, 400, "logit_bias"),
+        ({"prompt": "x", "logit_bias": {"5": 1, "99999": 1}}, 400, "logit_bias.99999"),
+        # a text prompt in a list: its index
+        ({"prompt": ["ab", "x" * 100_000]}, 400, "prompt.1"),
     ],
 )
 def test_bad_requests_get_openai_errors(tiny_server, body, status, param):
@@ -604,6 +607,8 @@ def test_tokenize_gives_the_prompts_the_generation_endpoints_run(tiny_server):
     ("/detokenize", {"tokens": [1, -1]}, 400, "tokens.1"),
     ("/detokenize", {"tokens": [1, "2"]}, 400, "tokens.1"),
     ("/detokenize", {"tokens": [1], "model": "gpt-4"}, 404, "model"),
+    ("/detokenize", {"tokens": [1], "x": float("nan")}, 400, "x"),  # (JSON text, as every other body)
+    ("/detokenize", {"tokens": [1], "model": "\udfff"}, 400, "model"),
 ])
 def test_tokenize_and_detokenize_errors(tiny_server, path, body, status, param):
     r = httpx.post(tiny_server.url + path, content=json.dumps(body), timeout=120,
@@ -770,3 +775,37 @@ def test_template_shapes_that_cut_at_an_added_token(shape):
     assert hf.decode(ours) == hf.decode(plain)
     end = hf.convert_tokens_to_ids("<|im_end|>")  # (typed once in the last message)
     assert ours.count(end) == (plain.count(end) if controls == () else plain.count(end) - 1)
+
+
+def _byte_token(tiny_server, byte: int) -> int:
+    """The tiny tokenizer's token for one byte (a token per byte)."""
+    return tiny_server.engine.loaded.token_table.token_bytes.index(bytes([byte]))
+
+
+def test_a_partial_characters_token_shows_its_own_bytes(tiny_server):
+    """A token holding part of a UTF-8 character: chat logprobs give its raw bytes (clients join
+    them across tokens), and its text shows the ``bytes:`` placeholder."""
+    lead = _byte_token(tiny_server, 0xE3)
+    r = post(tiny_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0,
+        "logit_bias": {str(lead): 100}, "logprobs": True, "top_logprobs": 2})
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [c["bytes"] for c in content] == [[0xE3], [0xE3]] and content[0]["token"] == "bytes:\\xe3", content
+    for t in content[0]["top_logprobs"]:  # (the unbiased distribution's: any tokens, same rule)
+        placeholder = t["token"].startswith("bytes:")
+        raw = bytes.fromhex(t["token"][len("bytes:"):].replace("\\x", "")) if placeholder else t["token"].encode()
+        assert t["bytes"] == list(raw), t
+
+
+def test_a_character_cut_by_max_tokens_matches_no_stop_string(tiny_server):
+    """max_tokens ending inside a character leaves U+FFFD in the text: a length cut, not a stop
+    string the model produced (a stop string before it still matches)."""
+    lead = _byte_token(tiny_server, 0xE3)
+    body = {"prompt": "a", "max_tokens": 1, "temperature": 0, "logit_bias": {str(lead): 100}}
+    for stop in (["\ufffd"], ["x\ufffd", "\ufffd"], None):
+        choice = post(tiny_server, "/v1/completions", {**body, "stop": stop}).json()["choices"][0]
+        assert (choice["text"], choice["finish_reason"]) == ("\ufffd", "length"), (stop, choice)
+    x = _byte_token(tiny_server, ord("x"))
+    choice = post(tiny_server, "/v1/completions", {**body, "max_tokens": 3, "stop": ["xx"],
+                                                    "logit_bias": {str(x): 100}}).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == ("", "stop"), choice
