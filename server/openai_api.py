@@ -621,6 +621,8 @@ async def collect(request: Request, jobs: list[Job], streams) -> None:
         async with contextlib.aclosing(merged(request, jobs, streams)) as events:
             async for job, event in events:
                 job.events.append(event)
+                if event.error is not None:  # (the request fails with it: leaving cancels the other choices)
+                    break
 
     work = asyncio.ensure_future(consume())
     gone = asyncio.ensure_future(_wait_disconnect(request))
