@@ -786,8 +786,10 @@ class Engine:
             except Exception as exc:
                 log.exception("could not start request %s", handle.request.request_id)
                 self._done(handle.request.request_id)
-                handle.emit(TokenEvent(handle.request.request_id, [], "", finish_reason=FinishReason.ERROR,
-                                       error=_as_engine_error(exc)))
+                event = TokenEvent(handle.request.request_id, [], "", finish_reason=FinishReason.ERROR,
+                                   error=_as_engine_error(exc))
+                handle.emit(event)
+                self.sink.request_finished(event)
         self._waiting.extendleft(reversed(deferred))
 
     def _answer_scored(self) -> None:
@@ -976,9 +978,11 @@ class Engine:
             seq.finish_reason = FinishReason.ERROR
             seq.cache = None
             self._done(rid)
-            handle.emit(TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR,
-                                   error=_as_engine_error(exc), prompt_tokens=seq.prompt_len,
-                                   completion_tokens=seq.num_generated, cached_tokens=seq.cached_tokens))
+            event = TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR, error=_as_engine_error(exc),
+                               prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
+                               cached_tokens=seq.cached_tokens)
+            handle.emit(event)
+            self.sink.request_finished(event)
 
     def _step(self, handle: _Handle, seq: Sequence) -> None:
         """Advance one sequence by a prefill step (a chunk or a slice of one) or one speculative

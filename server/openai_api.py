@@ -456,13 +456,15 @@ def chat_jobs(request: Request, body: ChatCompletionRequest, rid: str) -> list[J
             if fmt.style is None:
                 choice = "'required'" if body.tool_choice == "required" else "naming a function"
                 raise APIError(400, f"tool_choice {choice} cannot be enforced in this model's tool-call format "
-                               f"({fmt.start}...{fmt.end}); use 'auto'", param="tool_choice")
+                               f"({fmt.start}...{fmt.end}); use 'auto'", param="tool_choice",
+                               code="invalid_output_format")
             functions = [t.for_template()["function"] for t in forced]
             try:
                 grammar = _state(request).engine.tool_call_grammar(
                     fmt.style, fmt.start, fmt.end, functions, parallel=body.parallel_tool_calls is not False)
             except (GrammarError, ValueError, RuntimeError) as exc:
-                raise APIError(400, f"the tools cannot be forced: {exc}", param="tools") from None
+                raise APIError(400, f"the tools cannot be forced: {exc}", param="tools",
+                               code="invalid_output_format") from None
             grammar_param = "tools"
     tokens = chat_prompt(tokenizer, body.messages, tools,
                          check=lambda text: check_text_length(request, text, "messages"))
@@ -615,7 +617,8 @@ async def merged(request: Request, jobs: list[Job], streams) -> AsyncIterator[tu
 
 
 async def collect(request: Request, jobs: list[Job], streams) -> None:
-    """Run jobs to the end; a client disconnect cancels them."""
+    """Run jobs to the end, or to the first failed one (the others are cancelled: the request
+    fails with its error); a client disconnect cancels them."""
 
     async def consume():
         async with contextlib.aclosing(merged(request, jobs, streams)) as events:

@@ -37,6 +37,8 @@ def invalid_value(value, path: str = "") -> tuple[str, str] | None:
     if isinstance(value, dict):
         items = value.items()
     elif isinstance(value, list):
+        if all(type(x) is int for x in value):  # (token ids: a million take 0.04 s, not 0.4)
+            return None
         items = enumerate(value)
     else:
         return None

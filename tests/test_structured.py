@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from helpers import generate_all, run
 from llguidance import LLMatcher
-from test_server import post, sse_events
+from test_server import metric, post, sse_events
 
 from drafters import Draft
 from engine import (
@@ -441,6 +441,7 @@ def test_a_grammar_failing_mid_output_fails_only_its_request(tiny_server):
            "structured_outputs": {"regex": "((((b{1,50}){1,50}){1,50}){1,50})"}}
     plain = {"prompt": PROMPT_FOR_BATCH, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     alone = post(tiny_server, "/v1/completions", plain).json()["choices"][0]["text"]
+    errors = metric(tiny_server, "request_success_total", 'finished_reason="error"')
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         futures = [pool.submit(post, tiny_server, "/v1/completions", body) for body in (bad, plain, bad, plain)]
         results = [f.result() for f in futures]
@@ -450,6 +451,8 @@ def test_a_grammar_failing_mid_output_fails_only_its_request(tiny_server):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == alone
     events = sse_events(post(tiny_server, "/v1/completions", {**bad, "stream": True}))
     assert events[-1]["error"]["param"] == "structured_outputs.regex"
+    # (each failed request counted once under finished_reason="error", as docs/metrics.md says)
+    assert metric(tiny_server, "request_success_total", 'finished_reason="error"') == errors + 3
 
 
 def test_a_failed_later_row_is_deferred(tiny):

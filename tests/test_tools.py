@@ -345,6 +345,7 @@ def test_forced_tool_choice_needs_a_format_with_a_grammar(tool_server, monkeypat
     monkeypatch.setattr(tool_server.engine.loaded.tokenizer, "_tool_parser", kimi_k2.parse_tool_call)
     r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS, "tool_choice": "required"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    assert r.json()["error"]["code"] == "invalid_output_format"  # (docs/api.md: a forced choice it cannot enforce)
     assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": TOOLS}).status_code == 200
 
 
@@ -423,6 +424,7 @@ def test_forced_xml_calls_refuse_what_the_format_cannot_carry(tool_server, monke
         tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
         r = post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": tools, "tool_choice": "required"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "tools", (parameters, r.text)
+        assert r.json()["error"]["code"] == "invalid_output_format", (parameters, r.text)
     monkeypatch.setattr(tool_server.engine.loaded.tokenizer, "_tool_parser", mistral.parse_tool_call)
     monkeypatch.setattr(tool_server.engine.loaded.tokenizer._tokenizer, "chat_template",
                         tool_server.engine.loaded.tokenizer._tokenizer.chat_template + "{# [ARGS] #}")
