@@ -40,11 +40,15 @@ run=$root/dspark-run
 # INIT=target starts a new drafter from the target's last layers (docs/dspark.md, Initialisation);
 # INIT=<drafter dir> trains a saved drafter further (its architecture; a fresh AdamW and cosine
 # schedule at LR), e.g. v8 carried as .dev/v8 and copied to /root/v8: INIT=/root/v8 LR=2e-4.
+# TAPS: the tapped target layers of a new drafter (comma-separated; default 1,8,14,20,27 for the
+# default target's 30 layers; 28 is the deepest allowed, the last is refused as DeepSpec refuses
+# it: the "later taps" lever is e.g. TAPS=1,8,14,21,28 LAYERS=7 RANK=64 INIT=target).
 # GEN_TEMP / GEN_TOP_P: sampled training responses instead of greedy ones (the "sampled
 # responses" lever; the target's own distribution, as DSpark serves sampled requests too).
 # MICRO=2 splits each step's 64 sequences into two passes: the same gradient in about half the
 # activation memory (7 layers at 64 x 1,024 tokens ran out of an H100's 80 GB in v8's run).
 recipe=(--target default --layers "${LAYERS:-3}" --block-size 7 --markov-rank "${RANK:-128}"
+        ${TAPS:+--target-layer-ids "$TAPS"}
         --n-code "${N_CODE:-10000}" --n-instruct "${N_INSTRUCT:-4000}" --max-new-tokens "${MAX_NEW:-256}"
         --n-self-instruct "${N_SELF:-12000}" --code-per-file "${CODE_PER_FILE:-8}"
         --gen-temperature "${GEN_TEMP:-0}" --gen-top-p "${GEN_TOP_P:-1}"
