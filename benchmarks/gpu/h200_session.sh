@@ -20,6 +20,7 @@
 # Staging (forty-first session): PART_MB=36 ../shared/tools/stage-for-gpu.sh --pip mlx-lm==0.32.2
 #   SmolLM2-135M-Instruct.Q4_1.gguf llguidance-1.9.1-cp39-abi3-manylinux_2_31_x86_64.whl gives six
 #   parts; with the ~27 MB checkout a part must stay under ~36 MB (a call carries 64 MiB in all).
+#   benchmarks/gpu/stage_parts.sh repacks them into four (the drafter staged as a file).
 #   Nothing under .dev/ is sure to outlive a session (the forty-second found the forty-first's data and
 #   merged it: `merge`); plan each GPU session to regenerate what it trains on.
 set -euo pipefail

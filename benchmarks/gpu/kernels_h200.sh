@@ -43,6 +43,7 @@
 # Staging: ../shared/tools/stage-for-gpu.sh "$SPECSERVE_CACHE_DIR"/models/SmolLM2-135M-Instruct.Q4_1.gguf \
 #   llguidance-1.9.1-cp39-abi3-manylinux_2_31_x86_64.whl   (`pip download --no-deps llguidance==1.9.1`:
 #   the script's platform list would pick an older llguidance; wheels under files/ are installed too)
+# Fewer calls: benchmarks/gpu/stage_parts.sh repacks the parts (two for `stack`, four for all).
 # Results go to $OUT.
 set -euo pipefail
 stage=/root/s
