@@ -803,17 +803,14 @@ class Engine:
         its deadline meanwhile is left to :meth:`_end_waiting`. Like a twin's copy, the prompt
         counts as cached, and only with the prefix cache on."""
         scored, self._scored = self._scored, []
-        if self.prefix_cache is None:
-            return
         with self._lock:
             cancelled = set(self._cancelled)
         now = time.monotonic()
         keep = deque()
         for handle in self._waiting:
             req = handle.request
-            source = next((event for other, event in scored
-                           if req.max_tokens == 0 and self._same_prompt_logprobs(req, other)
-                           and other.cache_salt == req.cache_salt and other.prompt_tokens == req.prompt_tokens), None)
+            source = next((event for other, event in scored if req.max_tokens == 0 and self._serves(req, other)),
+                          None)
             if source is None or self._end_reason(handle, cancelled, now) is not None:  # (those: _end_waiting)
                 keep.append(handle)
                 continue
@@ -899,17 +896,19 @@ class Engine:
             return None
         for _, seq in self._active:
             other = seq.request
-            if (not seq.finished and seq.cache is not None and self._same_prompt_logprobs(request, other)
-                    and other.cache_salt == request.cache_salt and other.prompt_tokens == request.prompt_tokens
+            if (not seq.finished and seq.cache is not None and self._serves(request, other)
                     and PrefixCache.supports(seq.cache)):
                 return seq
         return None
 
     @staticmethod
-    def _same_prompt_logprobs(request: GenerationRequest, other: GenerationRequest) -> bool:
-        """Whether ``other``'s sequence gives ``request`` what it copies: KV rows and every
-        prompt logprob it asks for (none, or the same count). A twin that only scores its prompt
-        (``max_tokens`` 0) keeps no KV, so it serves only requests that score the same way."""
+    def _serves(request: GenerationRequest, other: GenerationRequest) -> bool:
+        """Whether ``other``'s prefill gives ``request`` what it would compute itself: the same
+        prompt tokens and ``cache_salt``, KV rows, and every prompt logprob it asks for (none, or
+        the same count). A twin that only scores its prompt (``max_tokens`` 0) keeps no KV, so
+        it serves only requests that score the same way."""
+        if other.prompt_tokens != request.prompt_tokens or other.cache_salt != request.cache_salt:
+            return False
         if other.max_tokens == 0:
             return (request.max_tokens == 0 and request.prompt_logprobs and other.prompt_logprobs
                     and other.logprobs == request.logprobs)
@@ -1053,8 +1052,8 @@ class Engine:
         if seq.finished:
             self._done(handle.request.request_id)
             seq.cache = None
-            if seq.request.max_tokens == 0 and event.prompt_logprobs is not None:  # (a scored prompt)
-                self._scored.append((seq.request, event))
+            if seq.request.max_tokens == 0 and event.prompt_logprobs is not None and self.prefix_cache is not None:
+                self._scored.append((seq.request, event))  # (a scored prompt; shared as copies are)
         handle.emit(event)
         if seq.finished:
             self.sink.request_finished(event)
