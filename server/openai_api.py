@@ -853,15 +853,13 @@ async def stream_completions(request, jobs, streams, rid, model, created, table,
             "system_fingerprint": _state(request).fingerprint}
     logs = {job.index: LegacyLogprobs(table, typed=job.typed_specials) for job in jobs}
     echoed = set()
-    failed = False
     async with contextlib.aclosing(merged(request, jobs, streams)) as events:
         async for job, event in events:
             job.events.append(event)
             if event.error is not None:
                 err = _name_grammar_field(job, event.error)
                 yield _sse(error_body(str(err), err.type, err.param, err.code))
-                failed = True  # (the stream's last event: leaving cancels the other choices)
-                break
+                break  # (the stream's last event: leaving cancels the other choices)
             text = event.text
             items = list(event.logprobs or [])
             if job.index not in echoed and job.prompt_text is not None:
@@ -874,7 +872,7 @@ async def stream_completions(request, jobs, streams, rid, model, created, table,
             lp = logs[job.index].render(items) if job.request.logprobs is not None else None
             yield _sse({**base, "choices": [{"index": job.index, "text": text, "logprobs": lp,
                                              "finish_reason": reason}], "usage": None})
-    if include_usage and not failed:
+    if include_usage and first_error(jobs) is None:
         yield _sse({**base, "choices": [], "usage": usage(jobs), "speculative_decoding": spec_summary(jobs)})
     yield _sse("[DONE]")
 
@@ -917,15 +915,13 @@ async def stream_chat(request, jobs, streams, rid, model, created, table, includ
     for job in jobs:
         yield _sse({**base, "choices": [{"index": job.index, "delta": {"role": "assistant", "content": ""},
                                          "logprobs": None, "finish_reason": None}], "usage": None})
-    failed = False
     async with contextlib.aclosing(merged(request, jobs, streams)) as events:
         async for job, event in events:
             job.events.append(event)
             if event.error is not None:
                 err = _name_grammar_field(job, event.error)
                 yield _sse(error_body(str(err), err.type, err.param, err.code))
-                failed = True  # (the stream's last event: leaving cancels the other choices)
-                break
+                break  # (the stream's last event: leaving cancels the other choices)
             reason = finish_reason(event)
             text, delta = event.text, {}
             splitter = splitters[job.index]
@@ -947,6 +943,6 @@ async def stream_chat(request, jobs, streams, rid, model, created, table, includ
                 delta = {"content": text, **delta}
             yield _sse({**base, "choices": [{"index": job.index, "delta": delta, "logprobs": lp,
                                              "finish_reason": reason}], "usage": None})
-    if include_usage and not failed:
+    if include_usage and first_error(jobs) is None:
         yield _sse({**base, "choices": [], "usage": usage(jobs), "speculative_decoding": spec_summary(jobs)})
     yield _sse("[DONE]")
