@@ -670,6 +670,54 @@ def test_init_from_a_saved_drafter_trains_it_further(tiny_target, tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_init_from_a_saved_drafter_can_add_taps(tiny_target, tmp_path):
+    """``init=<drafter dir>`` with ``target_layer_ids`` a superset of the drafter's taps (the
+    "later tap" experiment without losing a trained drafter): ``fc`` gains zero columns at the
+    new taps' places in layer order, so the block's logits equal the drafter's own; every other
+    tensor is the file's; the new columns get gradient; dropping a tap is refused."""
+    from drafters.dspark.train import widen_taps
+
+    model, tok = tiny_target
+    start = train_dspark_new_model(model, tok, DraftArch(layers=2, target_layer_ids=[0, 1], block_size=4,
+                                                         markov_rank=16, mask_token_id=0))
+    saved = save_dspark(start, tmp_path / "q4", bits=4, group_size=32)
+    narrow = load_dspark(saved, dequantize=True)
+    wide = train_dspark_new_model(model, tok, DraftArch(init=str(saved), target_layer_ids=[-1, 0, 1]))
+    assert wide.config.target_layer_ids == [-1, 0, 1] and wide.config.num_hidden_layers == 2
+    assert wide.fc.weight.shape == (64, 3 * 64)
+    assert not wide.fc.weight[:, :64].any().item()  # (the embedding output comes first in layer order)
+    assert mx.array_equal(wide.fc.weight[:, 64:], narrow.fc.weight)
+    got, ref = dict(tree_flatten(wide.parameters())), dict(tree_flatten(narrow.parameters()))
+    assert got.keys() == ref.keys()
+    assert all(mx.array_equal(got[k], ref[k]) for k in got if k != "fc.weight")
+
+    taps_wide, taps_narrow = TargetTaps(model, [-1, 0, 1]), TargetTaps(model, [0, 1])
+    examples = [(list(range(3, 40)), 10), (list(range(5, 25)), 8)]
+    batch = make_batch(examples, 4, 8, np.random.default_rng(0))
+    ids = mx.array(batch.ids)
+    (_, h_wide), (_, h_narrow) = taps_wide.forward(ids), taps_narrow.forward(ids)
+    logits_wide, conf_wide = draft_pass(wide, taps_wide.embed, taps_wide.lm_head, batch, h_wide)
+    logits_narrow, conf_narrow = draft_pass(narrow, taps_narrow.embed, taps_narrow.lm_head, batch, h_narrow)
+    assert mx.allclose(logits_wide, logits_narrow, atol=1e-5, rtol=1e-5)
+    assert mx.allclose(conf_wide, conf_narrow, atol=1e-6)
+
+    def loss_fn(m, b, h, t):
+        logits, conf = draft_pass(m, taps_wide.embed, taps_wide.lm_head, b, h)
+        return dspark_loss(logits, conf, t, mx.array(b.labels), mx.array(b.eval_mask))
+
+    _, _, grads = batch_gradients(nn.value_and_grad(wide, loss_fn), wide, taps_wide, batch, 1, 4.0)
+    assert mx.abs(grads["fc"]["weight"][:, :64]).max().item() > 0  # (the new tap can learn)
+
+    same = train_dspark_new_model(model, tok, DraftArch(init=str(saved), target_layer_ids=[0, 1]))
+    assert same.config.target_layer_ids == [0, 1] and mx.array_equal(same.fc.weight, narrow.fc.weight)
+    with pytest.raises(ValueError, match=r"leave out the drafter's taps \[0\]"):
+        train_dspark_new_model(model, tok, DraftArch(init=str(saved), target_layer_ids=[-1, 1]))
+    with pytest.raises(ValueError, match="reach layer 2"):  # (the last layer stays refused)
+        train_dspark_new_model(model, tok, DraftArch(init=str(saved), target_layer_ids=[0, 1, 2]))
+    with pytest.raises(ValueError, match="float drafter"):
+        widen_taps(load_dspark(saved), [-1, 0, 1])
+
+
 def train_dspark_new_model(target, tok, arch):
     from drafters.dspark.train import _new_model
 

@@ -32,7 +32,7 @@ import re
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -69,7 +69,8 @@ class DraftArch:
     confidence_head: bool = True
     # "random" (DeepSpec's N(0, 0.02)) or "target": the draft layers start as copies of the
     # target's last decoder layers and ``fc`` passes the deepest tap through (init_from_target);
-    # or a saved drafter's directory: train it further (its own architecture, dequantized)
+    # or a saved drafter's directory: train it further (its own architecture, dequantized;
+    # target_layer_ids, when set, may add taps to its own: widen_taps)
     init: str = "random"
 
 
@@ -685,7 +686,7 @@ class RunResult:
 
 def _new_model(target: nn.Module, tokenizer, arch: DraftArch, seed: int) -> DSparkModel:
     if arch.init not in NEW_INITS:
-        return _from_drafter(Path(arch.init), target, arch.init)
+        return _from_drafter(Path(arch.init), target, arch.init, arch.target_layer_ids)
     mask_id = arch.mask_token_id if arch.mask_token_id is not None else default_mask_token_id(tokenizer)
     cfg: DSparkConfig = draft_config_from_target(
         model_config_dict(target), num_hidden_layers=arch.layers, target_layer_ids=arch.target_layer_ids,
@@ -698,28 +699,65 @@ def _new_model(target: nn.Module, tokenizer, arch: DraftArch, seed: int) -> DSpa
     return model
 
 
-def _from_drafter(path: Path, target: nn.Module, name: str) -> DSparkModel:
+def _from_drafter(path: Path, target: nn.Module, name: str, taps: list[int] | None = None) -> DSparkModel:
     """A saved drafter (a directory in the DeepSpec layout, quantized or not) to train further
     with a fresh optimizer and schedule: its own architecture (the other :class:`DraftArch`
-    fields are ignored), its weights dequantized to float32.
+    fields are ignored), its weights dequantized to float32. ``taps``, when given and not the
+    drafter's own, must add target layers to its taps: ``fc`` gets zero columns for the new
+    ones (:func:`widen_taps`), so the drafter starts out computing exactly what it did.
 
     A drafter saved without confidence-head weights loads without the head and trains
     without it (the loader turns it off); this trainer's own saves always have it.
 
     Raises:
         ValueError: ``path`` holds no drafter, or one made for another target (vocabulary,
-            hidden size, layer count), or whose taps or mask token this target lacks.
+            hidden size, layer count), or whose taps or mask token this target lacks, or
+            ``taps`` drops one of its taps.
     """
     check_init(name)
     model = load_dspark(path, dtype="float32", dequantize=True)
+    if taps is not None and list(taps) != model.config.target_layer_ids:
+        model = widen_taps(model, taps)
     want, cfg = model_config_dict(target), model.config
     why = cfg.target_mismatch(want["vocab_size"], want["hidden_size"], len(target.model.layers))
     if why:
         raise ValueError(f"init={name!r}: {why}")
-    log.info("starting from the drafter in %s (%d layers, Markov rank %d)", path, cfg.num_hidden_layers,
-             cfg.markov_rank)
+    log.info("starting from the drafter in %s (%d layers, Markov rank %d, taps %s)", path, cfg.num_hidden_layers,
+             cfg.markov_rank, cfg.target_layer_ids)
     model.train()
     return model
+
+
+def widen_taps(model: DSparkModel, taps: list[int]) -> DSparkModel:
+    """A copy of a float drafter that reads the target layers ``taps``, a strictly increasing
+    superset of its own. ``fc.weight`` ``[d, m*d]`` becomes ``[d, m'*d]``: each old tap's
+    ``d`` columns move to that tap's place in ``taps`` (tapped states are concatenated in
+    layer order) and a new tap's columns are zero, so the copy's context projection, and with
+    it every draft, equals the original's until training moves the new columns. Every other
+    tensor is shared unchanged. (Function-preserving widening, as Net2Net, arXiv:1511.05641,
+    grows a trained network.)
+
+    Raises:
+        ValueError: ``model`` is quantized, or ``taps`` leaves out one of its taps or is not
+            a valid tap list for its target.
+    """
+    cfg = model.config
+    if cfg.quantization:
+        raise ValueError("widen_taps needs a float drafter (load it with dequantize=True)")
+    old = list(cfg.target_layer_ids)
+    missing = sorted(set(old) - set(taps))
+    if missing:
+        raise ValueError(f"taps {list(taps)} leave out the drafter's taps {missing}: only new taps can be added")
+    wide = DSparkModel(replace(cfg, target_layer_ids=list(taps), extra=dict(cfg.extra)))
+    d = cfg.hidden_size
+    weight = model.fc.weight
+    blocks = [weight[:, old.index(t) * d:(old.index(t) + 1) * d] if t in old else mx.zeros((d, d), dtype=weight.dtype)
+              for t in wide.config.target_layer_ids]
+    params = dict(tree_flatten(model.parameters()))
+    params["fc.weight"] = mx.concatenate(blocks, axis=1)
+    wide.load_weights(list(params.items()), strict=True)
+    mx.eval(wide.parameters())
+    return wide
 
 
 def check_init(init: str) -> None:
@@ -956,7 +994,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("drafter")
     g.add_argument("--layers", type=int, default=a.layers)
     g.add_argument("--num-taps", type=int, default=a.num_taps)
-    g.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None)
+    g.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                   help="tapped target layers, comma-separated; with --init DIR, the saved drafter's taps "
+                        "plus new ones (they start with zero weight)")
     g.add_argument("--block-size", type=int, default=a.block_size)
     g.add_argument("--markov-rank", type=int, default=a.markov_rank)
     g.add_argument("--mask-token-id", type=int, default=None)
