@@ -769,6 +769,23 @@ def test_micro_batches_flag():
             build_parser().parse_args(["--out", "x", "--micro-batches", bad])
 
 
+def test_cli_passes_the_loss_weights_and_taps(tiny_target, tmp_path, monkeypatch):
+    """``--ce-weight`` / ``--l1-weight`` reach the loss (TrainConfig) and ``--target-layer-ids``
+    the architecture; without them the recipe's 0.1 / 0.9."""
+    import drafters.dspark.train as train_mod
+
+    seen = []
+    monkeypatch.setattr(train_mod, "train_dspark", lambda *a, **kw: seen.append(kw) or train_mod.RunResult(str(tmp_path), True, 0))
+    loader = lambda spec, weights: tiny_target  # noqa: E731
+    argv = ["--out", str(tmp_path), "--no-progress"]
+    assert train_mod.main(argv + ["--ce-weight", "0.5", "--l1-weight", "0.25", "--target-layer-ids=-1,1"],
+                          load_target=loader) == 0
+    assert (seen[0]["train"].ce_weight, seen[0]["train"].l1_weight) == (0.5, 0.25)
+    assert seen[0]["arch"].target_layer_ids == [-1, 1]
+    assert train_mod.main(argv, load_target=loader) == 0
+    assert (seen[1]["train"].ce_weight, seen[1]["train"].l1_weight) == (0.1, 0.9)
+
+
 def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target):
     model, tok = tiny_target
     records = instruction_prompts(16, seed=0)

@@ -1029,6 +1029,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "1/N of the activation memory; may change when a run resumes)")
     for name in ("lr", "warmup_ratio", "weight_decay", "grad_clip"):
         g.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(t, name))
+    g.add_argument("--ce-weight", type=float, default=t.ce_weight,
+                   help="weight of the cross-entropy on the data tokens (the target's greedy answers)")
+    g.add_argument("--l1-weight", type=float, default=t.l1_weight,
+                   help="weight of L1(softmax draft, softmax target)")
     g = p.add_argument_group("evaluation and export")
     g.add_argument("--eval-per-source", type=int, default=20)
     g.add_argument("--eval-max-new-tokens", type=int, default=128)
@@ -1066,7 +1070,7 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
                       target_weights=args.target_weights)
     train = TrainConfig(**{k: getattr(args, k) for k in (
         "steps", "batch_size", "micro_batches", "num_anchors", "max_seq_len", "save_every", "seed", "lr",
-        "warmup_ratio", "weight_decay", "grad_clip")})
+        "warmup_ratio", "weight_decay", "grad_clip", "ce_weight", "l1_weight")})
     result = train_dspark(model, tokenizer, args.out, arch=arch, data=data, train=train,
                           eval_per_source=args.eval_per_source, eval_max_new_tokens=args.eval_max_new_tokens,
                           export_bits=args.export_bits or None, time_budget_s=args.time_budget,
