@@ -177,9 +177,11 @@ def test_row_count_is_a_compile_time_constant_for_one_row_launches():
     plans = {m: plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda") for m in (1, 2, 8, 9, 16)}
     assert {m: p.const("MR") for m, p in plans.items()} == {1: 1, 2: 0, 8: 0, 9: 0, 16: 0}
     assert len({p.k_split for p in plans.values()}) == 1
-    assert all(p.const("FU") == int(qmv.UNROLL) and p.const("LP") == 0 for p in plans.values())
-    # (one row's default launch shuffles its activations on this shape: _one_row_launch)
+    assert all(p.const("LP") == 0 for p in plans.values())
+    # (one row's default launch shuffles its activations and unrolls its loop on this shape:
+    # _one_row_launch)
     assert {m: p.const("XS") for m, p in plans.items()} == {1: 1, 2: 0, 8: 0, 9: 0, 16: 0}
+    assert {m: p.const("FU") for m, p in plans.items()} == {1: 1, **{m: int(qmv.UNROLL) for m in (2, 8, 9, 16)}}
     try:
         qmv.set_mma_config(4096, 4096, 4, path={8: {"fixed_rows": True, "unroll": True},
                                                 16: {"fixed_rows": False, "const_shape": False,
@@ -210,19 +212,19 @@ def test_one_row_launch_forms_follow_the_shape():
     widths and benchmark overrides keep theirs."""
     def form(m, n, k, bits=4):
         p = plan(m, n, k, bits, 64, mx.bfloat16, "cuda")
-        return (p.const("U"), p.const("XS"), p.const("XL"), p.const("LP"), p.min_blocks, p.const("NT"))
+        return (p.const("U"), p.const("XS"), p.const("XL"), p.const("LP"), p.min_blocks, p.const("NT"), p.const("FU"))
 
-    assert form(1, 4096, 4096) == (1, 1, 0, 0, 0, 1)
-    assert form(1, 4096, 14336) == (2, 0, 1, 0, 2, 1)
-    assert form(1, 14336, 4096) == (2, 1, 0, 256, 2, 1)
-    plain = (1, 0, 0, 0, 0, 1)
+    assert form(1, 4096, 4096) == (1, 1, 0, 0, 0, 1, 1)
+    assert form(1, 4096, 14336) == (2, 0, 1, 0, 2, 1, 0)
+    assert form(1, 14336, 4096) == (2, 1, 0, 256, 2, 1, 0)
+    plain = (1, 0, 0, 0, 0, 1, 0)
     assert form(1, 6144, 4096) == form(1, 2048, 2048) == form(1, 4096, 576) == plain
     assert form(1, 4096, 4096, 8) == plain
     assert form(1, 28672, 4096)[:5] == (1, 0, 0, 0, 0)  # wider than 16384: two tiles, as before
     assert form(2, 4096, 4096) == plain
     assert form(8, 14336, 4096)[:5] == plain[:5]  # (NT 2 from N = 8192 at 2..16 rows)
     assert form(1, 2048, 4096) == form(1, 6144, 14336) == form(1, 8192, 14336) == plain  # (untimed)
-    assert form(1, 8192, 4096) == form(1, 16384, 4096) == (2, 1, 0, 256, 2, 1)
+    assert form(1, 8192, 4096) == form(1, 16384, 4096) == (2, 1, 0, 256, 2, 1, 0)
     generation = qmv.config_generation()
     try:  # a benchmark's override replaces the form, and the switch turns the forms off
         qmv.set_mma_config(4096, 4096, 4, nt_u={8: (1, 1)})
@@ -233,7 +235,7 @@ def test_one_row_launch_forms_follow_the_shape():
     finally:
         qmv.set_one_row_forms(True)
         qmv.clear_mma_config()
-    assert form(1, 14336, 4096) == (2, 1, 0, 256, 2, 1)
+    assert form(1, 14336, 4096) == (2, 1, 0, 256, 2, 1, 0)
 
 
 def test_run_plan_refuses_a_fixed_row_count_with_other_rows():
@@ -693,8 +695,8 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
     read from x (NaN-filled outputs catch unwritten elements). Each case runs the default
     launch, three of the next five combinations in rotation over the ten cases (each in six of
     them; on the H200 a case took ~78 s, mostly NVRTC compiles, when it ran every combination)
-    and the shuffled activations at one row, with U = 2 under launch bounds and with U = 1
-    (every case: VW 1/2/4, 4 and 8 bits, both dtypes)."""
+    and the shuffled activations at one row, with U = 2 under launch bounds, with U = 1, and
+    with U = 1 and the loop unrolled (every case: VW 1/2/4, 4 and 8 bits, both dtypes)."""
     dt = DTYPES[dtype]
     # ("exact": the plan keeps NT and U as given instead of fitting them to its register rule)
     # (NT, U) per row bucket (8, 16): (2, 2) without XL takes 128 registers at 16 rows, which
@@ -710,7 +712,9 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
               # every case (all VW, bits, groups and dtypes), one row only; two chunks in flight
               # under launch bounds, and one chunk without them
               ({"const_shape": True, "x_shuffle": True, "min_blocks": 2, "exact": True}, (1, 2), (1, 1)),
-              ({"const_shape": True, "x_shuffle": True}, (1, 1), (1, 1))]
+              ({"const_shape": True, "x_shuffle": True}, (1, 1), (1, 1)),
+              # and unrolled (the one-row default on 4096x4096 since the forty-fourth session)
+              ({"const_shape": True, "x_shuffle": True, "unroll": True}, (1, 1), (1, 1))]
     case = 2 * CONST_SHAPE_CASES.index((bits, gs)) + (dtype == "bfloat16")
     combos = [combos[0]] + [combos[1 + (case + i) % 5] for i in (0, 1, 2)] + combos[6:]
     rows = (1, 3, 8, 9, 16)  # both row buckets, full and partial
@@ -790,14 +794,15 @@ def test_eight_row_forms_at_8b_width_keep_every_row_exact(n, k, form):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="the one-row launch forms are the CUDA mma kernel's")
-@pytest.mark.parametrize("n,k,form", [(14336, 4096, (1, 2, 1, 256, 2)), (4096, 4096, (1, 1, 1, 0, 0)),
-                                      (4096, 14336, (1, 2, 0, 0, 2))])
+@pytest.mark.parametrize("n,k,form", [(14336, 4096, (1, 2, 1, 256, 2, 0)), (4096, 4096, (1, 1, 1, 0, 0, 1)),
+                                      (4096, 14336, (1, 2, 0, 0, 2, 0))])
 def test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width(n, k, form):
     """The 8B stack's shapes, where one-row launches take their own form (_one_row_launch:
-    one tile per warp, shuffled activations, two chunks in flight under launch bounds): row i
-    of every wider call equals the one-row call on x[i] bit for bit, groups 64 and 32."""
+    one tile per warp, shuffled activations, the loop unrolled, two chunks in flight under launch
+    bounds): row i of every wider call equals the one-row call on x[i] bit for bit, groups 64
+    and 32."""
     p = plan(1, n, k, 4, 64, mx.bfloat16)
-    assert (p.const("NT"), p.const("U"), p.const("XS"), p.const("LP"), p.min_blocks) == form
+    assert (p.const("NT"), p.const("U"), p.const("XS"), p.const("LP"), p.min_blocks, p.const("FU")) == form
     for dt, gs in ((mx.float16, 64), (mx.bfloat16, 64), (mx.bfloat16, 32)):
         wq, s, b = _quantized(n, k, gs, 4, dt, seed=11 + n + k)
         x = mx.random.normal((16, k)).astype(dt)
