@@ -708,6 +708,15 @@ def test_init_from_a_saved_drafter_can_add_taps(tiny_target, tmp_path):
     _, _, grads = batch_gradients(nn.value_and_grad(wide, loss_fn), wide, taps_wide, batch, 1, 4.0)
     assert mx.abs(grads["fc"]["weight"][:, :64]).max().item() > 0  # (the new tap can learn)
 
+    # a tap between two of the drafter's own: its zero block lands in the middle
+    outer = save_dspark(train_dspark_new_model(model, tok, DraftArch(layers=1, target_layer_ids=[-1, 1], block_size=4,
+                                                                     markov_rank=16, mask_token_id=0)),
+                        tmp_path / "outer", bits=4, group_size=32)
+    w_outer = load_dspark(outer, dequantize=True).fc.weight
+    middle = train_dspark_new_model(model, tok, DraftArch(init=str(outer), target_layer_ids=[-1, 0, 1])).fc.weight
+    assert mx.array_equal(middle[:, :64], w_outer[:, :64]) and mx.array_equal(middle[:, 128:], w_outer[:, 64:])
+    assert not middle[:, 64:128].any().item()
+
     same = train_dspark_new_model(model, tok, DraftArch(init=str(saved), target_layer_ids=[0, 1]))
     assert same.config.target_layer_ids == [0, 1] and mx.array_equal(same.fc.weight, narrow.fc.weight)
     with pytest.raises(ValueError, match=r"leave out the drafter's taps \[0\]"):

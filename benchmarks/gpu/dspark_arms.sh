@@ -7,41 +7,62 @@
 # VAR=value words, e.g.
 #   ARMS='ctl;taps TAPS=1,8,14,20,24,27,28;ce CE=0.5 L1=0.5'
 #   dspark_arms.sh gen                   # seed every arm's run directory from the staged
-#                                        # files/examples.jsonl.gz + prompts.jsonl.gz (no generation)
+#                                        # files/examples.jsonl.gz + prompts.jsonl.gz (required:
+#                                        # this generates nothing)
 #   dspark_arms.sh train STEPS BUDGET_S  # all arms at once, resumable; then every arm's exported
 #                                        # drafter, log and run config in $OUT/arms.tar.part_*
 #                                        # (cat them | tar x: arms/<name>/...)
-# A call returns at most 8 files of at most ~16 MiB: the arms travel as one split tar.
+# A call returns at most 8 files of at most ~16 MiB: the arms travel as one tar in 15 MiB parts,
+# enough for about six arms with their 19 MB drafters; more parts than 8 is an error.
 # Memory: arms share the card; MICRO=8 keeps a 7-layer arm's 64 x 1,024-token step small.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-IFS=';' read -ra arms <<< "${ARMS:?ARMS: name VAR=value ...; ...}"
+usage() { echo "usage: ARMS='name VAR=value ...; ...' $0 gen | train STEPS BUDGET_S" >&2; exit 2; }
+phase=${1:-}
+case "$phase" in
+  gen) ;;
+  train) [ $# -eq 3 ] || usage ;;
+  *) usage ;;
+esac
+if [ "$phase" = gen ] && [ ! -f /root/s/files/examples.jsonl.gz ]; then
+  echo "no staged data (/root/s/files/examples.jsonl.gz): dspark_arms.sh trains on staged data only" >&2; exit 1
+fi
+IFS=';' read -ra specs <<< "${ARMS:?ARMS: name VAR=value ...; ...}"
+names=(); settings=()
+for spec in "${specs[@]}"; do
+  read -ra words <<< "$spec"
+  [ ${#words[@]} -gt 0 ] || continue  # (an empty arm: a trailing ';')
+  names+=("${words[0]}"); settings+=("${words[*]:1}")
+done
+[ ${#names[@]} -gt 0 ] || usage
 pids=()
-for arm in "${arms[@]}"; do
-  read -ra words <<< "$arm"
-  name=${words[0]}
+for i in "${!names[@]}"; do
+  name=${names[$i]}; read -ra env_words <<< "${settings[$i]}"
   mkdir -p "/root/arms/$name"
-  case "$1" in
-    gen) env "${words[@]:1}" ROOT="/root/arm_$name" OUT="/root/arms/$name" \
-           bash "$here/h200_session.sh" gen 60 > "/root/arms/$name.gen.log" 2>&1
-         rm -f "/root/arms/$name"/*.jsonl.gz  # (the staged data again)
-         tail -2 "/root/arms/$name.gen.log" ;;
-    train) env "${words[@]:1}" ROOT="/root/arm_$name" OUT="/root/arms/$name" \
-             bash "$here/h200_session.sh" train "$2" "$3" > "/root/arms/$name.train.log" 2>&1 &
-           pids+=($!) ;;
-    *) echo "usage: $0 gen|train STEPS BUDGET_S" >&2; exit 2 ;;
-  esac
+  if [ "$phase" = gen ]; then
+    log=/root/arms/$name/gen.log
+    env ${env_words[@]+"${env_words[@]}"} ROOT="/root/arm_$name" OUT="/root/arms/$name" \
+      bash "$here/h200_session.sh" gen 60 > "$log" 2>&1 || { tail -20 "$log"; exit 1; }
+    grep -q "seeded .* from staged data" "$log" || { echo "$name: not seeded from the staged data"; tail -20 "$log"; exit 1; }
+    rm -f "/root/arms/$name"/*.jsonl.gz  # (the staged data again)
+    echo "$name: $(tail -1 "$log")"
+  else
+    env ${env_words[@]+"${env_words[@]}"} ROOT="/root/arm_$name" OUT="/root/arms/$name" \
+      bash "$here/h200_session.sh" train "$2" "$3" > "/root/arms/$name/train.log" 2>&1 &
+    pids+=($!)
+  fi
 done
-[ "$1" = train ] || exit 0
+[ "$phase" = train ] || exit 0
 for p in "${pids[@]}"; do wait "$p" || true; done
-for arm in "${arms[@]}"; do
-  read -ra words <<< "$arm"
-  name=${words[0]}
-  echo "$name: $(grep -c '"step"' "/root/arm_$name/dspark-run/train_log.jsonl" 2>/dev/null || echo 0) log rows," \
-       "last $(tail -1 "/root/arm_$name/dspark-run/train_log.jsonl" 2>/dev/null | cut -c1-160)"
-  grep -iE "error|Traceback|out of memory" "/root/arms/$name.train.log" | tail -3 || true
-  cp "/root/arms/$name.train.log" "/root/arms/$name/" 2>/dev/null || true
+for name in "${names[@]}"; do
+  log=/root/arm_$name/dspark-run/train_log.jsonl
+  rows=0; [ -f "$log" ] && rows=$(grep -c '"step"' "$log" || true)
+  echo "$name: $rows log rows; last: $([ -f "$log" ] && tail -1 "$log" | cut -c1-160)"
+  grep -iE "error|Traceback|out of memory" "/root/arms/$name/train.log" | tail -3 || true
 done
+rm -f "$out"/arms.tar.part_*
 (cd /root && tar cf - arms) | split -b 15M - "$out/arms.tar.part_"
+parts=$(ls "$out"/arms.tar.part_* | wc -l)
 ls -la "$out"
+if [ "$parts" -gt 8 ]; then echo "$parts tar parts: a call returns 8 files; fewer arms per run" >&2; exit 1; fi

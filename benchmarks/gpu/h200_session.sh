@@ -43,7 +43,9 @@ run=$root/dspark-run
 # schedule at LR), e.g. v8 carried as .dev/v8 and copied to /root/v8: INIT=/root/v8 LR=2e-4.
 # TAPS: the tapped target layers of a new drafter (comma-separated; default 1,8,14,20,27 for the
 # default target's 30 layers; 28 is the deepest allowed, the last is refused as DeepSpec refuses
-# it: the "later taps" lever is e.g. TAPS=1,8,14,21,28 LAYERS=7 RANK=64 INIT=target).
+# it: the "later taps" lever is e.g. TAPS=1,8,14,21,28 LAYERS=7 RANK=64 INIT=target); with
+# INIT=<drafter dir>, the saved drafter's taps plus new ones, which start at zero weight
+# (widen_taps), e.g. TAPS=1,8,14,20,24,27,28 INIT=/root/v11.
 # GEN_TEMP / GEN_TOP_P: sampled training responses instead of greedy ones (the "sampled
 # responses" lever; the target's own distribution, as DSpark serves sampled requests too).
 # CE / L1: the loss weights of the cross-entropy on the data tokens and of L1(draft, target)

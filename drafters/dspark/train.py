@@ -704,7 +704,7 @@ def _from_drafter(path: Path, target: nn.Module, name: str, taps: list[int] | No
     with a fresh optimizer and schedule: its own architecture (the other :class:`DraftArch`
     fields are ignored), its weights dequantized to float32. ``taps``, when given and not the
     drafter's own, must add target layers to its taps: ``fc`` gets zero columns for the new
-    ones (:func:`widen_taps`), so the drafter starts out computing exactly what it did.
+    ones (:func:`widen_taps`), so the drafter starts out computing what it did.
 
     A drafter saved without confidence-head weights loads without the head and trains
     without it (the loader turns it off); this trainer's own saves always have it.
@@ -733,7 +733,8 @@ def widen_taps(model: DSparkModel, taps: list[int]) -> DSparkModel:
     superset of its own. ``fc.weight`` ``[d, m*d]`` becomes ``[d, m'*d]``: each old tap's
     ``d`` columns move to that tap's place in ``taps`` (tapped states are concatenated in
     layer order) and a new tap's columns are zero, so the copy's context projection, and with
-    it every draft, equals the original's until training moves the new columns. Every other
+    it every draft, equals the original's (up to float32 rounding: the sums run over more
+    columns) until training moves the new columns. Every other
     tensor is shared unchanged. (Function-preserving widening, as Net2Net, arXiv:1511.05641,
     grows a trained network.)
 
