@@ -734,9 +734,8 @@ def widen_taps(model: DSparkModel, taps: list[int]) -> DSparkModel:
     ``d`` columns move to that tap's place in ``taps`` (tapped states are concatenated in
     layer order) and a new tap's columns are zero, so the copy's context projection, and with
     it every draft, equals the original's (up to float32 rounding: the sums run over more
-    columns) until training moves the new columns. Every other
-    tensor is shared unchanged. (Function-preserving widening, as Net2Net, arXiv:1511.05641,
-    grows a trained network.)
+    columns) until training moves the new columns. Every other tensor is shared unchanged.
+    (Function-preserving widening, as Net2Net, arXiv:1511.05641, grows a trained network.)
 
     Raises:
         ValueError: ``model`` is quantized, or ``taps`` leaves out one of its taps or is not
