@@ -815,6 +815,41 @@ def test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width(n, k, form):
                     assert mx.array_equal(y[i:i + 1], one).item(), (dt, gs, m, i)
 
 
+CANDIDATE_ONE_ROW = {"const_shape": True, "x_shuffle": True, "unroll": True}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(backend() != "cuda", reason="the one-row launch forms are the CUDA mma kernel's")
+def test_candidate_one_row_form_equals_rows_of_wider_default_calls():
+    """The shuffled + unrolled one-row launch on 4096x4096 (2.04-2.06x MLX on the H200 in the
+    forty-fourth session, against the default's 1.96-2.00x; docs/kernels.md "Next steps" 7),
+    before it becomes the default: row i of 2-, 8- and 16-row calls with the default plans
+    (computed first) equals the candidate's one-row call on x[i] bit for bit, groups 64 and 32,
+    and the candidate is close to the float64 reference. When this and the shuffled + unrolled
+    case of test_const_shape_paths_give_the_runtime_loops_bits pass on a GPU, _one_row_launch
+    can return the candidate for N = 4096, 4096 <= K < 8192."""
+    n = k = 4096
+    for dt, gs in ((mx.float16, 64), (mx.bfloat16, 64), (mx.bfloat16, 32)):
+        wq, s, b = _quantized(n, k, gs, 4, dt, seed=23 + gs)
+        x = mx.random.normal((16, k)).astype(dt)
+        wide = {m: quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=4) for m in (2, 8, 16)}
+        mx.eval(wide)
+        ref = _reference(x, wq, s, b, gs, 4)
+        try:
+            qmv.set_mma_config(n, k, 4, nt_u={8: (1, 1)}, path={8: CANDIDATE_ONE_ROW})
+            p = plan(1, n, k, 4, gs, dt)
+            assert (p.const("XS"), p.const("FU"), p.const("MR"), p.const("U"), p.const("NT")) == (1, 1, 1, 1, 1)
+            for i in (0, 1, 7, 15):
+                one = qmv.run_plan(p, x[i:i + 1], wq, s, b, init_value=float("nan"))
+                err = np.abs(np.array(one.astype(mx.float32), dtype=np.float64) - ref[i:i + 1]).max()
+                assert err < TOL[dt] * np.abs(ref).max(), (dt, gs, i, err)  # (NaN: an unwritten output)
+                for m, y in wide.items():
+                    if i < m:
+                        assert mx.array_equal(y[i:i + 1], one).item(), (dt, gs, m, i)
+        finally:
+            qmv.clear_mma_config()
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="the sibling (multi-output) variant is the CUDA mma kernel's")
