@@ -228,7 +228,7 @@ def _one_row_launch(n: int, k: int) -> tuple[int, dict]:
       compile-time-shape loop unrolled as well (``unroll``) it took 6.43-6.50 against 6.62-6.72
       us in four sweeps of 31-51 launches (forty-fourth session), 2.04-2.06x MLX's 13.2-13.3
       us; that form becomes the default once its bits are checked on a GPU
-      (``test_candidate_one_row_form_equals_rows_of_wider_default_calls``; docs/kernels.md,
+      (the ``candidate`` case of ``test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width``; docs/kernels.md,
       "Next steps" 7);
     - N = 4096, K >= 8192 (timed: 4096x14336): 13.82 against 15.07 with two chunks in flight
       under launch bounds and the activations loaded just before their products;

@@ -791,54 +791,36 @@ def test_eight_row_forms_at_8b_width_keep_every_row_exact(n, k, form):
                 assert mx.array_equal(y[i:i + 1], ones[i]).item(), (dt, m, i)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(backend() != "cuda", reason="the one-row launch forms are the CUDA mma kernel's")
-@pytest.mark.parametrize("n,k,form", [(14336, 4096, (1, 2, 1, 256, 2, 0)), (4096, 4096, (1, 1, 1, 0, 0, 0)),
-                                      (4096, 14336, (1, 2, 0, 0, 2, 0))])
-def test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width(n, k, form):
-    """The 8B stack's shapes, where one-row launches take their own form (_one_row_launch:
-    one tile per warp, shuffled activations, two chunks in flight under launch bounds): row i of
-    every wider call equals the one-row call on x[i] bit for bit, groups 64 and 32."""
-    p = plan(1, n, k, 4, 64, mx.bfloat16)
-    assert (p.const("NT"), p.const("U"), p.const("XS"), p.const("LP"), p.min_blocks, p.const("FU")) == form
-    for dt, gs in ((mx.float16, 64), (mx.bfloat16, 64), (mx.bfloat16, 32)):
-        wq, s, b = _quantized(n, k, gs, 4, dt, seed=11 + n + k)
-        x = mx.random.normal((16, k)).astype(dt)
-        wide = {m: quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=4) for m in (2, 8, 16)}
-        ref = _reference(x, wq, s, b, gs, 4)
-        for i in (0, 1, 7, 15):
-            one = qmv.run_plan(plan(1, n, k, 4, gs, dt), x[i:i + 1], wq, s, b, init_value=float("nan"))
-            err = np.abs(np.array(one.astype(mx.float32), dtype=np.float64) - ref[i:i + 1]).max()
-            assert err < TOL[dt] * np.abs(ref).max(), (dt, gs, i, err)  # (NaN: an unwritten output)
-            for m, y in wide.items():
-                if i < m:
-                    assert mx.array_equal(y[i:i + 1], one).item(), (dt, gs, m, i)
-
-
+# The shuffled + unrolled one-row launch on 4096x4096: 2.04-2.06x MLX on the H200 in the
+# forty-fourth session, against the default's 1.96-2.00x (docs/kernels.md "Next steps" 7). It
+# becomes _one_row_launch's form for N = 4096, 4096 <= K < 8192 once its case below and the
+# shuffled + unrolled case of test_const_shape_paths_give_the_runtime_loops_bits pass on a GPU.
 CANDIDATE_ONE_ROW = {"const_shape": True, "x_shuffle": True, "unroll": True}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="the one-row launch forms are the CUDA mma kernel's")
-def test_candidate_one_row_form_equals_rows_of_wider_default_calls():
-    """The shuffled + unrolled one-row launch on 4096x4096 (2.04-2.06x MLX on the H200 in the
-    forty-fourth session, against the default's 1.96-2.00x; docs/kernels.md "Next steps" 7),
-    before it becomes the default: row i of 2-, 8- and 16-row calls with the default plans
-    (computed first) equals the candidate's one-row call on x[i] bit for bit, groups 64 and 32,
-    and the candidate is close to the float64 reference. When this and the shuffled + unrolled
-    case of test_const_shape_paths_give_the_runtime_loops_bits pass on a GPU, _one_row_launch
-    can return the candidate for N = 4096, 4096 <= K < 8192."""
-    n = k = 4096
+@pytest.mark.parametrize("n,k,form,override", [
+    (14336, 4096, (1, 2, 1, 256, 2, 0), None), (4096, 4096, (1, 1, 1, 0, 0, 0), None),
+    (4096, 14336, (1, 2, 0, 0, 2, 0), None),
+    pytest.param(4096, 4096, (1, 1, 1, 0, 0, 1), CANDIDATE_ONE_ROW, id="candidate")])
+def test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width(n, k, form, override):
+    """The 8B stack's shapes, where one-row launches take their own form (_one_row_launch:
+    one tile per warp, shuffled activations, two chunks in flight under launch bounds): row i of
+    every wider call equals the one-row call on x[i] bit for bit, groups 64 and 32. ``override``:
+    a candidate one-row form, set as a benchmark sets one after the wider calls ran with their
+    default plans."""
     for dt, gs in ((mx.float16, 64), (mx.bfloat16, 64), (mx.bfloat16, 32)):
-        wq, s, b = _quantized(n, k, gs, 4, dt, seed=23 + gs)
+        wq, s, b = _quantized(n, k, gs, 4, dt, seed=11 + n + k)
         x = mx.random.normal((16, k)).astype(dt)
         wide = {m: quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=4) for m in (2, 8, 16)}
         mx.eval(wide)
         ref = _reference(x, wq, s, b, gs, 4)
         try:
-            qmv.set_mma_config(n, k, 4, nt_u={8: (1, 1)}, path={8: CANDIDATE_ONE_ROW})
+            if override is not None:
+                qmv.set_mma_config(n, k, 4, nt_u={8: (1, 1)}, path={8: override})
             p = plan(1, n, k, 4, gs, dt)
-            assert (p.const("XS"), p.const("FU"), p.const("MR"), p.const("U"), p.const("NT")) == (1, 1, 1, 1, 1)
+            assert (p.const("NT"), p.const("U"), p.const("XS"), p.const("LP"), p.min_blocks, p.const("FU")) == form
             for i in (0, 1, 7, 15):
                 one = qmv.run_plan(p, x[i:i + 1], wq, s, b, init_value=float("nan"))
                 err = np.abs(np.array(one.astype(mx.float32), dtype=np.float64) - ref[i:i + 1]).max()
@@ -847,7 +829,8 @@ def test_candidate_one_row_form_equals_rows_of_wider_default_calls():
                     if i < m:
                         assert mx.array_equal(y[i:i + 1], one).item(), (dt, gs, m, i)
         finally:
-            qmv.clear_mma_config()
+            if override is not None:
+                qmv.clear_mma_config()
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
