@@ -785,11 +785,8 @@ class Engine:
                 self._active.append((handle, seq))
             except Exception as exc:
                 log.exception("could not start request %s", handle.request.request_id)
-                self._done(handle.request.request_id)
-                event = TokenEvent(handle.request.request_id, [], "", finish_reason=FinishReason.ERROR,
-                                   error=_as_engine_error(exc))
-                handle.emit(event)
-                self.sink.request_finished(event)
+                self._end(handle, TokenEvent(handle.request.request_id, [], "", finish_reason=FinishReason.ERROR,
+                                             error=_as_engine_error(exc)))
         self._waiting.extendleft(reversed(deferred))
 
     def _answer_scored(self) -> None:
@@ -816,12 +813,9 @@ class Engine:
                 continue
             with self._lock:
                 self._queued -= 1
-            self._done(req.request_id)
-            event = TokenEvent(req.request_id, [], "", finish_reason=source.finish_reason,
-                               prompt_tokens=source.prompt_tokens, cached_tokens=source.prompt_tokens - 1,
-                               prompt_logprobs=list(source.prompt_logprobs), stats=SpecStats())
-            handle.emit(event)
-            self.sink.request_finished(event)
+            self._end(handle, TokenEvent(req.request_id, [], "", finish_reason=source.finish_reason,
+                                         prompt_tokens=source.prompt_tokens, cached_tokens=source.prompt_tokens - 1,
+                                         prompt_logprobs=list(source.prompt_logprobs), stats=SpecStats()))
         self._waiting = keep
 
     def _awaits_prefill(self, handle: _Handle) -> bool:
@@ -976,12 +970,9 @@ class Engine:
             log.exception("request %s failed", rid)
             seq.finish_reason = FinishReason.ERROR
             seq.cache = None
-            self._done(rid)
-            event = TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR, error=_as_engine_error(exc),
-                               prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
-                               cached_tokens=seq.cached_tokens)
-            handle.emit(event)
-            self.sink.request_finished(event)
+            self._end(handle, TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR, error=_as_engine_error(exc),
+                                         prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
+                                         cached_tokens=seq.cached_tokens))
 
     def _step(self, handle: _Handle, seq: Sequence) -> None:
         """Advance one sequence by a prefill step (a chunk or a slice of one) or one speculative
@@ -1076,14 +1067,17 @@ class Engine:
             if end is None:
                 keep.append(handle)
                 continue
-            rid = handle.request.request_id
             with self._lock:
                 self._queued -= 1
-            self._done(rid)
-            event = TokenEvent(rid, [], "", finish_reason=end[0], error=end[1])
-            handle.emit(event)
-            self.sink.request_finished(event)
+            self._end(handle, TokenEvent(handle.request.request_id, [], "", finish_reason=end[0], error=end[1]))
         self._waiting = keep
+
+    def _end(self, handle: _Handle, event: TokenEvent) -> None:
+        """End a request that has no more steps with its last event: it leaves the live set, its
+        client gets the event and the stats sink counts the request."""
+        self._done(handle.request.request_id)
+        handle.emit(event)
+        self.sink.request_finished(event)
 
     def _done(self, request_id: str) -> None:
         with self._lock:
@@ -1095,12 +1089,10 @@ class Engine:
                 error: EngineError | None = None) -> None:
         seq.finish_reason = reason
         cache, seq.cache = seq.cache, None
-        self._done(handle.request.request_id)
-        event = TokenEvent(handle.request.request_id, [], "", finish_reason=reason,
-                           prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
-                           cached_tokens=seq.cached_tokens, stats=seq.stats, elapsed=time.perf_counter() - seq.submitted_at, error=error)
-        handle.emit(event)
-        self.sink.request_finished(event)
+        self._end(handle, TokenEvent(handle.request.request_id, [], "", finish_reason=reason,
+                                     prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
+                                     cached_tokens=seq.cached_tokens, stats=seq.stats,
+                                     elapsed=time.perf_counter() - seq.submitted_at, error=error))
         # Ended mid-prefill: its whole chunks so far (after the event, which the copy would
         # delay), unless the server is shutting down (no request would read them).
         if not seq.prefilled and not self._stopping and not isinstance(error, EngineUnavailable):
