@@ -223,13 +223,12 @@ def _one_row_launch(n: int, k: int) -> tuple[int, dict]:
 
     Nsight Compute on the H200, bf16 activations, groups of 64, medians of 5 launches
     (twenty-seventh session, docs/benchmarks.md; against the plain compile-time-shape launch):
-    - N = 4096, 4096 <= K < 8192 (timed: 4096x4096): 6.62 against 6.82 us with one row's
-      activations shuffled between lanes (``x_shuffle``), one chunk in flight. With the
-      compile-time-shape loop unrolled as well (``unroll``) it took 6.43-6.50 against 6.62-6.72
-      us in four sweeps of 31-51 launches (forty-fourth session), 2.04-2.06x MLX's 13.2-13.3
-      us; that form becomes the default once its bits are checked on a GPU
-      (the ``candidate`` case of ``test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width``; docs/kernels.md,
-      "Next steps" 7);
+    - N = 4096, 4096 <= K < 8192 (timed: 4096x4096): one row's activations shuffled between
+      lanes (``x_shuffle``, 6.62 against 6.82 us), one chunk in flight, and the
+      compile-time-shape loop unrolled (``unroll``): 6.43-6.50 against shuffling alone's
+      6.62-6.72 us in four sweeps of 31-51 launches (forty-fourth session), 2.04-2.06x MLX's
+      13.2-13.3 us. Its bits were checked against rows of wider calls and against the
+      runtime-shape loop on an H100 (forty-fifth session; the same sm_90 code);
     - N = 4096, K >= 8192 (timed: 4096x14336): 13.82 against 15.07 with two chunks in flight
       under launch bounds and the activations loaded just before their products;
     - 8192 <= N <= 16384, 4096 <= K < 8192 (timed: 14336x4096): 14.21 against 15.65 with two
@@ -237,7 +236,7 @@ def _one_row_launch(n: int, k: int) -> tuple[int, dict]:
     Other widths (the 8B stack's 6144-wide q/k/v sibling launch, N < 4096, ...) keep the plain
     launch."""
     if n == 4096 and 4096 <= k < 8192:
-        return 1, {"x_shuffle": True}
+        return 1, {"x_shuffle": True, "unroll": True}
     if n == 4096 and k >= 8192:
         return 2, {"xl": True, "min_blocks": 2}
     if 8192 <= n <= 16384 and 4096 <= k < 8192:

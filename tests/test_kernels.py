@@ -177,9 +177,11 @@ def test_row_count_is_a_compile_time_constant_for_one_row_launches():
     plans = {m: plan(m, 4096, 4096, 4, 64, mx.bfloat16, "cuda") for m in (1, 2, 8, 9, 16)}
     assert {m: p.const("MR") for m, p in plans.items()} == {1: 1, 2: 0, 8: 0, 9: 0, 16: 0}
     assert len({p.k_split for p in plans.values()}) == 1
-    assert all(p.const("FU") == int(qmv.UNROLL) and p.const("LP") == 0 for p in plans.values())
-    # (one row's default launch shuffles its activations on this shape: _one_row_launch)
+    assert all(p.const("LP") == 0 for p in plans.values())
+    # (one row's default launch shuffles its activations and unrolls its loop on this shape:
+    # _one_row_launch)
     assert {m: p.const("XS") for m, p in plans.items()} == {1: 1, 2: 0, 8: 0, 9: 0, 16: 0}
+    assert {m: p.const("FU") for m, p in plans.items()} == {1: 1, **{m: int(qmv.UNROLL) for m in (2, 8, 9, 16)}}
     try:
         qmv.set_mma_config(4096, 4096, 4, path={8: {"fixed_rows": True, "unroll": True},
                                                 16: {"fixed_rows": False, "const_shape": False,
@@ -212,7 +214,7 @@ def test_one_row_launch_forms_follow_the_shape():
         p = plan(m, n, k, bits, 64, mx.bfloat16, "cuda")
         return (p.const("U"), p.const("XS"), p.const("XL"), p.const("LP"), p.min_blocks, p.const("NT"), p.const("FU"))
 
-    assert form(1, 4096, 4096) == (1, 1, 0, 0, 0, 1, 0)
+    assert form(1, 4096, 4096) == (1, 1, 0, 0, 0, 1, 1)
     assert form(1, 4096, 14336) == (2, 0, 1, 0, 2, 1, 0)
     assert form(1, 14336, 4096) == (2, 1, 0, 256, 2, 1, 0)
     plain = (1, 0, 0, 0, 0, 1, 0)
@@ -711,8 +713,7 @@ def test_const_shape_paths_give_the_runtime_loops_bits(bits, gs, dtype):
               # under launch bounds, and one chunk without them
               ({"const_shape": True, "x_shuffle": True, "min_blocks": 2, "exact": True}, (1, 2), (1, 1)),
               ({"const_shape": True, "x_shuffle": True}, (1, 1), (1, 1)),
-              # and unrolled (the fastest one-row form on 4096x4096 in the forty-fourth session's
-              # sweeps, to become the default once this passes on a GPU)
+              # and unrolled (the one-row default on 4096x4096 since the forty-fifth session)
               ({"const_shape": True, "x_shuffle": True, "unroll": True}, (1, 1), (1, 1))]
     case = 2 * CONST_SHAPE_CASES.index((bits, gs)) + (dtype == "bfloat16")
     combos = [combos[0]] + [combos[1 + (case + i) % 5] for i in (0, 1, 2)] + combos[6:]
@@ -791,46 +792,30 @@ def test_eight_row_forms_at_8b_width_keep_every_row_exact(n, k, form):
                 assert mx.array_equal(y[i:i + 1], ones[i]).item(), (dt, m, i)
 
 
-# The shuffled + unrolled one-row launch on 4096x4096: 2.04-2.06x MLX on the H200 in the
-# forty-fourth session, against the default's 1.96-2.00x (docs/kernels.md "Next steps" 7). It
-# becomes _one_row_launch's form for N = 4096, 4096 <= K < 8192 once its case below and the
-# shuffled + unrolled case of test_const_shape_paths_give_the_runtime_loops_bits pass on a GPU.
-CANDIDATE_ONE_ROW = {"const_shape": True, "x_shuffle": True, "unroll": True}
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(backend() != "cuda", reason="the one-row launch forms are the CUDA mma kernel's")
-@pytest.mark.parametrize("n,k,form,override", [
-    (14336, 4096, (1, 2, 1, 256, 2, 0), None), (4096, 4096, (1, 1, 1, 0, 0, 0), None),
-    (4096, 14336, (1, 2, 0, 0, 2, 0), None),
-    pytest.param(4096, 4096, (1, 1, 1, 0, 0, 1), CANDIDATE_ONE_ROW, id="candidate")])
-def test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width(n, k, form, override):
+@pytest.mark.parametrize("n,k,form", [
+    (14336, 4096, (1, 2, 1, 256, 2, 0)), (4096, 4096, (1, 1, 1, 0, 0, 1)), (4096, 14336, (1, 2, 0, 0, 2, 0))])
+def test_one_row_launch_forms_equal_rows_of_wider_calls_at_8b_width(n, k, form):
     """The 8B stack's shapes, where one-row launches take their own form (_one_row_launch:
-    one tile per warp, shuffled activations, two chunks in flight under launch bounds): row i of
-    every wider call equals the one-row call on x[i] bit for bit, groups 64 and 32. ``override``:
-    a candidate one-row form, set as a benchmark sets one after the wider calls ran with their
-    default plans."""
+    one tile per warp, shuffled activations, the compile-time-shape loop unrolled, two chunks in
+    flight under launch bounds): row i of every wider call equals the one-row call on x[i] bit
+    for bit, groups 64 and 32."""
     for dt, gs in ((mx.float16, 64), (mx.bfloat16, 64), (mx.bfloat16, 32)):
         wq, s, b = _quantized(n, k, gs, 4, dt, seed=11 + n + k)
         x = mx.random.normal((16, k)).astype(dt)
         wide = {m: quantized_matmul(x[:m], wq, s, b, group_size=gs, bits=4) for m in (2, 8, 16)}
         mx.eval(wide)
         ref = _reference(x, wq, s, b, gs, 4)
-        try:
-            if override is not None:
-                qmv.set_mma_config(n, k, 4, nt_u={8: (1, 1)}, path={8: override})
-            p = plan(1, n, k, 4, gs, dt)
-            assert (p.const("NT"), p.const("U"), p.const("XS"), p.const("LP"), p.min_blocks, p.const("FU")) == form
-            for i in (0, 1, 7, 15):
-                one = qmv.run_plan(p, x[i:i + 1], wq, s, b, init_value=float("nan"))
-                err = np.abs(np.array(one.astype(mx.float32), dtype=np.float64) - ref[i:i + 1]).max()
-                assert err < TOL[dt] * np.abs(ref).max(), (dt, gs, i, err)  # (NaN: an unwritten output)
-                for m, y in wide.items():
-                    if i < m:
-                        assert mx.array_equal(y[i:i + 1], one).item(), (dt, gs, m, i)
-        finally:
-            if override is not None:
-                qmv.clear_mma_config()
+        p = plan(1, n, k, 4, gs, dt)
+        assert (p.const("NT"), p.const("U"), p.const("XS"), p.const("LP"), p.min_blocks, p.const("FU")) == form
+        for i in (0, 1, 7, 15):
+            one = qmv.run_plan(p, x[i:i + 1], wq, s, b, init_value=float("nan"))
+            err = np.abs(np.array(one.astype(mx.float32), dtype=np.float64) - ref[i:i + 1]).max()
+            assert err < TOL[dt] * np.abs(ref).max(), (dt, gs, i, err)  # (NaN: an unwritten output)
+            for m, y in wide.items():
+                if i < m:
+                    assert mx.array_equal(y[i:i + 1], one).item(), (dt, gs, m, i)
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
