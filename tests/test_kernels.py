@@ -207,8 +207,8 @@ def test_row_count_is_a_compile_time_constant_for_one_row_launches():
 
 def test_one_row_launch_forms_follow_the_shape():
     """One-row launches of 4-bit weights over K >= 4096 take the launch form measured fastest
-    for their shape (shuffled activations; two chunks in flight under launch bounds, with late
-    activations or shuffled ones and an L2 hint); other row counts, 8 bits, short K, untimed
+    for their shape (shuffled activations and the loop unrolled; two chunks in flight under launch
+    bounds, with late activations or shuffled ones and an L2 hint); other row counts, 8 bits, short K, untimed
     widths and benchmark overrides keep theirs."""
     def form(m, n, k, bits=4):
         p = plan(m, n, k, bits, 64, mx.bfloat16, "cuda")
