@@ -104,9 +104,13 @@ def check_ready(request: Request) -> None:
 
 
 def sampling_params(body: SamplingFields, seed_offset: int = 0) -> SamplingParams:
+    """The engine's sampling settings for choice ``seed_offset`` of ``body``. A seed is taken as
+    64 bits (a negative one as its two's complement, so -1 and 2**64 - 1 are one seed), which the
+    samplers' keys use whole (engine/sampling.py ``position_key``): distinct 64-bit seeds give
+    distinct streams."""
     seed = body.seed
     if seed is not None:
-        seed = (seed + seed_offset) % (1 << 63)
+        seed = (seed + seed_offset) % (1 << 64)
     top_k = body.top_k or 0
     return SamplingParams(
         temperature=1.0 if body.temperature is None else body.temperature,

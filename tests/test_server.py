@@ -105,6 +105,21 @@ def test_n_and_prompt_lists(tiny_server, prompt, prompt_tokens):
     assert r["choices"][0]["text"] != r["choices"][1]["text"] or r["choices"][2]["text"] != r["choices"][3]["text"]
 
 
+def test_seeds_are_64_bits_so_distinct_seeds_stay_distinct():
+    """A seed and the same seed plus 2**63 are different seeds (they were one before the
+    forty-fifth session, taken modulo 2**63); a negative seed is its two's complement; choice i
+    of n uses seed + i, wrapping at 2**64."""
+    from server.openai_api import sampling_params
+    from server.schemas import CompletionRequest
+
+    def seed(value, choice=0):
+        return sampling_params(CompletionRequest(model="m", prompt="x", seed=value), choice).seed
+
+    assert seed(5) == 5 and seed(5 + 2**63) == 5 + 2**63
+    assert seed(-1) == seed(2**64 - 1) == 2**64 - 1 and seed(-(2**63)) == 2**63
+    assert seed(2**64 - 1, 1) == 0 and seed(2**63 - 1, 1) == 2**63
+
+
 def test_echo_and_legacy_logprobs(tiny_server):
     r = post(tiny_server, "/v1/completions", {"prompt": "hello", "max_tokens": 3, "echo": True,
                                               "logprobs": 2, "temperature": 0, "ignore_eos": True}).json()
