@@ -168,6 +168,10 @@ class Engine:
         # prompts scored this step (max_tokens 0, prompt logprobs: finished at their prefill), as
         # (request, final event), for identical scoring requests waiting on them (_answer_scored)
         self._scored: list[tuple[GenerationRequest, TokenEvent]] = []
+        # sequences that finished this step while a request waits to copy their prompt's KV (the
+        # other choices of an n > 1 request with max_tokens 1: the first ends at its prefill);
+        # they keep their caches for the next admission round only (_keeps_kv_for_twins)
+        self._donors: list[Sequence] = []
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -762,6 +766,8 @@ class Engine:
                                    error=EngineUnavailable("server shutting down", "shutting_down")))
 
     def _admit(self, block: bool) -> None:
+        if block:  # (nothing waits: no copy to keep a finished sequence's KV for)
+            self._release_donors()
         try:
             item = self._inbox.get(timeout=None if block else 0)
             while True:
@@ -788,6 +794,12 @@ class Engine:
                 self._end(handle, TokenEvent(handle.request.request_id, [], "", finish_reason=FinishReason.ERROR,
                                              error=_as_engine_error(exc)))
         self._waiting.extendleft(reversed(deferred))
+        self._release_donors()  # (copied by now, or by no one)
+
+    def _release_donors(self) -> None:
+        for seq in self._donors:
+            seq.cache = None
+        self._donors = []
 
     def _answer_scored(self) -> None:
         """End the waiting prompt-scoring requests (``max_tokens`` 0 with prompt logprobs) whose
@@ -872,7 +884,8 @@ class Engine:
         return False
 
     def _prompt_twin(self, request: GenerationRequest, dspark: bool) -> Sequence | None:
-        """An active sequence prefilling or having prefilled ``request``'s whole prompt, which
+        """An active sequence prefilling or having prefilled ``request``'s whole prompt (or one
+        that finished in the last step and kept its KV for it, :meth:`_keeps_kv_for_twins`), which
         ``request`` can then copy instead of prefilling it (the ``n`` choices of one request, or
         the same prompt sent at once by several clients): the same prompt tokens and
         ``cache_salt``, plain per-layer KV caches, ``request`` without DSpark taps (the drafter
@@ -888,12 +901,20 @@ class Engine:
         DSpark."""
         if self.prefix_cache is None or len(request.prompt_tokens) < 2 or dspark:
             return None
-        for _, seq in self._active:
-            other = seq.request
-            if (not seq.finished and seq.cache is not None and self._serves(request, other)
-                    and PrefixCache.supports(seq.cache)):
+        for seq in [seq for _, seq in self._active if not seq.finished] + self._donors:
+            if seq.cache is not None and self._serves(request, seq.request) and PrefixCache.supports(seq.cache):
                 return seq
         return None
+
+    def _keeps_kv_for_twins(self, seq: Sequence) -> bool:
+        """Whether ``seq``, which has just finished, keeps its KV until the next admission round
+        because a waiting request would copy its prompt from it (:meth:`_prompt_twin`): the
+        other ``n - 1`` choices of a request with ``max_tokens`` 1 wait for the first one's
+        prefill, which is also its last step. A scoring sequence (``max_tokens`` 0) keeps none:
+        its waiting twins take its answer (:meth:`_answer_scored`)."""
+        return (self.prefix_cache is not None and seq.request.max_tokens > 0 and seq.prefilled
+                and seq.cache is not None and PrefixCache.supports(seq.cache)
+                and any(self._serves(handle.request, seq.request) for handle in self._waiting))
 
     @staticmethod
     def _serves(request: GenerationRequest, other: GenerationRequest) -> bool:
@@ -1042,7 +1063,10 @@ class Engine:
         event = seq.event(result, first)
         if seq.finished:
             self._done(handle.request.request_id)
-            seq.cache = None
+            if self._keeps_kv_for_twins(seq):
+                self._donors.append(seq)
+            else:
+                seq.cache = None
             if seq.request.max_tokens == 0 and event.prompt_logprobs is not None and self.prefix_cache is not None:
                 self._scored.append((seq.request, event))  # (a scored prompt; shared as copies are)
         handle.emit(event)

@@ -581,6 +581,44 @@ def test_a_prompt_twin_is_copied_only_where_it_computes_the_same_rows(engines, m
         warm._active = saved_active
 
 
+def test_one_token_choices_copy_the_first_ones_prompt(engines):
+    """The choices of an n > 1 request with max_tokens 1 (a classifier's call): the first one's
+    prefill is also its last step, and it keeps its KV until the next admission, so the others
+    copy its whole prompt (not only the whole chunks the prefix cache stored), with a cold
+    engine's token and logprobs; after that no finished sequence holds its KV."""
+    import asyncio
+    import dataclasses
+
+    cold, warm = engines
+    rng = random.Random(1016)
+    prompt = [rng.randrange(3, 259) for _ in range(6 * BLOCK + 3)]  # (six prefill steps)
+
+    def req(rid):
+        return dataclasses.replace(_req(rid, prompt, max_tokens=1), logprobs=3)
+
+    def lps(events):
+        return [(lp.token, lp.logprob, lp.top) for e in events for lp in e.logprobs or []]
+
+    reference = lps(cold.generate(req("cold"), timeout=600))
+
+    async def choices():
+        streams = [warm.submit(req(f"choice-{i}")) for i in range(3)]
+
+        async def drain(stream):
+            return [e async for e in stream]
+        return await asyncio.gather(*(drain(s) for s in streams))
+
+    first, *others = asyncio.run(choices())
+    assert first[-1].cached_tokens == 0 and len(reference) == 1
+    assert [o[-1].cached_tokens for o in others] == [len(prompt) - 1] * 2  # (6 whole chunks: 96)
+    assert all(lps(events) == reference for events in (first, *others))
+    deadline = time.time() + 30
+    while not warm.idle():
+        assert time.time() < deadline
+        time.sleep(0.01)
+    assert warm._donors == []
+
+
 def test_echo_logprobs_choices_share_one_prefill(engines, monkeypatch):
     """The n choices of an echo + logprobs request (the same prompt with prompt logprobs, sent at
     once) prefill it once: the others copy the first one's rows and prompt logprobs, decoding
