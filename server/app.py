@@ -101,7 +101,15 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
     app.include_router(openai_router)
     app.include_router(tokenize_router)
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    def get_and_head(path: str):
+        """GET and HEAD on ``path``, with one OpenAPI operation (the GET's): one route for both
+        methods would give the schema two operations of one id, and FastAPI warns of it."""
+        def register(endpoint):
+            app.head(path, include_in_schema=False)(endpoint)
+            return app.get(path)(endpoint)
+        return register
+
+    @get_and_head("/health")
     async def health():
         """Liveness: 200 while the process and the engine thread are alive (even while loading)."""
         info = engine.health()
@@ -111,7 +119,7 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
         return {"status": "ok", **info, "draining": app.state.draining,
                 "ready": bool(info.get("ready")) and not app.state.draining}
 
-    @app.api_route("/ready", methods=["GET", "HEAD"])
+    @get_and_head("/ready")
     async def ready():
         """Readiness: 503 until the model is loaded, calibrated and warmed up."""
         if not engine.ready:
@@ -126,19 +134,19 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
                 "created": app.state.started, "owned_by": "specserve",
                 "max_model_len": info.get("context_length")}
 
-    @app.api_route("/v1/models", methods=["GET", "HEAD"])
+    @get_and_head("/v1/models")
     async def models():
         if engine.loaded is None:
             return {"object": "list", "data": []}
         return {"object": "list", "data": [_model_card()]}
 
-    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
+    @get_and_head("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if engine.loaded is None or model_id.lower() != engine.loaded.name.lower():
             raise APIError(404, f"The model `{model_id}` does not exist.", param="model", code="model_not_found")
         return _model_card()
 
-    @app.api_route("/metrics", methods=["GET", "HEAD"])
+    @get_and_head("/metrics")
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 

@@ -330,6 +330,15 @@ def test_malformed_json_and_unknown_paths(tiny_server):
     assert r.status_code == 405 and "error" in r.json()
 
 
+def test_openapi_operations_have_unique_ids(tiny_server):
+    """Every operation of /openapi.json has its own operationId (a GET + HEAD route gave two of
+    one id, and FastAPI warned in the server's log); HEAD stays out of the schema but answers."""
+    schema = httpx.get(tiny_server.url + "/openapi.json", timeout=30).json()
+    ids = [op["operationId"] for item in schema["paths"].values() for op in item.values()]
+    assert len(ids) == len(set(ids)) == 9  # (completions, chat, tokenize, detokenize, and five GETs)
+    assert set(schema["paths"]["/health"]) == {"get"} and set(schema["paths"]["/metrics"]) == {"get"}
+
+
 def test_a_trailing_slash_serves_the_same_endpoint(tiny_server):
     """``/v1/completions/`` is ``/v1/completions``, not a 307 redirect (httpx does not follow
     one by default); a doubled slash stays a 404."""
