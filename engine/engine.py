@@ -851,8 +851,8 @@ class Engine:
         request = handle.request
         taps = self._handle_dspark(handle)
         twin = self._prompt_twin(request, taps)
-        if twin is not None and not twin.prefilled:  # (its remaining rows, never more than ours)
-            return True
+        if twin is not None:  # wait for its remaining rows (never more than ours), or copy them now
+            return not twin.prefilled
         if self.prefix_cache is None or request.prompt_logprobs:
             return False
         prompt = request.prompt_tokens
@@ -899,12 +899,17 @@ class Engine:
         twin's answer when it ends (:meth:`_answer_scored`; a twin that scores leaves no KV, so
         only requests that score the same way wait for it). ``dspark``: whether ``request`` runs
         DSpark."""
-        if self.prefix_cache is None or len(request.prompt_tokens) < 2 or dspark:
-            return None
-        for seq in [seq for _, seq in self._active if not seq.finished] + self._donors:
-            if seq.cache is not None and self._serves(request, seq.request) and PrefixCache.supports(seq.cache):
-                return seq
-        return None
+        twins = [seq for seq in [seq for _, seq in self._active if not seq.finished] + self._donors
+                 if self._can_copy(request, dspark, seq)]
+        # (a prefilled one first: the n - 1 choices copy the first one in one admission round,
+        # not each the one admitted before it, a step later)
+        return next((seq for seq in twins if seq.prefilled), twins[0] if twins else None)
+
+    def _can_copy(self, request: GenerationRequest, dspark: bool, seq: Sequence) -> bool:
+        """Whether ``request`` (running DSpark if ``dspark``) can copy ``seq``'s prompt rows: the
+        rules of :meth:`_prompt_twin`."""
+        return (self.prefix_cache is not None and len(request.prompt_tokens) >= 2 and not dspark
+                and seq.cache is not None and self._serves(request, seq.request) and PrefixCache.supports(seq.cache))
 
     def _keeps_kv_for_twins(self, seq: Sequence) -> bool:
         """Whether ``seq``, which has just finished, keeps its KV until the next admission round
@@ -912,9 +917,8 @@ class Engine:
         other ``n - 1`` choices of a request with ``max_tokens`` 1 wait for the first one's
         prefill, which is also its last step. A scoring sequence (``max_tokens`` 0) keeps none:
         its waiting twins take its answer (:meth:`_answer_scored`)."""
-        return (self.prefix_cache is not None and seq.request.max_tokens > 0 and seq.prefilled
-                and seq.cache is not None and PrefixCache.supports(seq.cache)
-                and any(self._serves(handle.request, seq.request) for handle in self._waiting))
+        return seq.request.max_tokens > 0 and seq.prefilled and any(
+            self._can_copy(handle.request, self._handle_dspark(handle), seq) for handle in self._waiting)
 
     @staticmethod
     def _serves(request: GenerationRequest, other: GenerationRequest) -> bool:

@@ -490,7 +490,8 @@ def _req(rid, prompt, max_tokens=8):
 def test_waiting_pays_only_when_it_ends_sooner(engines):
     """The deferral rule on an owner caught mid-prefill (white-box: the worker is idle while the
     test builds the state): a prompt sharing the owner's whole prefix waits; one sharing a single
-    chunk of a much longer prompt starts at once; a salted or prompt-logprobs request never waits."""
+    chunk of a much longer prompt starts at once; a salted or prompt-logprobs request never waits,
+    nor one with a prefilled prompt twin to copy."""
     import dataclasses
 
     from engine.engine import _Handle
@@ -512,6 +513,12 @@ def test_waiting_pays_only_when_it_ends_sooner(engines):
         assert not waits(long_prompt, cache_salt="tenant-b") and not waits(long_prompt, prompt_logprobs=1)
         owner.num_prefilled = 60 * BLOCK  # the owner is nearly done: now even the short one waits
         assert waits(short)
+        # a prefilled twin of the whole prompt (one that just finished, say): copy it now rather
+        # than wait for the owner's chunks
+        twin = warm._make_sequence(_req("twin", long_prompt[:40 * BLOCK]))
+        twin.num_prefilled = twin.prompt_len
+        warm._active = [(None, owner), (None, twin)]
+        assert not waits(long_prompt[:40 * BLOCK]) and waits(long_prompt)
     finally:
         warm._active = saved_active
 
@@ -581,11 +588,12 @@ def test_a_prompt_twin_is_copied_only_where_it_computes_the_same_rows(engines, m
         warm._active = saved_active
 
 
-def test_one_token_choices_copy_the_first_ones_prompt(engines):
+def test_one_token_choices_copy_the_first_ones_prompt(engines, monkeypatch):
     """The choices of an n > 1 request with max_tokens 1 (a classifier's call): the first one's
     prefill is also its last step, and it keeps its KV until the next admission, so the others
-    copy its whole prompt (not only the whole chunks the prefix cache stored), with a cold
-    engine's token and logprobs; after that no finished sequence holds its KV."""
+    copy its whole prompt (not only the whole chunks the prefix cache stored), all from it (not
+    each from the choice admitted before it, a step later), with a cold engine's token and
+    logprobs; after that the finished first choice holds no KV."""
     import asyncio
     import dataclasses
 
@@ -600,9 +608,18 @@ def test_one_token_choices_copy_the_first_ones_prompt(engines):
         return [(lp.token, lp.logprob, lp.top) for e in events for lp in e.logprobs or []]
 
     reference = lps(cold.generate(req("cold"), timeout=600))
+    copied_from = []  # the prefilled twins the choices copy (white-box)
+    find_twin = warm._prompt_twin
+
+    def spy(request, dspark):
+        twin = find_twin(request, dspark)
+        if twin is not None and twin.prefilled:
+            copied_from.append(twin)
+        return twin
+    monkeypatch.setattr(warm, "_prompt_twin", spy)
 
     async def choices():
-        streams = [warm.submit(req(f"choice-{i}")) for i in range(3)]
+        streams = [warm.submit(req(f"choice-{i}")) for i in range(4)]
 
         async def drain(stream):
             return [e async for e in stream]
@@ -610,13 +627,14 @@ def test_one_token_choices_copy_the_first_ones_prompt(engines):
 
     first, *others = asyncio.run(choices())
     assert first[-1].cached_tokens == 0 and len(reference) == 1
-    assert [o[-1].cached_tokens for o in others] == [len(prompt) - 1] * 2  # (6 whole chunks: 96)
+    assert [o[-1].cached_tokens for o in others] == [len(prompt) - 1] * 3  # (6 whole chunks: 96)
     assert all(lps(events) == reference for events in (first, *others))
+    assert {twin.request.request_id for twin in copied_from} == {"choice-0"}
     deadline = time.time() + 30
     while not warm.idle():
         assert time.time() < deadline
         time.sleep(0.01)
-    assert warm._donors == []
+    assert warm._donors == [] and all(twin.cache is None for twin in copied_from)
 
 
 def test_echo_logprobs_choices_share_one_prefill(engines, monkeypatch):
