@@ -847,7 +847,7 @@ class Engine:
 
         A request whose whole prompt an active sequence is prefilling (:meth:`_prompt_twin`)
         always waits for it: it then copies every position but the anchor, not just whole
-        chunks."""
+        chunks. One whose prompt a sequence has prefilled already never waits: it copies it."""
         request = handle.request
         taps = self._handle_dspark(handle)
         twin = self._prompt_twin(request, taps)
