@@ -869,16 +869,22 @@ def test_confidence_head_calibration_per_slot():
 def test_prompt_sources_and_splits(tmp_path):
     inst = instruction_prompts(200, seed=1)
     assert inst == instruction_prompts(200, seed=1) and len({r.messages[0]["content"] for r in inst}) == 200
-    held = [r for r in inst if r.split == "eval"]
-    assert held and all(r.id.split(":")[1] in ("compare", "email") or r.split == "eval" for r in held)
-    assert all(r.split == "eval" for r in inst if r.id.split(":")[1] in ("compare", "email"))
+    whole = ("compare", "email")  # (held-out families; the rest are held out by a hash, ~10%)
+    assert {r.id.split(":")[1] for r in inst} > set(whole)
+    assert all(r.split == "eval" for r in inst if r.id.split(":")[1] in whole)
+    others = [r for r in inst if r.id.split(":")[1] not in whole]
+    hashed = [r for r in others if r.split == "eval"]
+    assert 0.03 < len(hashed) / len(others) < 0.25 and all(r.split in ("train", "eval") for r in others)
     for name in ("a.py", "b.py", "c.py"):
         (tmp_path / name).write_text("def f(x):\n    y = x + 1\n    z = y * 2\n    return z\n")
     code = code_prompts(3, root=str(tmp_path), eval_fraction=0.0)
     assert len(code) == 3 and all(r.split == "train" for r in code)
     he = humaneval_prompts()
     assert len(he) == 2 * 164 and all(r.split == "eval" for r in he)
-    assert he[0].text.startswith("\n\ndef ") or "def " in he[0].text
+    raw, chat = he[0::2], he[1::2]
+    assert all(r.id.endswith(":raw") and "def " in r.text for r in raw)
+    assert all(r.id.endswith(":chat") and r.messages[0]["content"].endswith(f"{p.text}```")
+               for r, p in zip(chat, raw))
 
 
 def test_code_prompts_from_extra_roots(tmp_path):

@@ -51,15 +51,27 @@ def test_greedy_identity_with_dspark_and_auto(dspark_engine):
     assert accepted["dspark"] > 20
 
 
-def test_dspark_cut_by_max_tokens_stop_and_eos_inside_accepted_block(dspark_engine):
+def test_dspark_cut_by_max_tokens_and_stops_inside_accepted_block(dspark_engine):
+    """The target agrees with every draft (77), so cycles accept blocks of drafts; max_tokens,
+    a stop token and a stop string each end the output inside one, and the accepted drafts after
+    the cut are dropped."""
     p = [9, 10, 11] * 4
     kw = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}
-    for max_tokens in (1, 2, 4, 6, 9):
+    ids, _, last = run(dspark_engine, p, "x", max_tokens=1, speculative=FORCE, **kw)
+    assert ids == [77] and last.finish_reason is FinishReason.LENGTH
+    for max_tokens in (2, 4, 6, 9):
         ids, _, last = run(dspark_engine, p, "x", max_tokens=max_tokens, speculative=FORCE, **kw)
         assert ids == [77] * max_tokens and last.finish_reason is FinishReason.LENGTH
+        assert last.stats.by_drafter["dspark"].num_accepted_tokens >= 1
+        assert last.stats.num_verify_steps < max_tokens  # (so some pass committed several tokens)
+    # The first pass commits the anchor's token (77, a stop token) and accepts drafts after it.
     ids, _, last = run(dspark_engine, p, "x", max_tokens=20, speculative=FORCE, stop_token_ids=(77,), **kw)
     assert ids == [77] and last.finish_reason is FinishReason.STOP
-    assert last.stats.by_drafter["dspark"].num_accepted_tokens == 0 or last.completion_tokens == 1
+    assert last.stats.by_drafter["dspark"].num_accepted_tokens >= 1
+    _, two, _ = run(dspark_engine, p, "off", max_tokens=2, **kw)
+    ids, text, last = run(dspark_engine, p, "x", max_tokens=20, speculative=FORCE, stop=(two,), **kw)
+    assert ids == [77, 77] and text == "" and last.finish_reason is FinishReason.STOP
+    assert last.stats.by_drafter["dspark"].num_accepted_tokens >= 2
 
 
 def test_sampled_dspark_fixed_seed_is_fixed(dspark_engine):

@@ -73,6 +73,10 @@ def test_curve_stays_non_decreasing_and_positive():
     assert all(a <= b for a, b in zip(curve, curve[1:]))
     assert all(t >= 0.5 * s for t, s in zip(curve, start))
     assert cost.T(20) >= cost.T(16)  # extrapolated past the measured range
+    steep = CostModel([1 * MS, 10 * MS])  # (here monotonicity alone would let T(2) fall to T(1))
+    for _ in range(400):
+        steep.observe(2, 0.1 * MS)
+    assert steep.T(2) == pytest.approx(5 * MS)
 
 
 def test_reset_forgets_online_state_and_rejects_empty_curves():
@@ -82,7 +86,9 @@ def test_reset_forgets_online_state_and_rejects_empty_curves():
     cost.reset([1 * MS, 2 * MS])
     assert cost.verify_cost == [1 * MS, 2 * MS] and cost.offset == 0 and cost.max_rows == 2
     cost.observe(5, 1 * MS)  # wider than the curve: ignored
-    cost.observe(1, -1.0)  # nonsense: ignored
+    for _ in range(3):  # nonsense, even as a streak (three one-row passes would rescale): ignored
+        cost.observe(1, -1.0)
+    cost.observe(2, -1.0)
     assert cost.verify_cost == [1 * MS, 2 * MS]
     with pytest.raises(ValueError):
         CostModel([])

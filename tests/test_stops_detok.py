@@ -62,7 +62,9 @@ def test_leading_space_is_kept_for_completions(tiny):
 
 def test_special_tokens_decode_to_nothing(tiny):
     assert tiny.token_table.decode([1, 2, 0]) == ""
-    assert isinstance(TokenTable.from_tokenizer(tiny.tokenizer).token_bytes, list)
+    table = TokenTable.from_tokenizer(tiny.tokenizer)
+    a = tiny.tokenizer.encode("a", add_special_tokens=False)
+    assert len(a) == 1 and table.token_bytes[a[0]] == b"a" and table.decode(a + [2]) == "a"
 
 
 def test_invalid_utf8_becomes_replacement_only_at_the_end(tiny):

@@ -335,6 +335,12 @@ def test_batched_requests_under_grammars(tiny_engine, tiny):
     spec = generate_all(tiny_engine, requests("prompt_lookup"))
     for i, (a, b) in enumerate(zip(plain, spec)):
         assert [t for e in a for t in e.token_ids] == [t for e in b for t in e.token_ids], i
+    drafted = {}
+    for events in spec:
+        for name, counts in events[-1].stats.by_drafter.items():
+            drafted[name] = drafted.get(name, 0) + counts.num_draft_tokens
+    # (so the match above compares speculated outputs: prompt-lookup drafts and forced grammar tokens)
+    assert drafted.get("prompt_lookup", 0) > 20 and drafted.get("grammar", 0) > 20, drafted
     regex_out = "".join(e.text for e in plain[2])
     assert 4 <= len(regex_out) <= 10 and regex_out.endswith("x") and set(regex_out[:-1]) <= set("abc")
 
@@ -485,7 +491,7 @@ def test_a_failed_later_row_is_deferred(tiny):
     assert c.valid_prefix(draft) == len(draft)  # the committed state was restored
 
 
-def test_strict_schemas_close_their_objects(tiny_server):
+def test_strict_schemas_close_their_objects(tiny_server, tiny):
     from engine.constraint import closed_schema
 
     schema = {"type": "object", "properties": {"v": {"type": "integer"}, "w": {
@@ -496,13 +502,22 @@ def test_strict_schemas_close_their_objects(tiny_server):
     assert closed["$defs"]["d"]["additionalProperties"] is False and closed["anyOf"][0]["additionalProperties"] is False
     assert "additionalProperties" not in closed["properties"]["v"] and "additionalProperties" not in schema
     assert closed_schema({"type": "object", "additionalProperties": True}) == {"type": "object", "additionalProperties": True}
-    for seed in range(3):  # sampled, so the model tries other keys; strict leaves it only "v"
-        r = post(tiny_server, "/v1/chat/completions", {
-            "messages": MSGS, "temperature": 1.0, "seed": seed, "max_tokens": 60, "response_format": {
-                "type": "json_schema", "json_schema": {"name": "v", "strict": True, "schema": {
-                    "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}}}}}}).json()
-        choice = r["choices"][0]
-        assert choice["finish_reason"] == "stop" and set(json.loads(choice["message"]["content"])) <= {"v"}
+    quote, x = (tiny.tokenizer.encode(ch, add_special_tokens=False)[0] for ch in '"x')
+    bias = {str(quote): 30, str(x): 20}  # (pushes the model toward keys of its own, such as "x")
+    fmt = {"type": "json_schema", "json_schema": {"name": "v", "schema": {
+        "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}}}}}
+    keys = {}
+    for strict in (False, True):
+        fmt["json_schema"]["strict"] = strict
+        for seed in range(3):
+            r = post(tiny_server, "/v1/chat/completions", {
+                "messages": MSGS, "temperature": 1.0, "seed": seed, "max_tokens": 60, "logit_bias": bias,
+                "response_format": fmt}).json()
+            choice = r["choices"][0]
+            assert choice["finish_reason"] == "stop", choice
+            keys.setdefault(strict, set()).update(json.loads(choice["message"]["content"]))
+    assert keys[True] == {"v"}  # strict: the only key the schema names
+    assert keys[False] - {"v"}  # (without strict the same requests write other keys)
 
 
 def test_regex_classes_are_ascii(tiny_server):
