@@ -6,7 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 import mlx.core as mx
 import pytest
 from dspark_helpers import make_drafter
-from helpers import assert_no_leaks
+from helpers import assert_no_leaks, pin_cost
 from test_engine import prompts
 
 from engine import Engine, EngineConfig, GenerationRequest, SamplingParams, SpeculativeParams
@@ -20,6 +20,22 @@ class BatchRecorder(NullSink):
 
     def batch_step(self, num_sequences, num_committed):
         self.batches.append((num_sequences, num_committed))
+
+
+class ShapeRecorder:
+    """Stands in for a runner's model: records the shape of every call's input ids (a batched
+    pass of mlx-lm's modules is one call over ``[sequences, padded rows]``); the rest passes
+    through."""
+
+    def __init__(self, model):
+        self.model, self.shapes = model, []
+
+    def __call__(self, ids, *args, **kwargs):
+        self.shapes.append(tuple(ids.shape))
+        return self.model(ids, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
 
 
 def requests(seed: int, n: int) -> list[GenerationRequest]:
@@ -65,6 +81,7 @@ def pair(tiny):
 def test_verify_batch_rows_equal_each_sequences_own_pass(tiny):
     runner = TargetRunner(tiny.model)
     runner.calibrate(tiny.config["vocab_size"], max_rows=8, contexts=(40,))
+    runner.model = recorder = ShapeRecorder(runner.model)  # (this runner's own: tiny.model is untouched)
     rng = random.Random(3)
     for lengths in ([1, 1, 1], [4, 1, 2], [1, 6], [3, 3, 1, 1]):
         seqs = []
@@ -79,15 +96,18 @@ def test_verify_batch_rows_equal_each_sequences_own_pass(tiny):
             runner.trim(cache, len(rows))
             alone.append(logits)
         together = runner.verify_batch([s[1] for s in seqs], [s[0] for s in seqs])
+        assert recorder.shapes[-1] == (len(lengths), max(lengths))  # one padded pass for all of them
         for (cache, rows, start), a, (logits, hidden) in zip(seqs, alone, together):
             assert logits.shape == a.shape and mx.array_equal(logits, a).item() and hidden is None
             # every layer appended the sequence's real rows, not the padding
             assert all(c.offset == start + len(rows) for c in cache)
 
 
-def test_concurrent_outputs_equal_solo_outputs(pair):
+def test_concurrent_outputs_equal_solo_outputs(pair, monkeypatch):
     solo, batched, rec = pair
     assert batched.batch_rows >= 2, "calibration found batching inexact on this machine"
+    recorder = ShapeRecorder(batched.runner.model)
+    monkeypatch.setattr(batched.runner, "model", recorder)  # (restored after the test: the engine is shared)
     for seed in range(3):
         reqs = requests(seed, 8)
         alone = [collect(solo, r) for r in reqs]
@@ -95,6 +115,7 @@ def test_concurrent_outputs_equal_solo_outputs(pair):
         for a, t in zip(alone, together):
             assert t == a  # tokens, text, logprobs (floats compared exactly), finish reason
     assert len(rec.batches) > 10 and max(n for n, _ in rec.batches) >= 4
+    assert max(shape[0] for shape in recorder.shapes) >= 4  # a target pass really held 4 sequences
     assert_no_leaks(batched)
 
 
@@ -133,13 +154,25 @@ def test_more_sequences_than_a_batch_all_progress(tiny):
         eng.stop()
 
 
-def test_batched_dspark_sequences_equal_solo(tiny, tmp_path):
+def test_batched_dspark_sequences_equal_solo(tiny, tmp_path, monkeypatch):
+    import engine.engine as engine_module
+
+    steps = []  # (drafter, drafted, accepted, expected) of each sequence in each batched cycle
+    real_step = engine_module.speculative_batch_step
+
+    def recording_step(*args, **kwargs):
+        results = real_step(*args, **kwargs)
+        steps.extend(r.verify_step for r in results if not isinstance(r, Exception))
+        return results
+
+    monkeypatch.setattr(engine_module, "speculative_batch_step", recording_step)
     path = make_drafter(tiny, tmp_path / "drafter", {77: 12.0})
     cfg = dict(speculation="auto", dspark=True, dspark_drafter=str(path), calibration_contexts=(40, 300))
     solo = Engine(EngineConfig(batching="off", **cfg), loaded=tiny).start(wait=True, timeout=300)
     rec = BatchRecorder()
     batched = Engine(EngineConfig(**cfg), loaded=tiny, sink=rec).start(wait=True, timeout=300)
     try:
+        pin_cost([batched])  # batch widths (DSpark's share of a batch) must not follow this machine's timings
         reqs = requests(9, 6)
         for i, r in enumerate(reqs):
             r.speculative = SpeculativeParams("dspark", min_draft_tokens=2) if i % 2 else SpeculativeParams("auto")
@@ -148,6 +181,8 @@ def test_batched_dspark_sequences_equal_solo(tiny, tmp_path):
         alone = [collect(solo, r) for r in reqs]
         assert concurrently(batched, reqs) == alone
         assert rec.batches
+        # DSpark drafted inside a batched pass, and its drafts were accepted there
+        assert any(drafter == "dspark" and accepted > 0 for drafter, _, accepted, _ in steps), steps
     finally:
         solo.stop()
         batched.stop()
@@ -193,6 +228,8 @@ def test_batch_width_weighs_draft_rows_against_the_whole_batch():
 def test_a_failing_sequence_ends_alone(pair, monkeypatch):
     """A commit that raises for one request in a batch ends that request with an error; the
     other requests of the same batched passes finish with their solo outputs."""
+    import inspect
+
     from engine import generation
 
     solo, batched, _ = pair
@@ -200,9 +237,11 @@ def test_a_failing_sequence_ends_alone(pair, monkeypatch):
     alone = [collect(solo, r) for r in reqs]
     victim = reqs[2].prompt_tokens
     real_commit = generation.Sequence.commit
+    raised_in_batch = []  # per raise: whether it came from a batched cycle
 
     def commit(self, tokens, logprobs):
         if self.request.prompt_tokens == victim and self.num_generated >= 3:
+            raised_in_batch.append(any(f.function == "speculative_batch_step" for f in inspect.stack(0)))
             raise RuntimeError("boom in one request")
         return real_commit(self, tokens, logprobs)
 
@@ -217,6 +256,7 @@ def test_a_failing_sequence_ends_alone(pair, monkeypatch):
     with ThreadPoolExecutor(len(reqs)) as pool:
         got = list(pool.map(attempt, reqs))
     assert isinstance(got[2], AssertionError) and "boom in one request" in str(got[2])
+    assert raised_in_batch == [True]  # the failure hit a batched cycle, beside the other requests
     assert [g for i, g in enumerate(got) if i != 2] == [a for i, a in enumerate(alone) if i != 2]
     assert_no_leaks(batched)
 

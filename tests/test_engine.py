@@ -54,61 +54,79 @@ def test_greedy_speculation_is_token_identical(tiny_engine):
     assert accepted > 50  # speculation really happened
 
 
-@pytest.mark.parametrize("temperature, extra", [(0.8, {}), (1.0, {"top_k": 20, "top_p": 0.9}),
-                                                (0.7, {"repetition_penalty": 1.2, "frequency_penalty": 0.3})])
-def test_sampled_speculation_with_fixed_seed_matches_plain_sampling(tiny_engine, temperature, extra):
-    for i, p in enumerate(prompts(9, seed=1)):
-        a, _, _ = run(tiny_engine, p, "off", max_tokens=24, temperature=temperature, seed=i, sampling_kw=extra)
-        b, _, _ = run(tiny_engine, p, "prompt_lookup", max_tokens=24, temperature=temperature, seed=i,
-                      sampling_kw=extra)
-        c, _, _ = run(tiny_engine, p, "prompt_lookup", max_tokens=24, temperature=temperature, seed=i,
-                      sampling_kw=extra)
-        assert a == b == c
-
-
-def test_max_tokens_and_context_never_exceeded_mid_block(tiny_engine):
-    p = [5, 6, 7, 8] * 10
-    for max_tokens in (1, 2, 3, 5, 8, 13):
-        ids, _, last = run(tiny_engine, p, "prompt_lookup", max_tokens=max_tokens)
-        assert len(ids) == max_tokens == last.completion_tokens
-        assert last.finish_reason is FinishReason.LENGTH
-
-
 FORCE = SpeculativeParams("prompt_lookup", min_draft_tokens=4)  # draft whenever lookup matches
 
 
+# The tiny model's byte token for "q" (ids 3..258 are the bytes). Biased this hard, greedy output
+# is "q" repeated, so from the first cycle prompt lookup drafts the whole verify width and every
+# draft is accepted: limits and stops then fall inside an accepted block, never on a bonus token.
+Q = 3 + ord("q")
+Q_PROMPT = [Q] * 12
+Q_BIAS = ((Q, 30.0),)
+
+
+def q_events(engine, method="prompt_lookup", max_tokens=60, **kw):
+    """Every event of a greedy, q-biased request on ``Q_PROMPT`` (drafting whenever lookup matches)."""
+    speculative = FORCE if method != "off" else SpeculativeParams("off")
+    req = GenerationRequest(prompt_tokens=Q_PROMPT, max_tokens=max_tokens, speculative=speculative,
+                            sampling=SamplingParams(temperature=0.0, logit_bias=Q_BIAS), **kw)
+    events = list(engine.generate(req, timeout=600))
+    assert events[-1].error is None, events[-1].error
+    return events
+
+
+@pytest.mark.parametrize("temperature, extra", [(0.8, {}), (1.0, {"top_k": 20, "top_p": 0.9}),
+                                                (0.7, {"repetition_penalty": 1.2, "frequency_penalty": 0.3})])
+def test_sampled_speculation_with_fixed_seed_matches_plain_sampling(tiny_engine, temperature, extra):
+    # the q-biased prompt makes sure drafts are accepted under every parameter set (the random
+    # prompts alone accept as few as one draft token with the penalties)
+    cases = [(p, extra) for p in prompts(9, seed=1)] + [(Q_PROMPT, {**extra, "logit_bias": Q_BIAS})]
+    drafted = accepted = 0
+    for i, (p, kw) in enumerate(cases):
+        a, _, _ = run(tiny_engine, p, "off", max_tokens=24, temperature=temperature, seed=i, sampling_kw=kw)
+        b, _, last = run(tiny_engine, p, "prompt_lookup", max_tokens=24, temperature=temperature, seed=i,
+                         sampling_kw=kw)
+        c, _, _ = run(tiny_engine, p, "prompt_lookup", max_tokens=24, temperature=temperature, seed=i,
+                      sampling_kw=kw)
+        assert a == b == c
+        drafted += last.stats.total.num_draft_tokens
+        accepted += last.stats.total.num_accepted_tokens
+    assert drafted > 0 and accepted > 0  # sampled verification really ran, and kept drafts
+
+
+def test_max_tokens_never_exceeded_mid_block(tiny_engine):
+    # (the context limit cannot be reached first: validate() rejects prompt + max_tokens > context)
+    last_blocks = []  # tokens of the block that reached max_tokens
+    for max_tokens in (1, 2, 3, 5, 8, 13):
+        events = q_events(tiny_engine, max_tokens=max_tokens)
+        assert [t for e in events for t in e.token_ids] == [Q] * max_tokens == [Q] * events[-1].completion_tokens
+        assert events[-1].finish_reason is FinishReason.LENGTH
+        last_blocks.append(len(events[-1].token_ids))
+    assert max(last_blocks) > 1, last_blocks  # the limit was reached inside a block of accepted drafts
+
+
 def test_stop_string_and_stop_token_inside_accepted_block(tiny_engine):
-    p = prompts(30)[0]
-    full, full_text, _ = run(tiny_engine, p, "off", max_tokens=60)
-    spec_full, _, last = run(tiny_engine, p, "prompt_lookup", max_tokens=60, speculative=FORCE)
-    assert spec_full == full and last.stats.total.num_accepted_tokens > 0
-    # a stop token id taken from the middle of the output
-    stop_id = full[len(full) // 2]
-    cut = full.index(stop_id) + 1
+    full = q_events(tiny_engine)
+    ids = [t for e in full for t in e.token_ids]
+    assert ids == [Q] * 60 and "".join(e.text for e in full) == "q" * 60
+    assert len(full[0].token_ids) > 10  # the first block already holds accepted drafts
     for method in ("off", "prompt_lookup"):
-        ids, _, last = run(tiny_engine, p, method, max_tokens=60, stop_token_ids=(stop_id,),
-                           speculative=FORCE if method != "off" else SpeculativeParams("off"))
-        assert ids == full[:cut] and last.finish_reason is FinishReason.STOP
-        assert last.completion_tokens == cut
-    # a stop string spanning several tokens from the middle of the text
-    text = full_text
-    mid = len(text) // 2
-    stop = text[mid : mid + 3]
-    if stop and "\ufffd" not in stop:
-        expected = text[: text.find(stop)]
-        for method in ("off", "prompt_lookup"):
-            _, got, last = run(tiny_engine, p, method, max_tokens=60, stop=(stop,),
-                               speculative=FORCE if method != "off" else SpeculativeParams("off"))
-            assert got == expected and last.finish_reason is FinishReason.STOP
+        # the stop token is the block's first token: the drafts after it are not emitted
+        events = q_events(tiny_engine, method, stop_token_ids=(Q,))
+        assert [t for e in events for t in e.token_ids] == [Q] and events[-1].completion_tokens == 1
+        assert events[-1].finish_reason is FinishReason.STOP
+        # a stop string completed by the 10th token of a block: its text is cut, as is the rest
+        events = q_events(tiny_engine, method, stop=("q" * 10,))
+        assert "".join(e.text for e in events) == "" and events[-1].finish_reason is FinishReason.STOP
+        assert [t for e in events for t in e.token_ids] == ids[:10] and events[-1].completion_tokens == 10
 
 
 def test_usage_counts_emitted_tokens_only(tiny_engine):
-    p = [9, 10, 11, 12] * 6
-    full, _, _ = run(tiny_engine, p, "off", max_tokens=40)
-    stop_id = full[5]
-    ids, _, last = run(tiny_engine, p, "prompt_lookup", max_tokens=40, stop_token_ids=(stop_id,))
-    assert last.completion_tokens == len(ids) == full.index(stop_id) + 1
-    assert last.prompt_tokens == len(p)
+    events = q_events(tiny_engine, stop_token_ids=(Q,))  # stops on the first token of a drafted block
+    last = events[-1]
+    assert last.stats.total.num_accepted_tokens > 1  # the block committed more than it emitted
+    assert last.completion_tokens == sum(len(e.token_ids) for e in events) == 1
+    assert last.prompt_tokens == len(Q_PROMPT)
 
 
 def test_per_request_max_draft_tokens_is_respected(tiny_engine):

@@ -241,7 +241,10 @@ def test_batched_pass_rows_equal_each_sequences_own_pass():
             logits = runner.verify(rows, cache)[0]
             alone.append((np.array(logits), [np.array(c.keys[..., : c.offset, :]) for c in cache]))
             runner.trim(cache, len(rows))
+        before = runner.fused.passes
         together = runner.verify_batch([s[1] for s in seqs], [s[0] for s in seqs])
+        # one pass for all (an empty cache's lone row goes through mlx-lm's modules instead)
+        assert runner.fused.passes == before + 1
         for (cache, rows, start), (logits, keys), (got, hidden) in zip(seqs, alone, together):
             assert np.array_equal(np.array(got), logits) and hidden is None
             assert all(c.offset == start + len(rows) for c in cache)
@@ -253,7 +256,7 @@ def test_batched_pass_rows_equal_each_sequences_own_pass():
         runner.fused.batch([[5] * 9, [6] * 8], [seqs[0][0], seqs[1][0]])
 
 
-def test_engine_batches_concurrent_sequences_through_the_cpu_pass():
+def test_engine_batches_concurrent_sequences_through_the_cpu_pass(monkeypatch):
     """Continuous batching over the CPU pass: calibration finds several sequences per pass
     exact, and concurrent outputs (greedy and seeded sampling, every method, logprobs, stops)
     equal the solo outputs of an engine that steps one sequence per pass."""
@@ -265,12 +268,22 @@ def test_engine_batches_concurrent_sequences_through_the_cpu_pass():
     rec = BatchRecorder()
     batched = Engine(EngineConfig(**cfg), loaded=loaded, sink=rec).start(wait=True, timeout=300)
     try:
-        assert isinstance(batched.runner.fused, CpuFusedPass) and batched.batch_rows >= 8
+        fp = batched.runner.fused
+        assert isinstance(fp, CpuFusedPass) and batched.batch_rows >= 8
+        sizes = []  # sequences per pass of the CPU pass
+        real_batch = fp.batch
+
+        def recording_batch(rows, *args, **kwargs):
+            sizes.append(len(rows))
+            return real_batch(rows, *args, **kwargs)
+
+        monkeypatch.setattr(fp, "batch", recording_batch)
         for seed in range(2):
             reqs = requests(seed, 8)
             alone = [collect(solo, r) for r in reqs]
             assert concurrently(batched, reqs) == alone
         assert max(n for n, _ in rec.batches) >= 4
+        assert max(sizes) >= 4  # one native pass really held 4 sequences
     finally:
         solo.stop()
         batched.stop()
@@ -575,13 +588,21 @@ def test_a_long_prefill_runs_in_slices_while_another_stream_decodes(monkeypatch)
     finally:
         whole.stop()
     calls = []
+    steps = []  # in order: "long" per prefill step of the long prompt, "short" per decode step of the short one
     original = engine_module.prefill_step
+    original_step = engine_module.speculative_step
 
     def recording(seq, max_rows=None):
         calls.append((len(seq.tokens), max_rows))
+        steps.append("long" if seq.prompt_len == 700 else "other")
         return original(seq, max_rows)
 
+    def recording_step(seq, cost):
+        steps.append("short" if seq.prompt_len == len(short_req.prompt_tokens) else "other")
+        return original_step(seq, cost)
+
     monkeypatch.setattr(engine_module, "prefill_step", recording)
+    monkeypatch.setattr(engine_module, "speculative_step", recording_step)
     sliced = _engine(loaded, speculation="auto", prefill_slice_ms=1e-3)
     try:
         assert sliced.runner.prefill_slice_rows == 16
@@ -596,5 +617,8 @@ def test_a_long_prefill_runs_in_slices_while_another_stream_decodes(monkeypatch)
         assert [t for e in short_out for t in e.token_ids] == want[1][0]
         long_calls = [rows for n, rows in calls if n == 700]
         assert len(long_calls) >= 699 // 16 and set(long_calls) == {16}, long_calls
+        # the short stream kept decoding between the slices, not after the whole prompt
+        first, last = steps.index("long"), len(steps) - 1 - steps[::-1].index("long")
+        assert steps[first:last].count("short") >= len(long_calls) // 2, steps
     finally:
         sliced.stop()

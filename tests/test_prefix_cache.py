@@ -196,6 +196,20 @@ def session_prompts(seed: int) -> list[list[int]]:
     return out
 
 
+def count_prefill_rows(monkeypatch, eng) -> list[int]:
+    """Wrap ``eng``'s runner.prefill (until the test ends): the list each call appends its row
+    count to. A hit must skip its cached rows, not only report them in ``cached_tokens``."""
+    rows = []
+    prefill = eng.runner.prefill
+
+    def counting_prefill(tokens, *args, **kwargs):
+        rows.append(len(tokens))
+        return prefill(tokens, *args, **kwargs)
+
+    monkeypatch.setattr(eng.runner, "prefill", counting_prefill)
+    return rows
+
+
 @pytest.fixture(scope="module")
 def engines(tiny):
     cfg = dict(speculation="auto", prefill_step=BLOCK, calibration_contexts=(40, 300))
@@ -206,30 +220,35 @@ def engines(tiny):
     warm.stop()
 
 
-def test_warm_output_equals_cold_output(engines):
+def test_warm_output_equals_cold_output(engines, monkeypatch):
     cold, warm = engines
+    rows = count_prefill_rows(monkeypatch, warm)
     cached = []
     for seed in range(3):
         for p in session_prompts(seed):
             for method in ("off", "auto"):
                 kw = dict(max_tokens=24, logprobs=3)
                 ids, text, last = run(cold, p, method, **kw)
+                rows.clear()
                 w_ids, w_text, w_last = run(warm, p, method, **kw)
                 assert (w_ids, w_text) == (ids, text)
                 assert last.cached_tokens == 0
                 assert w_last.cached_tokens % BLOCK == 0 and w_last.cached_tokens < len(p)
+                assert sum(rows) == len(p) - 1 - w_last.cached_tokens  # (the anchor is never prefilled)
                 cached.append(w_last.cached_tokens)
     assert sum(c > 0 for c in cached) >= len(cached) // 2
     info = warm.prefix_cache_info()
     assert info["hits"] == sum(cached) and info["entries"] >= 1 and cold.prefix_cache_info() is None
 
 
-def test_warm_logprobs_and_seeded_samples_equal_cold(engines):
+def test_warm_logprobs_and_seeded_samples_equal_cold(engines, monkeypatch):
     cold, warm = engines
     p = session_prompts(11)[-1]
     run(warm, p, "off", max_tokens=1)  # store its chunks
+    rows = count_prefill_rows(monkeypatch, warm)
     for temperature, seed in ((0.0, None), (0.9, 1234)):
         outs = []
+        rows.clear()
         for eng in (cold, warm):
             req = GenerationRequest(prompt_tokens=p, max_tokens=20, logprobs=4,
                                     sampling=SamplingParams(temperature=temperature, seed=seed),
@@ -240,6 +259,7 @@ def test_warm_logprobs_and_seeded_samples_equal_cold(engines):
         (ids, lps, c0), (w_ids, w_lps, c1) = outs
         assert w_ids == ids and w_lps == lps  # floats compared exactly
         assert c0 == 0 and c1 == (len(p) - 1) // BLOCK * BLOCK
+        assert sum(rows) == len(p) - 1 - c1  # the warm run prefilled only the uncached rest
 
 
 def test_prompt_logprobs_prefill_from_scratch(engines):
@@ -254,16 +274,29 @@ def test_prompt_logprobs_prefill_from_scratch(engines):
     assert outs[0] == outs[1] and outs[1][1] == 0 and len(outs[0][0]) == len(p)
 
 
-def test_salted_requests_do_not_share(engines):
+def test_salted_requests_do_not_share(engines, monkeypatch):
     _, warm = engines
     p = session_prompts(13)[2]
     assert run(warm, p, "off", max_tokens=2, cache_salt="a")[2].cached_tokens == 0
     assert run(warm, p, "off", max_tokens=2, cache_salt="b")[2].cached_tokens == 0
     assert run(warm, p, "off", max_tokens=2)[2].cached_tokens == 0
-    assert run(warm, p, "off", max_tokens=2, cache_salt="a")[2].cached_tokens > 0
+    rows = count_prefill_rows(monkeypatch, warm)
+    cached = run(warm, p, "off", max_tokens=2, cache_salt="a")[2].cached_tokens
+    assert cached > 0 and sum(rows) == len(p) - 1 - cached
 
 
-def test_dspark_drafts_read_cached_hidden_states(tiny, tmp_path):
+def test_dspark_drafts_read_cached_hidden_states(tiny, tmp_path, monkeypatch):
+    from drafters.dspark import DSparkDrafter
+
+    firsts = []  # the context rows of each request's first DSpark forward: its prompt's taps
+    real_propose = DSparkDrafter.propose
+
+    def recording_propose(self, ctx, max_len):
+        if self.context_length == 0 and ctx.hidden is not None:
+            firsts.append(ctx.hidden)
+        return real_propose(self, ctx, max_len)
+
+    monkeypatch.setattr(DSparkDrafter, "propose", recording_propose)
     path = make_drafter(tiny, tmp_path / "drafter", {77: 12.0})
     cfg = dict(speculation="auto", dspark=True, dspark_drafter=str(path), prefill_step=BLOCK,
                calibration_contexts=(40, 300))
@@ -272,14 +305,19 @@ def test_dspark_drafts_read_cached_hidden_states(tiny, tmp_path):
     try:
         force = SpeculativeParams("dspark", min_draft_tokens=3)
         bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}
-        accepted = 0
+        accepted = compared = 0
         for i, p in enumerate(session_prompts(21)):
             kw = bias if i % 2 else {}
+            firsts.clear()
             ids, text, last = run(cold, p, "x", max_tokens=20, speculative=force, **kw)
             w_ids, w_text, w_last = run(warm, p, "x", max_tokens=20, speculative=force, **kw)
             assert (w_ids, w_text) == (ids, text)  # (draft lengths follow measured timings: not compared)
             accepted += w_last.stats.total.num_accepted_tokens if w_last.cached_tokens else 0
-        assert accepted > 0 and warm.prefix_cache_info()["hits"] > 0
+            cold_rows, warm_rows = firsts  # (min_draft_tokens: DSpark drafts on each first cycle)
+            if w_last.cached_tokens:  # the warm drafter read the cached rows, the cold one's bits
+                assert warm_rows.shape[0] == len(p) - 1 and mx.array_equal(warm_rows, cold_rows).item()
+                compared += 1
+        assert accepted > 0 and compared >= 3 and warm.prefix_cache_info()["hits"] > 0
         # a prompt cut short mid-prefill stores its hidden rows with its chunks' KV
         cancelled_mid_prefill(cold, warm, 29, False, force)
         plain_requests_reuse_tapped_prompts(cold, warm, force)
@@ -335,15 +373,17 @@ def prefix_server(tiny):
     live.stop()
 
 
-def test_usage_reports_cached_tokens_and_metrics_move(prefix_server):
+def test_usage_reports_cached_tokens_and_metrics_move(prefix_server, monkeypatch):
     prompt = session_prompts(31)[3]
     body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
     q0, h0 = metric(prefix_server, "prefix_cache_queries_total"), metric(prefix_server, "prefix_cache_hits_total")
     first = post(prefix_server, "/v1/completions", body).json()
+    rows = count_prefill_rows(monkeypatch, prefix_server.engine)
     second = post(prefix_server, "/v1/completions", body).json()
     assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     cached = (len(prompt) - 1) // BLOCK * BLOCK
     assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": cached}
+    assert sum(rows) == len(prompt) - 1 - cached  # the hit's rows were not prefilled again
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
     assert metric(prefix_server, "prefix_cache_queries_total") - q0 == 2 * len(prompt)
     assert metric(prefix_server, "prefix_cache_hits_total") - h0 == cached
@@ -757,7 +797,7 @@ def test_only_identical_waiting_scoring_requests_take_a_scored_answer(tiny):
         cold.stop()
 
 
-def test_usage_counts_a_requests_cache_hit_once_for_n_choices(prefix_server):
+def test_usage_counts_a_requests_cache_hit_once_for_n_choices(prefix_server, monkeypatch):
     """n choices of one prompt: the first prefills it, the others copy it; usage reports the
     request's own cache hit (0 for a new prompt), streamed or not, per prompt of a list."""
     rng = random.Random(1014)
@@ -771,8 +811,12 @@ def test_usage_counts_a_requests_cache_hit_once_for_n_choices(prefix_server):
     events = sse_events(post(prefix_server, "/v1/completions", {**body, "prompt": words(), "stream": True,
                                                                 "stream_options": {"include_usage": True}}))
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, events[-1]
+    rows = count_prefill_rows(monkeypatch, prefix_server.engine)
     again = post(prefix_server, "/v1/completions", body).json()  # (now a hit: the prompts' whole chunks)
-    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, again["usage"]
+    usage, cached = again["usage"], again["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0, usage
+    # each prompt's first choice prefills what its hit left (the others copy it), anchors aside
+    assert sum(rows) == usage["prompt_tokens"] - len(body["prompt"]) - cached
 
 
 def test_echo_logprobs_with_n_choices_gives_each_the_prompts_logprobs(prefix_server):
