@@ -83,6 +83,29 @@ def test_bucket_doubles_and_respects_the_context():
     assert small.capacity == 100
 
 
+def test_compiled_passes_trace_each_shape_once(exact_tiny):
+    """The passes really are compiled: the Python forward runs once per pass shape (its trace),
+    not on every call as the uncompiled passes would. (Every other test here compares compiled
+    against uncompiled results, which also agree if nothing was compiled.)"""
+    runner = TargetRunner(exact_tiny.model, compile=True, max_context=exact_tiny.context_length)
+    passes = runner.passes()
+    real, rows = passes.forward, []
+
+    def forward(ids, layers):
+        rows.append(ids.shape[1])
+        return real(ids, layers)
+
+    passes.forward = forward
+    cache = runner.make_cache()
+    mx.eval(runner.prefill(_ids(30, 1), cache)[0])
+    for t in _ids(5, 2):
+        mx.eval(runner.verify([t], cache)[0])
+    for _ in range(3):
+        mx.eval(runner.verify(_ids(3, 3), cache)[0])
+        runner.trim(cache, 3)
+    assert rows == [1, 3], rows
+
+
 def test_compiled_decode_equals_uncompiled_static_pass_bit_for_bit(runners):
     runner, eager = runners
     for seed in range(4):
@@ -150,8 +173,17 @@ def test_padded_one_row_attention_keeps_decode_and_verify_rows_identical(exact_t
     # a one-token prefill chunk through the static cache (mlx-lm's mask, no array) is not padded
     short = runner.verify(cache_ids[1:2], _prefilled(runner, cache_ids[:1]))[0]
     assert mx.allclose(short, short_ref, rtol=ROUNDING, atol=ROUNDING).item()
+    # (which the checks above cannot tell from no padding at all:) a lone decode's attention
+    # calls really receive two query rows
+    sdpa, rows = mx.fast.scaled_dot_product_attention, []
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
+                        lambda q, k, v, **kw: rows.append(q.shape[2]) or sdpa(q, k, v, **kw))
+    fresh = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)
+    cache = _prefilled(fresh, cache_ids[:-1])
+    rows.clear()
+    mx.eval(fresh.verify(cache_ids[-1:], cache)[0])
+    assert rows and set(rows) == {2}, rows
 
-    sdpa = mx.fast.scaled_dot_product_attention
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
                         lambda q, k, v, **kw: sdpa(q, k, v, **kw) + 1e-3 * q.shape[2])
     runner = TargetRunner(tiny.model, compile=True, max_context=tiny.context_length)

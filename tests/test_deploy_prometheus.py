@@ -196,7 +196,7 @@ def test_acceptance_rate_in_unit_interval(scraped):
     assert len(rates) == 1, values
     assert 0 < next(iter(rates.values())) <= 1, rates
     length = _panel_values(scraped, "Mean acceptance length by drafter")
-    assert all(1 <= v for v in length.values()), length
+    assert length and all(1 <= v for v in length.values()), length
 
 
 def test_scheduler_decisions_show_plain_and_drafted_steps(scraped):

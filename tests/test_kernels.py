@@ -11,7 +11,6 @@ This file must not rely on tests/conftest.py (kernel_check runs it with --noconf
 from __future__ import annotations
 
 import shutil
-import subprocess
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -903,20 +902,23 @@ def _attn_inputs(h, kv, d, total, dtype, seed, capacity=None):
     return kbuf[:, :, :total], vbuf[:, :, :total]
 
 
-def test_row_attention_declines_off_cuda_and_unsupported_shapes():
+def test_row_attention_declines_off_cuda_and_unsupported_shapes(monkeypatch):
     q = mx.zeros((1, 4, 2, 64))
     k = mx.zeros((1, 2, 10, 64))
     if not ON_CUDA:
         assert row_attn.row_attention(q, k, k, 0.125) is None
         assert "CUDA only" in row_attn.supported(q, k, k)
-    else:
-        assert row_attn.supported(mx.zeros((1, 4, 2, 80)), mx.zeros((1, 2, 10, 80)), mx.zeros((1, 2, 10, 80)))
-        assert row_attn.supported(mx.zeros((2, 4, 2, 64)), mx.zeros((2, 2, 10, 64)), mx.zeros((2, 2, 10, 64)))
-        assert row_attn.supported(q, k.astype(mx.float16), k.astype(mx.float16))
+    # the shape checks are plain Python: run them on any machine, the backend taken as CUDA
+    monkeypatch.setattr(row_attn, "backend", lambda: "cuda")
+    assert row_attn.supported(q, k, k) == ""
+    assert row_attn.supported(mx.zeros((1, 4, 2, 80)), mx.zeros((1, 2, 10, 80)), mx.zeros((1, 2, 10, 80))) == "head dim 80"
+    assert row_attn.supported(mx.zeros((2, 4, 2, 64)), mx.zeros((2, 2, 10, 64)), mx.zeros((2, 2, 10, 64))).startswith("shapes")
+    assert row_attn.supported(mx.zeros((1, 3, 2, 64)), k, k) == "heads or key length"  # 3 heads over 2 KV heads
+    assert row_attn.supported(q, k.astype(mx.float16), k.astype(mx.float16)).startswith("dtype")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found (CUDA toolkit absent)")
-def test_row_attention_kernel_compiles_for_sm90_without_spills(tmp_path):
+def test_row_attention_kernel_compiles_for_sm90_without_spills():
     body = row_attn.attention_source()
     src = MLX_PRELUDE + "namespace mlx::core::cu { using Strides = cuda::std::array<int64_t, 10>; }\n"
     for i, (ctype, d) in enumerate((("float", 64), ("float", 128), ("__nv_bfloat16", 64), ("__half", 128))):
@@ -930,12 +932,9 @@ def test_row_attention_kernel_compiles_for_sm90_without_spills(tmp_path):
         src += (f"namespace mlx::core::cu {{\n__global__ void a{i}({''.join(sig)} {ctype}* out) {{\n"
                 f"using T = {ctype};\nconstexpr int D = {d};\nconstexpr int W = {row_attn.WARPS};\n"
                 f"constexpr int SCALE_BITS = 1040187392;\n{body}\n}}\n}}\n")
-    (tmp_path / "a.cu").write_text(src)
-    res = subprocess.run(["nvcc", "-arch=sm_90", "-std=c++17", "-cubin", "-Xptxas", "-v",
-                          "-o", str(tmp_path / "a.cubin"), str(tmp_path / "a.cu")],
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert res.stderr.count("0 bytes spill stores") == 4, res.stderr[-4000:]
+    usage = ptxas_usage(src)  # (bytes of stack frame, spill stores and loads per kernel)
+    assert len(usage) == 4, usage
+    assert all(u["stack_frame"] == u["spill_stores"] == u["spill_loads"] == 0 for u in usage.values()), usage
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
