@@ -579,7 +579,9 @@ def test_a_long_prefill_runs_in_slices_while_another_stream_decodes(monkeypatch)
     rng = np.random.default_rng(7)
     long_req = GenerationRequest(prompt_tokens=[int(t) for t in rng.integers(3, 259, 700)], max_tokens=8,
                                  sampling=SamplingParams(temperature=0.0))
-    short_req = GenerationRequest(prompt_tokens=[5, 6, 7, 8, 9, 10] * 3, max_tokens=200,
+    # (500 tokens: the short stream outlasts the long prompt's ~44 slices even if the thread that
+    # submits the long request starts late)
+    short_req = GenerationRequest(prompt_tokens=[5, 6, 7, 8, 9, 10] * 3, max_tokens=500,
                                   sampling=SamplingParams(temperature=0.0), ignore_eos=True,
                                   speculative=SpeculativeParams("off"))
     whole = _engine(loaded, speculation="auto", prefill_slice_ms=0)

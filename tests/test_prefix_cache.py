@@ -811,12 +811,23 @@ def test_usage_counts_a_requests_cache_hit_once_for_n_choices(prefix_server, mon
     events = sse_events(post(prefix_server, "/v1/completions", {**body, "prompt": words(), "stream": True,
                                                                 "stream_options": {"include_usage": True}}))
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, events[-1]
-    rows = count_prefill_rows(monkeypatch, prefix_server.engine)
+    starts = []  # (cache offset, rows) of each prefill call
+    prefill = prefix_server.engine.runner.prefill
+
+    def recording_prefill(tokens, cache, *args, **kwargs):
+        starts.append((cache[0].offset, len(tokens)))
+        return prefill(tokens, cache, *args, **kwargs)
+
+    monkeypatch.setattr(prefix_server.engine.runner, "prefill", recording_prefill)
     again = post(prefix_server, "/v1/completions", body).json()  # (now a hit: the prompts' whole chunks)
     usage, cached = again["usage"], again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0, usage
-    # each prompt's first choice prefills what its hit left (the others copy it), anchors aside
-    assert sum(rows) == usage["prompt_tokens"] - len(body["prompt"]) - cached
+    # every prefill starts after a hit's chunks, and each prompt's uncached rows (anchors aside)
+    # are prefilled: once when its other choices copy its first, as they do unless admission
+    # splits them (then one may prefill its rest again from the cache's chunks)
+    uncached = usage["prompt_tokens"] - len(body["prompt"]) - cached
+    assert starts and min(offset for offset, _ in starts) > 0, starts
+    assert uncached <= sum(rows for _, rows in starts) <= body["n"] * uncached, starts
 
 
 def test_echo_logprobs_with_n_choices_gives_each_the_prompts_logprobs(prefix_server):
