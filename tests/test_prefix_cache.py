@@ -703,14 +703,7 @@ def test_echo_logprobs_choices_share_one_prefill(engines, monkeypatch):
             return [e async for e in stream]
         return await asyncio.gather(*(drain(warm.submit(r)) for r in requests))
 
-    rows = []
-    real_prefill = warm.runner.prefill
-
-    def counting_prefill(tokens, *args, **kwargs):
-        rows.append(len(tokens))
-        return real_prefill(tokens, *args, **kwargs)
-
-    monkeypatch.setattr(warm.runner, "prefill", counting_prefill)
+    rows = count_prefill_rows(monkeypatch, warm)
     for max_tokens in (4, 0):
         ref = output(list(cold.generate(req("cold", max_tokens), timeout=600)))
         ref3 = output(list(cold.generate(req("cold3", max_tokens, logprobs=3), timeout=600)))
