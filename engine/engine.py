@@ -899,8 +899,8 @@ class Engine:
         twin's answer when it ends (:meth:`_answer_scored`; a twin that scores leaves no KV, so
         only requests that score the same way wait for it). ``dspark``: whether ``request`` runs
         DSpark."""
-        twins = [seq for seq in [seq for _, seq in self._active if not seq.finished] + self._donors
-                 if self._can_copy(request, dspark, seq)]
+        candidates = [seq for _, seq in self._active if not seq.finished] + self._donors
+        twins = [seq for seq in candidates if self._can_copy(request, dspark, seq)]
         # (a prefilled one first: the n - 1 choices copy the first one in one admission round,
         # not each the one admitted before it, a step later)
         return next((seq for seq in twins if seq.prefilled), twins[0] if twins else None)
