@@ -141,7 +141,13 @@ class TokenTable:
         return self.token_text(token).encode("utf-8")
 
     def token_text(self, token: int) -> str:
-        """One token on its own, as OpenAI ``logprobs.tokens`` shows it."""
+        """One token on its own, as OpenAI ``logprobs.tokens`` shows it; a special token hidden
+        from the text by its spelling (``<|im_end|>``), so a client can tell which one it is and
+        two of them among ``top_logprobs`` stay two keys (vLLM shows them as "", which
+        vllm-project/vllm#9463 reports as a bug: the end of text cannot be identified)."""
+        spelled = self.special_text.get(token)
+        if spelled is not None:
+            return spelled
         if self.token_bytes is None:
             return self.tokenizer.decode([token])
         raw = self.token_bytes[token]

@@ -737,7 +737,8 @@ class LegacyLogprobs:
     ``bytes:\\x..``, whose length is no position in the text). ``typed``: echoed prompt
     positions whose hidden special token the prompt text spells out (:func:`typed_specials`):
     those show as that spelling and span it, as the echoed text does; other hidden special
-    tokens (a BOS the tokenizer added, an EOS generated) show as "" and span nothing."""
+    tokens (a BOS the tokenizer added, an EOS generated) show by their spelling too
+    (:meth:`TokenTable.token_text`) but span nothing: the text leaves them out."""
 
     def __init__(self, table, offset: int = 0, typed: dict[int, str] | None = None):
         self.table = table
@@ -766,8 +767,12 @@ class LegacyLogprobs:
 
 
 def chat_logprobs(table, items: list[TokenLogprob]) -> list[dict]:
+    """Chat ``logprobs.content``. A hidden special token shows by its spelling with ``bytes``
+    null (OpenAI: "null if there is no bytes representation"), so that joining the entries'
+    bytes still gives the message's text."""
     def entry(token, logprob):
-        return {"token": table.token_text(token), "logprob": logprob, "bytes": list(table.token_raw(token))}
+        raw = None if token in table.special_text else list(table.token_raw(token))
+        return {"token": table.token_text(token), "logprob": logprob, "bytes": raw}
 
     return [
         {**entry(item.token, item.logprob), "top_logprobs": [entry(t, lp) for t, lp in item.top]}

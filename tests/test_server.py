@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import httpx
 import openai
 import pytest
+from tiny import SPECIALS
 
 PROMPT = "abcabcabcabc abc"
 
@@ -165,9 +166,13 @@ def test_text_offset_places_special_tokens_typed_in_an_echoed_prompt(tiny_server
     choice = post(tiny_server, "/v1/completions", body).json()["choices"][0]
     text, lp = choice["text"], choice["logprobs"]
     assert text.startswith(prompt) and lp["tokens"][0] == "<|im_start|>" and "<|im_end|>" in lp["tokens"]
-    for token, offset, top in zip(lp["tokens"], lp["text_offset"], lp["top_logprobs"]):
-        assert text[offset:offset + len(token)] == token, (token, offset)
+    n_prompt = len(lp["tokens"]) - 3
+    for i, (token, offset, top) in enumerate(zip(lp["tokens"], lp["text_offset"], lp["top_logprobs"])):
         assert top is None or token in top
+        if i >= n_prompt and token in SPECIALS:  # (a generated special token is not in the text)
+            assert offset == (lp["text_offset"] + [len(text)])[i + 1], (token, offset)
+            continue
+        assert text[offset:offset + len(token)] == token, (token, offset)
     events = sse_events(post(tiny_server, "/v1/completions", {**body, "stream": True}))
     streamed = {k: [x for e in events for x in e["choices"][0]["logprobs"][k]] for k in ("tokens", "text_offset")}
     assert streamed == {k: lp[k] for k in ("tokens", "text_offset")}
@@ -175,9 +180,10 @@ def test_text_offset_places_special_tokens_typed_in_an_echoed_prompt(tiny_server
 
 @pytest.mark.parametrize("split", [False, True])
 def test_typed_specials_come_from_the_tokenizers_offsets(split):
-    """A BOS the tokenizer adds spans nothing even where the text starts with its spelling; a
-    spelling tokenized as ordinary text (split_special_tokens) is no special token; the offsets
-    then index the text and no top_logprobs key repeats."""
+    """A BOS the tokenizer adds shows by its spelling but spans nothing, even where the text
+    starts with that spelling; a spelling tokenized as ordinary text (split_special_tokens) is
+    no special token; the offsets then index the text and no top_logprobs key repeats, hidden
+    special tokens among the alternatives included (each by its own spelling)."""
     from tiny import byte_tokenizer
     from tokenizers import processors
 
@@ -197,12 +203,19 @@ def test_typed_specials_come_from_the_tokenizers_offsets(split):
     assert ids[0] == bos and (ids.count(bos) == 1) == split
     typed = typed_specials(wrapper, table.special_text, text, ids)
     assert typed == ({} if split else {1: "<|im_start|>", 4: "<|im_end|>"})
-    items = [TokenLogprob(t, -1.0, [(t, -1.0), (5, -2.0)]) for t in ids]
+    eos, unk = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
+    alternatives = [(5, -2.0), (eos, -3.0), (unk, -4.0)]
+    items = [TokenLogprob(t, -1.0, [(t, -1.0)] + [a for a in alternatives if a[0] != t]) for t in ids]
     lp = LegacyLogprobs(table, typed=typed).render(items)
-    assert lp["tokens"][0] == "" and lp["text_offset"][0] == 0  # the added BOS
-    for token, offset, top in zip(lp["tokens"], lp["text_offset"], lp["top_logprobs"]):
-        assert text[offset:offset + len(token)] == token and token in top and len(top) == 2
+    assert lp["tokens"][0] == "<|im_start|>" and lp["text_offset"][:2] == [0, 0]  # the added BOS
+    for i, (token, offset, top) in enumerate(zip(lp["tokens"], lp["text_offset"], lp["top_logprobs"])):
+        assert token in top and len(top) == len({ids[i], 5, eos, unk}) and {"<|im_end|>", "<|endoftext|>"} <= top.keys()
+        if i:  # (the added BOS is not in the text)
+            assert text[offset:offset + len(token)] == token
     assert lp["text_offset"][-1] + len(lp["tokens"][-1]) == len(text)
+    generated = LegacyLogprobs(table, offset=len(text)).render([TokenLogprob(eos, -0.5, [(eos, -0.5), (unk, -0.9)])])
+    assert generated == {"tokens": ["<|im_end|>"], "token_logprobs": [-0.5],
+                         "top_logprobs": [{"<|im_end|>": -0.5, "<|endoftext|>": -0.9}], "text_offset": [len(text)]}
 
 
 def test_chat_logprobs(tiny_server):
@@ -211,6 +224,23 @@ def test_chat_logprobs(tiny_server):
                                                    "temperature": 0, "ignore_eos": True}).json()
     content = r["choices"][0]["logprobs"]["content"]
     assert len(content) == 4 and all(len(c["top_logprobs"]) == 3 for c in content)
+
+
+def test_logprobs_name_a_generated_special_token(tiny_server):
+    """An EOS the model generates (hidden from the text) shows by its spelling in both APIs'
+    logprobs, not as an empty token; in chat its ``bytes`` are null (no bytes in the text)."""
+    chat = post(tiny_server, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "logprobs": True, "top_logprobs": 2,
+        "temperature": 0, "logit_bias": {"2": 100}}).json()["choices"][0]  # (tiny.py: id 2 is <|im_end|>)
+    last = chat["logprobs"]["content"][-1]
+    assert chat["finish_reason"] == "stop" and chat["message"]["content"] == ""
+    assert last["token"] == "<|im_end|>" and last["bytes"] is None
+    assert all(t["token"] for t in last["top_logprobs"]) and len({t["token"] for t in last["top_logprobs"]}) == 2
+    legacy = post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 3, "logprobs": 2, "temperature": 0,
+                                                   "logit_bias": {"2": 100}}).json()["choices"][0]
+    assert legacy["text"] == "" and legacy["logprobs"]["tokens"] == ["<|im_end|>"]
+    top = legacy["logprobs"]["top_logprobs"][0]
+    assert "<|im_end|>" in top and "" not in top and len(top) in (2, 3)  # (logprobs 2, + the chosen one)
 
 
 @pytest.mark.parametrize(
@@ -818,7 +848,7 @@ def test_a_partial_characters_token_shows_its_own_bytes(tiny_server):
     for t in content[0]["top_logprobs"]:  # (the unbiased distribution's: any tokens, same rule)
         placeholder = t["token"].startswith("bytes:")
         raw = bytes.fromhex(t["token"][len("bytes:"):].replace("\\x", "")) if placeholder else t["token"].encode()
-        assert t["bytes"] == list(raw), t
+        assert t["bytes"] == (None if t["token"] in SPECIALS else list(raw)), t
 
 
 def test_a_character_cut_by_max_tokens_matches_no_stop_string(tiny_server):
