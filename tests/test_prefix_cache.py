@@ -196,15 +196,18 @@ def session_prompts(seed: int) -> list[list[int]]:
     return out
 
 
-def count_prefill_rows(monkeypatch, eng) -> list[int]:
+def count_prefill_rows(monkeypatch, eng, starts: list | None = None) -> list[int]:
     """Wrap ``eng``'s runner.prefill (until the test ends): the list each call appends its row
-    count to. A hit must skip its cached rows, not only report them in ``cached_tokens``."""
+    count to, and ``starts`` (when given) each call's ``(cache offset, rows)``. A hit must skip
+    its cached rows, not only report them in ``cached_tokens``."""
     rows = []
     prefill = eng.runner.prefill
 
-    def counting_prefill(tokens, *args, **kwargs):
+    def counting_prefill(tokens, cache, *args, **kwargs):
         rows.append(len(tokens))
-        return prefill(tokens, *args, **kwargs)
+        if starts is not None:
+            starts.append((cache[0].offset, len(tokens)))
+        return prefill(tokens, cache, *args, **kwargs)
 
     monkeypatch.setattr(eng.runner, "prefill", counting_prefill)
     return rows
@@ -805,13 +808,7 @@ def test_usage_counts_a_requests_cache_hit_once_for_n_choices(prefix_server, mon
                                                                 "stream_options": {"include_usage": True}}))
     assert events[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, events[-1]
     starts = []  # (cache offset, rows) of each prefill call
-    prefill = prefix_server.engine.runner.prefill
-
-    def recording_prefill(tokens, cache, *args, **kwargs):
-        starts.append((cache[0].offset, len(tokens)))
-        return prefill(tokens, cache, *args, **kwargs)
-
-    monkeypatch.setattr(prefix_server.engine.runner, "prefill", recording_prefill)
+    count_prefill_rows(monkeypatch, prefix_server.engine, starts)
     again = post(prefix_server, "/v1/completions", body).json()  # (now a hit: the prompts' whole chunks)
     usage, cached = again["usage"], again["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0, usage
