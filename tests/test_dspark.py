@@ -366,6 +366,45 @@ def test_markov_variants_cut_the_bias_matrix_to_its_best_low_rank(tmp_path, bits
             json.loads((src / "config.json").read_text())
 
 
+def test_quant_noise_perturbs_each_quantized_matrix_by_at_most_half_its_groups_step(tmp_path):
+    """``benchmarks.dspark_quant_noise``: ``float`` is the export dequantized; each noise copy moves
+    every quantized matrix (and nothing else) by at most half its own group's grid step, filling
+    that range (uniform); seeds give other noise, ``--scale`` shrinks it, ``--only`` picks the
+    matrices, and every copy loads."""
+    from benchmarks.dspark_quant_noise import main
+
+    src = save_dspark(tiny_net(seed=8), tmp_path / "q4", bits=4, group_size=32, dtype="float16")
+    assert main([str(src), str(tmp_path / "n"), "--seeds", "1,2"]) == 0
+    assert main([str(src), str(tmp_path / "h"), "--seeds", "1", "--scale", "0.5", "--only", "markov_head"]) == 0
+    quantized = {k[: -len(".scales")] for k in mx.load(str(src / "model.safetensors")) if k.endswith(".scales")}
+    assert {"fc", "layers.0.mlp.up_proj", "markov_head.markov_w1"} <= quantized
+
+    def params(path):
+        return {k: np.array(v) for k, v in tree_flatten(load_dspark(path, dequantize=True).parameters())}
+
+    base, flt = params(src), params(tmp_path / "n" / "float")
+    assert base.keys() == flt.keys() and all(np.array_equal(base[k], flt[k]) for k in base)
+    n1, n2, half = params(tmp_path / "n" / "noise-1"), params(tmp_path / "n" / "noise-2"), params(tmp_path / "h" / "noise-1")
+    for k, w in base.items():
+        name = k[: -len(".weight")]
+        if name not in quantized:
+            assert np.array_equal(n1[k], w) and np.array_equal(half[k], w), k
+            continue
+        groups = w.reshape(w.shape[0], -1, 32)
+        step = (groups.max(-1, keepdims=True) - groups.min(-1, keepdims=True)) / 15
+        rel = (n1[k] - w).reshape(groups.shape) / np.where(step > 0, step, 1)
+        assert np.abs(rel).max() <= 0.5 + 1e-4, k
+        assert np.abs(rel).max() > 0.4 and abs(np.mean(rel ** 2) - 1 / 12) < 0.03, k  # (uniform: variance 1/12)
+        assert not np.array_equal(n1[k], n2[k]), k
+        if name.startswith("markov_head"):
+            rel_half = np.abs((half[k] - w).reshape(groups.shape) / np.where(step > 0, step, 1))
+            assert 0.2 < rel_half.max() <= 0.25 + 1e-4, k
+        else:
+            assert np.array_equal(half[k], w), k
+    report = json.loads((tmp_path / "n" / "noise.json").read_text())
+    assert sorted(report["matrices"]) == sorted(quantized) and report["bits"] == 4 and report["group_size"] == 32
+
+
 # ---- masks, alignment, heads ------------------------------------------------------------------
 
 
