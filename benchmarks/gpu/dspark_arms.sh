@@ -11,12 +11,18 @@
 #                                        # this generates nothing)
 #   dspark_arms.sh train STEPS BUDGET_S  # all arms at once, resumable; then every arm's exported
 #                                        # drafter, log and run config in $OUT/arms.tar.part_*
-#                                        # (cat them | tar x: arms/<name>/...)
+#                                        # (cat them | tar x: arms/<name>/...; an arm the budget
+#                                        # stopped early: arms/<name>/drafter-partial/, its newest
+#                                        # checkpoint exported, with its step in STEP)
 # A call returns at most 8 files of at most ~16 MiB: the arms travel as one tar in 15 MiB parts,
 # enough for about six arms with their 19 MB drafters; more parts than 8 is an error.
-# Memory: arms share the card; MICRO=8 keeps a 7-layer arm's 64 x 1,024-token step small.
+# Memory: arms share the card, and two did not fit an H100: in the forty-seventh session two
+# 7-layer arms at MICRO=8 both ran out of its 80 GB at step 2, while one arm alone at MICRO=4
+# trained at 0.48 s per step (78.8 GB held).
+# On an H100 run one arm per call (ARMS='name ...'); the H200's 141 GB is untried with two.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 usage() { echo "usage: ARMS='name VAR=value ...; ...' $0 gen | train STEPS BUDGET_S" >&2; exit 2; }
 phase=${1:-}
@@ -60,6 +66,25 @@ for name in "${names[@]}"; do
   rows=0; [ -f "$log" ] && rows=$(grep -c '"step"' "$log" || true)
   echo "$name: $rows log rows; last: $([ -f "$log" ] && tail -1 "$log" | cut -c1-160)"
   grep -iE "error|Traceback|out of memory" "/root/arms/$name/train.log" | tail -3 || true
+  # An arm the budget stopped before STEPS has no export: export its newest checkpoint the way
+  # the trainer exports (4 bits, groups of 64, float16) into drafter-partial/, named by its step
+  # (its learning rate had not decayed to 0: compare such arms at equal steps only).
+  rm -rf "/root/arms/$name/drafter-partial"  # (an earlier call's, superseded by this one's)
+  if [ ! -d "/root/arms/$name/drafter" ] || [ -z "$(ls -A "/root/arms/$name/drafter")" ]; then
+    # (the staged wheels and this checkout: h200_session.sh sets the same path for its children)
+    PYTHONPATH="/tmp/site:$repo" python3 - "/root/arm_$name/dspark-run" "/root/arms/$name/drafter-partial" <<'EOF' \
+      || echo "$name: no partial export" >&2
+import sys
+from drafters.dspark.loader import load_dspark, save_dspark
+from drafters.dspark.train import latest_checkpoint
+ckpt = latest_checkpoint(sys.argv[1])
+if ckpt is None:
+    sys.exit(f"{sys.argv[1]}: no checkpoint to export")
+save_dspark(load_dspark(ckpt, dtype=None), sys.argv[2], bits=4, group_size=64, dtype="float16")
+open(f"{sys.argv[2]}/STEP", "w").write(ckpt.name + "\n")
+print(f"exported {ckpt} -> {sys.argv[2]}")
+EOF
+  fi
 done
 rm -f "$out"/arms.tar.part_*
 (cd /root && tar cf - arms) | split -b 15M - "$out/arms.tar.part_"
