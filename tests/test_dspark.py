@@ -807,6 +807,129 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_target):
             assert np.allclose(flat[k], g, rtol=1e-4, atol=1e-6 * float(mx.abs(g).max().item()) + 1e-9), k
 
 
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_export_rounding_gives_the_exports_weights_with_straight_through_gradients(tmp_path, group_size):
+    """``export_rounding`` (quantization-aware training): the float weights become exactly what
+    the 4-bit float16 export loads as (group grid where the export has scales, float16 rounding
+    elsewhere, the confidence head included); the gradient is the identity."""
+    from drafters.dspark.train import export_rounding
+
+    net = tiny_net(seed=8)
+    saved = save_dspark(net, tmp_path / "q", bits=4, group_size=group_size, dtype="float16")
+    want = dict(tree_flatten(load_dspark(saved, dequantize=True).parameters()))
+    floats = dict(tree_flatten(net.parameters()))
+    rounding = export_rounding(net, 4, group_size)
+    got = rounding(floats)
+    assert got.keys() == want.keys() == floats.keys()
+    assert all(got[k].dtype == mx.float32 and mx.array_equal(got[k], want[k]) for k in got)
+    on_grid = {k[: -len(".scales")] + ".weight" for k in mx.load(str(saved / "model.safetensors")) if k.endswith(".scales")}
+    assert "fc.weight" in on_grid and not any(k.startswith("confidence_head") for k in on_grid)
+    for k, w in floats.items():  # (a grid step, not a float16 ulp, where the export quantizes)
+        moved = mx.abs(got[k] - w).max().item()
+        assert (moved > 1e-3) == (k in on_grid), (k, moved)
+    weights = {k: mx.random.normal(w.shape, key=mx.random.key(i)) for i, (k, w) in enumerate(floats.items())}
+    grads = mx.grad(lambda p: sum((rounding(p)[k] * weights[k]).sum() for k in p))(floats)
+    assert all(mx.array_equal(grads[k], weights[k]) for k in floats)
+
+
+def test_quantization_aware_loss_is_the_exports_loss(tiny_target, tmp_path):
+    """``quantization_aware``: the loss and gradient of the float drafter through the export's
+    rounding are the exported drafter's own (dequantized); afterwards the drafter holds its
+    float weights again, so the optimizer updates those."""
+    from drafters.dspark.train import _new_model, export_rounding, quantization_aware
+
+    target, tok = tiny_target
+    net = _new_model(target, tok, DraftArch(layers=1, target_layer_ids=[0, 1], block_size=4, markov_rank=16,
+                                            mask_token_id=0), seed=1)
+    taps = TargetTaps(target, net.config.target_layer_ids)
+    batch = make_batch([(list(range(3, 40)), 10), (list(range(5, 60)), 8)], 4, 16, np.random.default_rng(0))
+
+    def loss_fn(m, b, h, t):
+        logits, conf = draft_pass(m, taps.embed, taps.lm_head, b, h)
+        return dspark_loss(logits, conf, t, mx.array(b.labels), mx.array(b.eval_mask))
+
+    floats = {k: mx.array(v) for k, v in tree_flatten(net.parameters())}
+    qat = nn.value_and_grad(net, quantization_aware(loss_fn, export_rounding(net, 4, 32)))
+    loss, metrics, grads = batch_gradients(qat, net, taps, batch, 1, 4.0)
+    assert all(mx.array_equal(v, floats[k]) for k, v in tree_flatten(net.parameters()))
+    exported = load_dspark(save_dspark(net, tmp_path / "q4", bits=4, group_size=32, dtype="float16"), dequantize=True)
+    want_loss, want, want_grads = batch_gradients(nn.value_and_grad(exported, loss_fn), exported, taps, batch, 1, 4.0)
+    plain_loss, _, _ = batch_gradients(nn.value_and_grad(net, loss_fn), net, taps, batch, 1, 4.0)
+    assert loss.item() == pytest.approx(want_loss.item(), rel=1e-6) and metrics["tau"].item() == want["tau"].item()
+    assert abs(plain_loss.item() - want_loss.item()) > 1e-4  # (the rounding changes the loss: the test can tell)
+    flat, want_flat = dict(tree_flatten(grads)), dict(tree_flatten(want_grads))
+    assert flat.keys() == want_flat.keys()
+    for k, g in want_flat.items():
+        assert np.allclose(flat[k], g, rtol=1e-4, atol=1e-6 * float(mx.abs(g).max().item()) + 1e-9), k
+
+
+def test_the_last_qat_steps_train_through_the_rounding(tiny_target, tmp_path):
+    """``TrainConfig.qat_steps``: the run matches a plain one step for step until the last
+    ``qat_steps`` (logged ``"qat": true``), whose losses are the export's; the checkpoint and
+    ``drafter/`` keep float weights (off the grid), resumable mid-QAT to the same weights."""
+    from drafters.dspark.train import _new_model, export_rounding, make_optimizer
+
+    target, tok = tiny_target
+    arch = DraftArch(layers=1, target_layer_ids=[0, 1], block_size=4, markov_rank=16, mask_token_id=0)
+    taps = TargetTaps(target, arch.target_layer_ids)
+    examples = [(list(range(3, 40)), 10), (list(range(5, 60)), 8), (list(range(7, 30)), 4), (list(range(2, 50)), 20)]
+    runs = {}
+    for name, qat_steps in (("plain", 0), ("qat", 3)):
+        cfg = TrainConfig(steps=6, batch_size=2, num_anchors=8, log_every=1, save_every=4, lr=3e-3,
+                          qat_steps=qat_steps, qat_group_size=32)
+        net = _new_model(target, tok, arch, seed=1)
+        opt = make_optimizer(cfg)
+        (tmp_path / name).mkdir()
+        rows, done = train_loop(net, opt, 0, taps, examples, cfg, tmp_path / name, False)
+        runs[name] = (rows, net, cfg)
+        assert done == 6
+    plain, qat = runs["plain"][0], runs["qat"][0]
+    assert [r.get("qat", False) for r in qat] == [False] * 3 + [True] * 3 and not any("qat" in r for r in plain)
+    assert [r["loss"] for r in qat[:3]] == [r["loss"] for r in plain[:3]]
+    assert all(abs(a["loss"] - b["loss"]) > 1e-5 for a, b in zip(qat[3:], plain[3:]))
+    net, cfg = runs["qat"][1], runs["qat"][2]
+    floats = dict(tree_flatten(net.parameters()))
+    rounded = export_rounding(net, 4, 32)(floats)
+    assert not mx.array_equal(floats["fc.weight"], rounded["fc.weight"])  # (float master weights)
+    # resume from step 4 (mid-QAT): the same weights at the end
+    shutil.rmtree(tmp_path / "qat" / "checkpoints" / "step-0000006")
+    again, opt, step = restore(latest_checkpoint(tmp_path / "qat"), cfg)
+    assert step == 4
+    rows, _ = train_loop(again, opt, step, taps, examples, cfg, tmp_path / "qat", False)
+    assert [r["step"] for r in rows] == [5, 6] and all(r["qat"] for r in rows)
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in qat[4:]], rel=1e-6)
+    for k, v in tree_flatten(again.parameters()):
+        assert mx.allclose(v, floats[k], atol=1e-6), k
+
+
+def test_qat_checks_and_flags(tiny_target, tmp_path, monkeypatch):
+    """``--qat-steps`` trains for the export's grid (``--export-bits``, ``--export-group-size``);
+    QAT without an export, beyond the run's steps, or for another grid than the export's is
+    refused before anything is generated."""
+    import drafters.dspark.train as train_mod
+
+    seen = []
+    monkeypatch.setattr(train_mod, "train_dspark", lambda *a, **kw: seen.append(kw) or train_mod.RunResult(str(tmp_path), True, 0))
+    loader = lambda spec, weights: tiny_target  # noqa: E731
+    argv = ["--out", str(tmp_path), "--no-progress", "--qat-steps", "100"]
+    assert train_mod.main(argv + ["--export-bits", "8", "--export-group-size", "32"], load_target=loader) == 0
+    train = seen[0]["train"]
+    assert (train.qat_steps, train.qat_bits, train.qat_group_size) == (100, 8, 32)
+    assert (seen[0]["export_bits"], seen[0]["export_group_size"]) == (8, 32)
+    assert train_mod.main(argv, load_target=loader) == 0
+    assert (seen[1]["train"].qat_bits, seen[1]["train"].qat_group_size, seen[1]["export_group_size"]) == (4, 64, 64)
+    with pytest.raises(SystemExit):
+        train_mod.main(argv + ["--export-bits", "0"], load_target=loader)
+    monkeypatch.undo()
+    model, tok = tiny_target
+    for train, export, match in ((TrainConfig(steps=10, qat_steps=11), 4, "qat_steps must be in 0..steps"),
+                                 (TrainConfig(steps=10, qat_steps=-1), 4, "qat_steps must be in 0..steps"),
+                                 (TrainConfig(steps=10, qat_steps=5, qat_bits=8), 4, "8-bit groups of 64, but the export is 4-bit")):
+        with pytest.raises(ValueError, match=match):
+            train_dspark(model, tok, tmp_path / "run", train=train, export_bits=export, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
 def test_micro_batches_flag():
     from drafters.dspark.train import build_parser
 

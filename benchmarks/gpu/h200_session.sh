@@ -50,6 +50,9 @@ run=$root/dspark-run
 # responses" lever; the target's own distribution, as DSpark serves sampled requests too).
 # CE / L1: the loss weights of the cross-entropy on the data tokens and of L1(draft, target)
 # (train only; default 0.1 / 0.9, dspark.md section 6).
+# QAT=N: the last N training steps are quantization-aware (they train through the export's
+# rounding; docs/dspark.md, Export); GROUP: the export's weights per 4-bit group (default 64;
+# 32 is finer, ~1.1 MB more for a 7-layer drafter). Train only.
 # MICRO=2 splits each step's 64 sequences into two passes: the same gradient in about half the
 # activation memory (7 layers at 64 x 1,024 tokens ran out of an H100's 80 GB in v8's run).
 recipe=(--target default --layers "${LAYERS:-3}" --block-size 7 --markov-rank "${RANK:-128}"
@@ -130,7 +133,8 @@ a, b = rows[1], rows[-1]
 print('seconds per step (after the first):', (b['elapsed_s']-a['elapsed_s'])/(b['step']-a['step']))" | tee "$out/probe.txt"
     ;;
   train)
-    train_dspark --out "$run" --steps "$2" --time-budget "$3" ${CE:+--ce-weight "$CE"} ${L1:+--l1-weight "$L1"} || true
+    train_dspark --out "$run" --steps "$2" --time-budget "$3" ${CE:+--ce-weight "$CE"} ${L1:+--l1-weight "$L1"} \
+      ${QAT:+--qat-steps "$QAT"} ${GROUP:+--export-group-size "$GROUP"} || true
     mkdir -p "$out/drafter"
     cp "$run"/drafter-q4/* "$out/drafter/" 2>/dev/null || true
     # (a file over 16 MiB does not come back from the device: join the parts with

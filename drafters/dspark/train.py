@@ -19,6 +19,11 @@ Recipe ([DS-paper] eqs. 9-12; [DeepSpec] ``loss.py``, ``common.py``; dspark.md s
 4. AdamW (weight decay 0 by default), linear warm-up over 4% of the steps then cosine to 0,
    gradient clipping at norm 1.0. Only the draft network trains; the target, its embedding
    and its LM head are frozen (they are not parameters of the draft network).
+5. Optionally (``TrainConfig.qat_steps``), the last steps are quantization-aware: the forward
+   uses the weights the quantized export will hold (:func:`export_rounding`) and the gradient
+   passes straight through the rounding to the float weights (Bengio et al. 2013, "Estimating
+   or Propagating Gradients Through Stochastic Neurons"; Jacob et al. 2018, "Quantization and
+   Training of Neural Networks for Efficient Integer-Arithmetic-Only Inference", section 3).
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ from ..base import DraftContext
 from .config import DSparkConfig, draft_config_from_target
 from .data import PromptRecord, build_prompt_set, encode_prompt, read_jsonl, write_jsonl
 from .drafter import DraftStep, DSparkDrafter
-from .loader import load_dspark, save_dspark
+from .loader import _quantizable, load_dspark, save_dspark
 from .model import DSparkModel, init_weights
 from .target import TargetTaps, model_config_dict
 
@@ -116,6 +121,13 @@ class TrainConfig:
     keep_checkpoints: int = 2
     log_every: int = 10
     seed: int = 0
+    # Quantization-aware training: the last ``qat_steps`` steps train through the rounding of
+    # the export (``qat_bits``-bit affine groups of ``qat_group_size``, float16 elsewhere), so
+    # the shipped weights are the ones the loss saw. 0 = off. train_dspark requires the grid to
+    # be the export's.
+    qat_steps: int = 0
+    qat_bits: int = 4
+    qat_group_size: int = 64
 
 
 # ---- batches --------------------------------------------------------------------------------
@@ -574,6 +586,72 @@ def batch_gradients(loss_and_grad, model: DSparkModel, taps: TargetTaps, batch: 
     return loss, metrics, grads
 
 
+@mx.custom_function
+def _straight_through(w: mx.array, rounded: mx.array) -> mx.array:
+    """``rounded`` forward; backward, the cotangent goes to ``w`` unchanged (and none to ``rounded``)."""
+    return rounded
+
+
+@_straight_through.vjp
+def _straight_through_vjp(primals, cotangent, output):
+    return cotangent, mx.zeros_like(primals[1])
+
+
+def export_rounding(model: DSparkModel, bits: int, group_size: int) -> Callable[[dict], dict]:
+    """Fake quantization for quantization-aware training: a function of ``model``'s flat
+    parameters (``{name: array}``, any float dtype) giving the values
+    ``save_dspark(model, bits=bits, group_size=group_size, dtype="float16")`` will store, as
+    arrays of the input dtypes: float16 rounding of every floating tensor and, for the matrices
+    the export quantizes (``loader._quantizable``: every Linear/Embedding but the confidence
+    head whose input width divides into groups), MLX affine quantization per group of
+    ``group_size`` (scale and bias from the group's min and max) then dequantization.
+
+    The gradient is straight-through (the identity to the float weight, none through the
+    scales). Works on traced arrays, so it can sit inside a function given to
+    ``nn.value_and_grad``. The values equal ``load_dspark(export, dequantize=True)``'s.
+
+    MLX's affine rounding is not idempotent: it fits each group's scale so that the endpoint of
+    larger magnitude is on the grid and 0 is too, so rounding weights already rounded (a drafter
+    trained further from a quantized export, ``--init``) refits a narrower grid and moves about
+    13% of them by up to 2/3 of a step. Those steps see the export's real rounding, too.
+    """
+    predicate = _quantizable(group_size)
+    quantized = {f"{path}.weight" for path, module in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
+                 if predicate(path, module)}
+
+    def rounded(params: dict) -> dict:
+        out = {}
+        for name, w in params.items():
+            if not mx.issubdtype(w.dtype, mx.floating):
+                out[name] = w
+                continue
+            stored = mx.stop_gradient(w).astype(mx.float16)
+            if name in quantized:  # (dequantized in float32, as load_dspark does: no float16 rounding of q*s+b)
+                q, scales, biases = mx.quantize(stored, group_size=group_size, bits=bits)
+                stored = mx.dequantize(q, scales.astype(mx.float32), biases.astype(mx.float32),
+                                       group_size=group_size, bits=bits)
+            out[name] = _straight_through(w, stored.astype(w.dtype))
+        return out
+
+    return rounded
+
+
+def quantization_aware(loss_fn: Callable, rounding: Callable[[dict], dict]) -> Callable:
+    """``loss_fn(net, *args)`` computed with ``net``'s weights replaced by ``rounding`` of them
+    (:func:`export_rounding`), for ``nn.value_and_grad``: the gradient reaches the float
+    weights straight through the rounding, and ``net`` holds its float weights again when the
+    call returns (so the optimizer updates those, not the rounded copies)."""
+    def wrapped(net, *args):
+        floats = net.parameters()
+        net.update(tree_unflatten(list(rounding(dict(tree_flatten(floats))).items())))
+        try:
+            return loss_fn(net, *args)
+        finally:
+            net.update(floats)
+
+    return wrapped
+
+
 def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, taps: TargetTaps,
                examples: list[tuple[list[int], int]], train_cfg: TrainConfig, out_dir: Path,
                progress: bool = True, deadline: float | None = None) -> tuple[list[dict], int]:
@@ -581,7 +659,9 @@ def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, 
 
     Batch ``t`` is drawn with ``numpy.random.default_rng([seed, t])``, so a resumed run sees the
     same batches as an uninterrupted one. When ``deadline`` (a ``time.perf_counter()`` value)
-    passes, a checkpoint is written and the loop stops early.
+    passes, a checkpoint is written and the loop stops early. Steps from
+    ``steps - qat_steps`` on are quantization-aware (:func:`export_rounding`; their log rows say
+    ``"qat": true``); the model and its checkpoints keep the float weights throughout.
     Returns ``(logged metric rows, steps completed)``.
     """
     from tqdm import tqdm
@@ -596,6 +676,10 @@ def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, 
                            mx.array(batch.eval_mask), **weights)
 
     loss_and_grad = nn.value_and_grad(model, loss_fn)
+    qat_from = train_cfg.steps - train_cfg.qat_steps if train_cfg.qat_steps > 0 else None
+    if qat_from is not None:
+        rounding = export_rounding(model, train_cfg.qat_bits, train_cfg.qat_group_size)
+        qat_loss_and_grad = nn.value_and_grad(model, quantization_aware(loss_fn, rounding))
     rows, started = [], time.perf_counter()
     log_path = out_dir / "train_log.jsonl"
     bar = tqdm(total=train_cfg.steps, initial=start_step, desc="train", disable=not progress)
@@ -603,8 +687,9 @@ def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, 
         rng = np.random.default_rng([train_cfg.seed, step])
         picks = rng.choice(len(examples), size=min(train_cfg.batch_size, len(examples)), replace=False)
         batch = make_batch([examples[i] for i in picks], cfg.block_size, train_cfg.num_anchors, rng)
-        loss, metrics, grads = batch_gradients(loss_and_grad, model, taps, batch, train_cfg.micro_batches,
-                                               train_cfg.decay_gamma)
+        qat = qat_from is not None and step >= qat_from
+        loss, metrics, grads = batch_gradients(qat_loss_and_grad if qat else loss_and_grad, model, taps, batch,
+                                               train_cfg.micro_batches, train_cfg.decay_gamma)
         grads, grad_norm = optim.clip_grad_norm(grads, train_cfg.grad_clip)
         optimizer.update(model, grads)
         mx.eval(model.parameters(), optimizer.state, loss, metrics, grad_norm)
@@ -615,7 +700,7 @@ def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, 
             row = {"step": done, "loss": loss.item(), "grad_norm": grad_norm.item(),
                    "lr": float(optimizer.learning_rate.item()),
                    "elapsed_s": round(time.perf_counter() - started, 2),
-                   **{k: _to_float(v) for k, v in metrics.items()}}
+                   **{k: _to_float(v) for k, v in metrics.items()}, **({"qat": True} if qat else {})}
             rows.append(row)
             with open(log_path, "a") as fh:
                 fh.write(json.dumps(row) + "\n")
@@ -875,6 +960,19 @@ def _load_or_generate(target, tokenizer, out_dir: Path, data_cfg: DataConfig, re
     return rows
 
 
+def check_qat(train: TrainConfig, export_bits: int | None, export_group_size: int) -> None:
+    """Raises ValueError unless ``train``'s quantization-aware steps fit the run and train for
+    the export's grid (QAT for another grid than the shipped one would tune for the wrong
+    rounding)."""
+    if train.qat_steps == 0:
+        return
+    if not 0 < train.qat_steps <= train.steps:
+        raise ValueError(f"qat_steps must be in 0..steps ({train.steps}), got {train.qat_steps}")
+    if export_bits and (export_bits, export_group_size) != (train.qat_bits, train.qat_group_size):
+        raise ValueError(f"quantization-aware training for {train.qat_bits}-bit groups of {train.qat_group_size}, "
+                         f"but the export is {export_bits}-bit groups of {export_group_size}")
+
+
 def _prepare(target, tokenizer, out_dir: Path, arch: DraftArch, data: DataConfig, train: TrainConfig):
     ckpt = latest_checkpoint(out_dir)
     if ckpt is not None:
@@ -937,12 +1035,15 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
             ``steps=0``), e.g. to generate on one machine and train on another.
 
     Raises:
-        ValueError: before any generation, a target DSpark cannot tap (:class:`TargetTaps`) or an
-            ``arch.init`` that is neither ``random``, ``target`` nor a drafter directory; later, an
-            init drafter made for another target, or no training examples.
+        ValueError: before any generation, a target DSpark cannot tap (:class:`TargetTaps`), an
+            ``arch.init`` that is neither ``random``, ``target`` nor a drafter directory, or
+            quantization-aware steps (``train.qat_steps``) outside ``0..train.steps`` or on a
+            grid other than the export's; later, an init drafter made for another target, or no
+            training examples.
     """
     arch, data, train = arch or DraftArch(), data or DataConfig(), train or TrainConfig()
     check_init(arch.init)
+    check_qat(train, export_bits, export_group_size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + time_budget_s if time_budget_s else None
@@ -1033,10 +1134,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of the cross-entropy on the data tokens (the target's greedy answers)")
     g.add_argument("--l1-weight", type=float, default=t.l1_weight,
                    help="weight of L1(softmax draft, softmax target)")
+    g.add_argument("--qat-steps", type=int, default=t.qat_steps,
+                   help="train the last N steps through the export's rounding (--export-bits, "
+                        "--export-group-size; straight-through gradients); 0 = off")
     g = p.add_argument_group("evaluation and export")
     g.add_argument("--eval-per-source", type=int, default=20)
     g.add_argument("--eval-max-new-tokens", type=int, default=128)
     g.add_argument("--export-bits", type=int, default=4, help="0 = no quantized export")
+    g.add_argument("--export-group-size", type=int, default=t.qat_group_size,
+                   help="weights per quantization group of the export (32, 64 or 128)")
     g.add_argument("--time-budget", type=float, default=None,
                    help="stop cleanly after this many seconds (checkpoint written); rerun to continue")
     g.add_argument("--no-progress", action="store_true")
@@ -1056,7 +1162,10 @@ def _at_least_one(text: str) -> int:
 def main(argv: list[str] | None = None, load_target: TargetLoader | None = None) -> int:
     """CLI entry (``specserve train-dspark``). ``load_target(spec, weights) -> (mlx-lm model, tokenizer)``
     is injected by the caller (the engine's loader handles GGUF); default: ``mlx_lm.load``."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.qat_steps and not args.export_bits:
+        parser.error("--qat-steps trains for the quantized export: it needs --export-bits")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model, tokenizer = (load_target or _mlx_lm_loader)(args.target, args.target_weights)
     arch = DraftArch(args.layers, args.num_taps, args.target_layer_ids, args.block_size, args.markov_rank,
@@ -1070,10 +1179,12 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
                       target_weights=args.target_weights)
     train = TrainConfig(**{k: getattr(args, k) for k in (
         "steps", "batch_size", "micro_batches", "num_anchors", "max_seq_len", "save_every", "seed", "lr",
-        "warmup_ratio", "weight_decay", "grad_clip", "ce_weight", "l1_weight")})
+        "warmup_ratio", "weight_decay", "grad_clip", "ce_weight", "l1_weight", "qat_steps")},
+                        qat_bits=args.export_bits or TrainConfig.qat_bits, qat_group_size=args.export_group_size)
     result = train_dspark(model, tokenizer, args.out, arch=arch, data=data, train=train,
                           eval_per_source=args.eval_per_source, eval_max_new_tokens=args.eval_max_new_tokens,
-                          export_bits=args.export_bits or None, time_budget_s=args.time_budget,
+                          export_bits=args.export_bits or None, export_group_size=args.export_group_size,
+                          time_budget_s=args.time_budget,
                           progress=not args.no_progress, generate_only=args.generate_only)
     print(json.dumps(asdict(result), indent=2))
     return 0 if result.completed else 3
