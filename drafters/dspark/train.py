@@ -612,8 +612,8 @@ def export_rounding(model: DSparkModel, bits: int, group_size: int) -> Callable[
 
     MLX's affine rounding is not idempotent: it fits each group's scale so that the endpoint of
     larger magnitude is on the grid and 0 is too, so rounding weights already rounded (a drafter
-    trained further from a quantized export, ``--init``) refits a narrower grid and moves about
-    13% of them by up to 2/3 of a step. Those steps see the export's real rounding, too.
+    trained further from a quantized export, ``--init``) can refit a narrower grid and move some
+    of them by up to 2/3 of a step (docs/dspark.md, "Rounding twice"). QAT sees that too.
     """
     predicate = _quantizable(group_size)
     quantized = {f"{path}.weight" for path, module in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
