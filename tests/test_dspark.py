@@ -865,9 +865,10 @@ def test_quantization_aware_loss_is_the_exports_loss(tiny_target, tmp_path):
 
 def test_the_last_qat_steps_train_through_the_rounding(tiny_target, tmp_path):
     """``TrainConfig.qat_steps``: the run matches a plain one step for step until the last
-    ``qat_steps`` (logged ``"qat": true``), whose losses are the export's; the checkpoint and
-    ``drafter/`` keep float weights (off the grid), resumable mid-QAT to the same weights."""
-    from drafters.dspark.train import _new_model, export_rounding, make_optimizer
+    ``qat_steps`` (logged ``"qat": true``), whose losses are those of the export (on the
+    configured grid) of the weights before the step; the checkpoints and the model keep float
+    weights (off the grid), and a run resumed mid-QAT ends with the same weights."""
+    from drafters.dspark.train import _new_model, make_optimizer
 
     target, tok = tiny_target
     arch = DraftArch(layers=1, target_layer_ids=[0, 1], block_size=4, markov_rank=16, mask_token_id=0)
@@ -875,24 +876,37 @@ def test_the_last_qat_steps_train_through_the_rounding(tiny_target, tmp_path):
     examples = [(list(range(3, 40)), 10), (list(range(5, 60)), 8), (list(range(7, 30)), 4), (list(range(2, 50)), 20)]
     runs = {}
     for name, qat_steps in (("plain", 0), ("qat", 3)):
-        cfg = TrainConfig(steps=6, batch_size=2, num_anchors=8, log_every=1, save_every=4, lr=3e-3,
-                          qat_steps=qat_steps, qat_group_size=32)
+        cfg = TrainConfig(steps=6, batch_size=2, num_anchors=8, log_every=1, save_every=1, keep_checkpoints=6,
+                          lr=3e-3, qat_steps=qat_steps, qat_group_size=32)
         net = _new_model(target, tok, arch, seed=1)
-        opt = make_optimizer(cfg)
         (tmp_path / name).mkdir()
-        rows, done = train_loop(net, opt, 0, taps, examples, cfg, tmp_path / name, False)
+        rows, done = train_loop(net, make_optimizer(cfg), 0, taps, examples, cfg, tmp_path / name, False)
         runs[name] = (rows, net, cfg)
         assert done == 6
     plain, qat = runs["plain"][0], runs["qat"][0]
     assert [r.get("qat", False) for r in qat] == [False] * 3 + [True] * 3 and not any("qat" in r for r in plain)
     assert [r["loss"] for r in qat[:3]] == [r["loss"] for r in plain[:3]]
     assert all(abs(a["loss"] - b["loss"]) > 1e-5 for a, b in zip(qat[3:], plain[3:]))
+    # the first QAT step's loss is the group-32 export's, of the weights after step 3, on step 4's batch
+    rng = np.random.default_rng([0, 3])
+    picks = rng.choice(len(examples), size=2, replace=False)
+    batch = make_batch([examples[i] for i in picks], 4, 8, rng)
+    ckpt = tmp_path / "qat" / "checkpoints" / "step-0000003"
+    for group_size, same in ((32, True), (64, False)):
+        exported = load_dspark(save_dspark(load_dspark(ckpt), tmp_path / f"e{group_size}", bits=4,
+                                           group_size=group_size, dtype="float16"), dequantize=True)
+        hidden, probs = target_pass(taps, batch, 4)
+        logits, conf = draft_pass(exported, taps.embed, taps.lm_head, batch, hidden)
+        loss, _ = dspark_loss(logits, conf, probs, mx.array(batch.labels), mx.array(batch.eval_mask))
+        assert (loss.item() == pytest.approx(qat[3]["loss"], rel=1e-6)) == same, group_size
     net, cfg = runs["qat"][1], runs["qat"][2]
     floats = dict(tree_flatten(net.parameters()))
-    rounded = export_rounding(net, 4, 32)(floats)
-    assert not mx.array_equal(floats["fc.weight"], rounded["fc.weight"])  # (float master weights)
+    grid = dict(tree_flatten(load_dspark(save_dspark(net, tmp_path / "end", bits=4, group_size=32, dtype="float16"),
+                                         dequantize=True).parameters()))
+    assert not mx.array_equal(floats["fc.weight"], grid["fc.weight"])  # (float master weights)
     # resume from step 4 (mid-QAT): the same weights at the end
-    shutil.rmtree(tmp_path / "qat" / "checkpoints" / "step-0000006")
+    for late in ("step-0000005", "step-0000006"):
+        shutil.rmtree(tmp_path / "qat" / "checkpoints" / late)
     again, opt, step = restore(latest_checkpoint(tmp_path / "qat"), cfg)
     assert step == 4
     rows, _ = train_loop(again, opt, step, taps, examples, cfg, tmp_path / "qat", False)
@@ -904,8 +918,8 @@ def test_the_last_qat_steps_train_through_the_rounding(tiny_target, tmp_path):
 
 def test_qat_checks_and_flags(tiny_target, tmp_path, monkeypatch):
     """``--qat-steps`` trains for the export's grid (``--export-bits``, ``--export-group-size``);
-    QAT without an export, beyond the run's steps, or for another grid than the export's is
-    refused before anything is generated."""
+    QAT without an export, beyond the run's steps, or for another grid than the export's, and an
+    export grid MLX cannot write, are refused before anything is generated."""
     import drafters.dspark.train as train_mod
 
     seen = []
@@ -918,15 +932,25 @@ def test_qat_checks_and_flags(tiny_target, tmp_path, monkeypatch):
     assert (seen[0]["export_bits"], seen[0]["export_group_size"]) == (8, 32)
     assert train_mod.main(argv, load_target=loader) == 0
     assert (seen[1]["train"].qat_bits, seen[1]["train"].qat_group_size, seen[1]["export_group_size"]) == (4, 64, 64)
-    with pytest.raises(SystemExit):
-        train_mod.main(argv + ["--export-bits", "0"], load_target=loader)
+    for bad in (["--export-bits", "0"], ["--qat-steps", "-1"], ["--steps", "50"], ["--export-group-size", "16"],
+                ["--export-bits", "7"]):
+        with pytest.raises(SystemExit):
+            train_mod.main(argv + bad, load_target=lambda *a: pytest.fail("the target loaded before the check"))
+    assert len(seen) == 2
     monkeypatch.undo()
+    monkeypatch.setattr(train_mod, "_load_or_generate", lambda *a, **k: pytest.fail("generation before the check"))
     model, tok = tiny_target
-    for train, export, match in ((TrainConfig(steps=10, qat_steps=11), 4, "qat_steps must be in 0..steps"),
-                                 (TrainConfig(steps=10, qat_steps=-1), 4, "qat_steps must be in 0..steps"),
-                                 (TrainConfig(steps=10, qat_steps=5, qat_bits=8), 4, "8-bit groups of 64, but the export is 4-bit")):
+    for train, bits, group, match in (
+            (TrainConfig(steps=10, qat_steps=11), 4, 64, "qat_steps must be in 0..steps"),
+            (TrainConfig(steps=10, qat_steps=-1), 4, 64, "qat_steps must be in 0..steps"),
+            (TrainConfig(steps=10, qat_steps=5, qat_bits=8), 4, 64, "8-bit groups of 64, but the export is 4-bit"),
+            (TrainConfig(steps=10, qat_steps=5), 4, 32, "4-bit groups of 64, but the export is 4-bit groups of 32"),
+            (TrainConfig(steps=10, qat_steps=5), None, 64, "there is none"),
+            (TrainConfig(steps=10), 4, 16, "group size must be one of"),
+            (TrainConfig(steps=10), 7, 64, "bits must be one of")):
         with pytest.raises(ValueError, match=match):
-            train_dspark(model, tok, tmp_path / "run", train=train, export_bits=export, progress=False)
+            train_dspark(model, tok, tmp_path / "run", train=train, export_bits=bits, export_group_size=group,
+                         progress=False)
     assert not (tmp_path / "run").exists()
 
 

@@ -61,28 +61,29 @@ for i in "${!names[@]}"; do
 done
 [ "$phase" = train ] || exit 0
 for p in "${pids[@]}"; do wait "$p" || true; done
-for i in "${!names[@]}"; do
-  name=${names[$i]}
-  group=$(sed -n 's/.*\bGROUP=\([0-9]*\).*/\1/p' <<< "${settings[$i]}")  # (the arm's export grid)
+for name in "${names[@]}"; do
   log=/root/arm_$name/dspark-run/train_log.jsonl
   rows=0; [ -f "$log" ] && rows=$(grep -c '"step"' "$log" || true)
   echo "$name: $rows log rows; last: $([ -f "$log" ] && tail -1 "$log" | cut -c1-160)"
   grep -iE "error|Traceback|out of memory" "/root/arms/$name/train.log" | tail -3 || true
   # An arm the budget stopped before STEPS has no export: export its newest checkpoint the way
-  # the trainer exports (4 bits, groups of GROUP or 64, float16) into drafter-partial/, named by its step
+  # the trainer exports (4 bits, the run's group size, float16) into drafter-partial/, named by its step
   # (its learning rate had not decayed to 0: compare such arms at equal steps only).
   rm -rf "/root/arms/$name/drafter-partial"  # (an earlier call's, superseded by this one's)
   if [ ! -d "/root/arms/$name/drafter" ] || [ -z "$(ls -A "/root/arms/$name/drafter")" ]; then
     # (the staged wheels and this checkout: h200_session.sh sets the same path for its children)
-    PYTHONPATH="/tmp/site:$repo" python3 - "/root/arm_$name/dspark-run" "/root/arms/$name/drafter-partial" "${group:-64}" <<'EOF' \
+    PYTHONPATH="/tmp/site:$repo" python3 - "/root/arm_$name/dspark-run" "/root/arms/$name/drafter-partial" <<'EOF' \
       || echo "$name: no partial export" >&2
+import json
 import sys
 from drafters.dspark.loader import load_dspark, save_dspark
 from drafters.dspark.train import latest_checkpoint
 ckpt = latest_checkpoint(sys.argv[1])
 if ckpt is None:
     sys.exit(f"{sys.argv[1]}: no checkpoint to export")
-save_dspark(load_dspark(ckpt, dtype=None), sys.argv[2], bits=4, group_size=int(sys.argv[3]), dtype="float16")
+train = json.loads((ckpt / "trainer_state.json").read_text())["train"]  # (the grid the run trains for)
+save_dspark(load_dspark(ckpt, dtype=None), sys.argv[2], bits=4, group_size=train.get("qat_group_size", 64),
+            dtype="float16")
 open(f"{sys.argv[2]}/STEP", "w").write(ckpt.name + "\n")
 print(f"exported {ckpt} -> {sys.argv[2]}")
 EOF

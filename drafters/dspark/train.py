@@ -960,15 +960,28 @@ def _load_or_generate(target, tokenizer, out_dir: Path, data_cfg: DataConfig, re
     return rows
 
 
-def check_qat(train: TrainConfig, export_bits: int | None, export_group_size: int) -> None:
-    """Raises ValueError unless ``train``'s quantization-aware steps fit the run and train for
-    the export's grid (QAT for another grid than the shipped one would tune for the wrong
-    rounding)."""
+# MLX affine quantization's supported grids (mx.quantize raises on others)
+EXPORT_BITS = (2, 3, 4, 5, 6, 8)
+EXPORT_GROUP_SIZES = (32, 64, 128)
+
+
+def check_quantization(train: TrainConfig, export_bits: int | None, export_group_size: int) -> None:
+    """Raises ValueError, before any data is generated, for an export grid MLX cannot write
+    (``EXPORT_BITS``, ``EXPORT_GROUP_SIZES``), or quantization-aware steps that do not fit the
+    run, have no export to train for, or train for another grid than the export's (they would
+    tune the weights for the wrong rounding)."""
+    if export_bits is not None:
+        if export_bits not in EXPORT_BITS:
+            raise ValueError(f"export bits must be one of {EXPORT_BITS}, got {export_bits}")
+        if export_group_size not in EXPORT_GROUP_SIZES:
+            raise ValueError(f"export group size must be one of {EXPORT_GROUP_SIZES}, got {export_group_size}")
     if train.qat_steps == 0:
         return
     if not 0 < train.qat_steps <= train.steps:
         raise ValueError(f"qat_steps must be in 0..steps ({train.steps}), got {train.qat_steps}")
-    if export_bits and (export_bits, export_group_size) != (train.qat_bits, train.qat_group_size):
+    if export_bits is None:
+        raise ValueError("quantization-aware training trains for the quantized export, but there is none")
+    if (export_bits, export_group_size) != (train.qat_bits, train.qat_group_size):
         raise ValueError(f"quantization-aware training for {train.qat_bits}-bit groups of {train.qat_group_size}, "
                          f"but the export is {export_bits}-bit groups of {export_group_size}")
 
@@ -978,6 +991,11 @@ def _prepare(target, tokenizer, out_dir: Path, arch: DraftArch, data: DataConfig
     if ckpt is not None:
         model, optimizer, step = restore(ckpt, train)
         log.info("resuming from %s (step %d)", ckpt, step)
+        saved = json.loads((ckpt / "trainer_state.json").read_text())["train"]
+        changed = {k: (saved.get(k, 0), getattr(train, k)) for k in ("steps", "qat_steps", "qat_bits", "qat_group_size")
+                   if saved.get(k, getattr(TrainConfig, k)) != getattr(train, k)}
+        if changed and (train.qat_steps or saved.get("qat_steps")):
+            log.warning("resuming with other quantization-aware settings (checkpoint, now): %s", changed)
         if arch.init not in NEW_INITS:
             log.warning("init=%s ignored: the run resumes from its own checkpoint", arch.init)
         return model, optimizer, step
@@ -1036,14 +1054,15 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
 
     Raises:
         ValueError: before any generation, a target DSpark cannot tap (:class:`TargetTaps`), an
-            ``arch.init`` that is neither ``random``, ``target`` nor a drafter directory, or
-            quantization-aware steps (``train.qat_steps``) outside ``0..train.steps`` or on a
-            grid other than the export's; later, an init drafter made for another target, or no
+            ``arch.init`` that is neither ``random``, ``target`` nor a drafter directory, an
+            export grid MLX cannot write, or quantization-aware steps (``train.qat_steps``)
+            outside ``0..train.steps``, without an export or on another grid than the export's
+            (:func:`check_quantization`); later, an init drafter made for another target, or no
             training examples.
     """
     arch, data, train = arch or DraftArch(), data or DataConfig(), train or TrainConfig()
     check_init(arch.init)
-    check_qat(train, export_bits, export_group_size)
+    check_quantization(train, export_bits, export_group_size)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     deadline = time.perf_counter() + time_budget_s if time_budget_s else None
@@ -1141,8 +1160,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-per-source", type=int, default=20)
     g.add_argument("--eval-max-new-tokens", type=int, default=128)
     g.add_argument("--export-bits", type=int, default=4, help="0 = no quantized export")
-    g.add_argument("--export-group-size", type=int, default=t.qat_group_size,
-                   help="weights per quantization group of the export (32, 64 or 128)")
+    g.add_argument("--export-group-size", type=int, default=t.qat_group_size, choices=EXPORT_GROUP_SIZES,
+                   help="weights per quantization group of the export (a matrix whose input width is no "
+                        "multiple stays float16: 128 leaves a 576-wide drafter's layers unquantized)")
     g.add_argument("--time-budget", type=float, default=None,
                    help="stop cleanly after this many seconds (checkpoint written); rerun to continue")
     g.add_argument("--no-progress", action="store_true")
@@ -1164,8 +1184,12 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
     is injected by the caller (the engine's loader handles GGUF); default: ``mlx_lm.load``."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not 0 <= args.qat_steps <= args.steps:
+        parser.error(f"--qat-steps must be in 0..--steps ({args.steps}), got {args.qat_steps}")
     if args.qat_steps and not args.export_bits:
         parser.error("--qat-steps trains for the quantized export: it needs --export-bits")
+    if args.export_bits and args.export_bits not in EXPORT_BITS:
+        parser.error(f"--export-bits must be 0 or one of {EXPORT_BITS}, got {args.export_bits}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model, tokenizer = (load_target or _mlx_lm_loader)(args.target, args.target_weights)
     arch = DraftArch(args.layers, args.num_taps, args.target_layer_ids, args.block_size, args.markov_rank,
