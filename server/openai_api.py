@@ -63,6 +63,7 @@ class Job:
     request: GenerationRequest
     prompt_text: str | None = None  # echo text for completions
     typed_specials: dict[int, str] = field(default_factory=dict)  # echo: see LegacyLogprobs
+    prompt_starts: list[int] | None = None  # echo: each prompt token's start in prompt_text
     events: list[TokenEvent] = field(default_factory=list)
     prompt_param: str = "prompt"  # the request field errors about the prompt name ("messages" for chat)
     max_tokens_param: str = "max_tokens"
@@ -210,20 +211,25 @@ def check_text_length(request: Request, text: str, param: str = "prompt") -> Non
                    code="context_length_exceeded")
 
 
-def typed_specials(tokenizer, hidden, text: str, ids: list[int]) -> dict[int, str]:
-    """Positions of ``ids`` (``text`` tokenized) holding a hidden special token (one of
-    ``hidden``) that ``text`` spells out (``<|im_start|>`` typed in a text prompt), to that
-    spelling, from the fast tokenizer's character offsets: a special token the tokenizer added
-    (a BOS) spans nothing there. Empty when the tokenizer gives no offsets or other ids."""
-    if not any(t in hidden for t in ids):
-        return {}
+def echo_offsets(tokenizer, hidden, text: str, ids: list[int]) -> tuple[dict[int, str], list[int] | None]:
+    """Where each of ``ids`` (``text`` tokenized) starts in ``text``, in characters, and the
+    positions holding a hidden special token (one of ``hidden``) that ``text`` spells out
+    (``<|im_start|>`` typed in a text prompt) to that spelling: ``(typed, starts)``, from the
+    fast tokenizer's character offsets. The starts index the text as given, so characters the
+    tokenizer drops (a byte a byte-level vocabulary has no token for, such as SmolLM2's 0x1d)
+    or normalises do not shift the offsets after them, as offsets counted along the decoded
+    tokens would; a token holding part of a character starts where the character does, and a
+    special token the tokenizer added (a BOS) spans nothing. ``({}, None)`` when the tokenizer
+    gives no offsets or other ids (the caller then counts along the decoded tokens)."""
     try:
         enc = getattr(tokenizer, "_tokenizer", tokenizer)(text, return_offsets_mapping=True)
     except Exception:  # (a slow tokenizer has no offsets)
-        return {}
+        return {}, None
     if list(enc["input_ids"]) != list(ids):
-        return {}
-    return {i: text[a:b] for i, (t, (a, b)) in enumerate(zip(ids, enc["offset_mapping"])) if t in hidden and b > a}
+        return {}, None
+    spans = [tuple(span) for span in enc["offset_mapping"]]
+    typed = {i: text[a:b] for i, (t, (a, b)) in enumerate(zip(ids, spans)) if t in hidden and b > a}
+    return typed, [a for a, _ in spans]
 
 
 def capped_max_tokens(settings, requested: int | None, default: int, param: str) -> int:
@@ -261,7 +267,7 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
     jobs = []
     for p_index, (tokens, text, param) in enumerate(_prompts(request, body)):
         check_prompt_length(settings, tokens, param)
-        echo, specials = None, {}
+        echo, typed, starts = None, {}, None  # (the echo and its offsets: the same for every choice)
         for i in range(body.n):
             req = GenerationRequest(
                 prompt_tokens=tokens,
@@ -277,14 +283,15 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
                 cache_salt=body.cache_salt,
                 grammar=grammar,
             )
-            job = Job(len(jobs), req, echo, specials, prompt_param=param, grammar_param=grammar_param,
+            job = Job(len(jobs), req, echo, typed, starts, prompt_param=param, grammar_param=grammar_param,
                       prompt_ids_param=param if text is None else None)
             if body.echo and echo is None:
                 validate(request, job)  # token ids in range before decoding them
                 echo = job.prompt_text = text if text is not None else table.decode(tokens)
                 if text is not None and body.logprobs is not None:
                     loaded = _state(request).engine.loaded
-                    specials = job.typed_specials = typed_specials(loaded.tokenizer, table.special_text, text, tokens)
+                    typed, starts = job.typed_specials, job.prompt_starts = echo_offsets(
+                        loaded.tokenizer, table.special_text, text, tokens)
             jobs.append(job)
     return jobs
 
@@ -735,15 +742,21 @@ class LegacyLogprobs:
     the same streaming UTF-8 decoder as the text (a token holding part of a character adds
     nothing until the token that completes it; ``tokens`` shows such a token as
     ``bytes:\\x..``, whose length is no position in the text). ``typed``: echoed prompt
-    positions whose hidden special token the prompt text spells out (:func:`typed_specials`):
+    positions whose hidden special token the prompt text spells out (:func:`echo_offsets`):
     those show as that spelling and span it, as the echoed text does; other hidden special
     tokens (a BOS the tokenizer added, an EOS generated) show by their spelling too
-    (:meth:`TokenTable.token_text`) but span nothing: the text leaves them out."""
+    (:meth:`TokenTable.token_text`) but span nothing: the text leaves them out. ``prompt_starts``:
+    the echoed prompt tokens' starts in the prompt's text (:func:`echo_offsets`), used for the
+    first ``len(prompt_starts)`` items instead of counting, which would drift where the
+    tokenizer dropped characters of the text; the next item then starts at ``prompt_length``."""
 
-    def __init__(self, table, offset: int = 0, typed: dict[int, str] | None = None):
+    def __init__(self, table, offset: int = 0, typed: dict[int, str] | None = None,
+                 prompt_starts: list[int] | None = None, prompt_length: int = 0):
         self.table = table
         self.offset = offset
         self.typed = typed or {}
+        self.prompt_starts = prompt_starts or []
+        self.prompt_length = prompt_length
         self._index = 0  # items rendered so far (the echoed prompt's come first)
         self._detok = StreamingDetokenizer(table)
 
@@ -761,9 +774,20 @@ class LegacyLogprobs:
                 top = {text if t == item.token else self.table.token_text(t): lp for t, lp in item.top}
                 top.setdefault(text, item.logprob)
             out["top_logprobs"].append(top)
+            if self._index <= len(self.prompt_starts):  # (an echoed prompt token with a known start)
+                out["text_offset"].append(self.prompt_starts[self._index - 1])
+                if self._index == len(self.prompt_starts):
+                    self.offset = self.prompt_length
+                continue
             out["text_offset"].append(self.offset)
             self.offset += len(spelled) if spelled is not None else len(self._detok.add(item.token))
         return out
+
+
+def legacy_logprobs(table, job: Job) -> LegacyLogprobs:
+    """The renderer of one completion choice's logprobs (its echo's offsets included)."""
+    return LegacyLogprobs(table, typed=job.typed_specials, prompt_starts=job.prompt_starts,
+                          prompt_length=len(job.prompt_text or ""))
 
 
 def chat_logprobs(table, items: list[TokenLogprob]) -> list[dict]:
@@ -845,7 +869,7 @@ async def completions(request: Request, body: CompletionRequest):
         if job.request.logprobs is not None:
             items = [x for e in job.events for x in (e.prompt_logprobs or [])]
             items += [x for e in job.events for x in (e.logprobs or [])]
-            lp = LegacyLogprobs(table, typed=job.typed_specials).render(items)
+            lp = legacy_logprobs(table, job).render(items)
         if job.prompt_text is not None:
             text = job.prompt_text + text
         choices.append({"index": job.index, "text": text, "logprobs": lp,
@@ -860,7 +884,7 @@ async def completions(request: Request, body: CompletionRequest):
 async def stream_completions(request, jobs, streams, rid, model, created, table, include_usage):
     base = {"id": rid, "object": "text_completion", "created": created, "model": model,
             "system_fingerprint": _state(request).fingerprint}
-    logs = {job.index: LegacyLogprobs(table, typed=job.typed_specials) for job in jobs}
+    logs = {job.index: legacy_logprobs(table, job) for job in jobs}
     echoed = set()
     async with contextlib.aclosing(merged(request, jobs, streams)) as events:
         async for job, event in events:

