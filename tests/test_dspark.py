@@ -954,6 +954,35 @@ def test_qat_checks_and_flags(tiny_target, tmp_path, monkeypatch):
     assert not (tmp_path / "run").exists()
 
 
+def test_qat_benchmark_scores_weight_batches_by_their_blocks(tiny_target):
+    """``benchmarks.dspark_qat_cpu``: the held-out batches are fixed by the seed, and a score is
+    the per-batch loss and tau weighted by each batch's kept blocks (a batch with more blocks
+    counts more), the same numbers ``dspark_loss`` gives each batch."""
+    from benchmarks.dspark_qat_cpu import held_out_batches, score
+    from drafters.dspark.train import _new_model
+
+    target, tok = tiny_target
+    net = _new_model(target, tok, DraftArch(layers=1, target_layer_ids=[0, 1], block_size=4, markov_rank=16,
+                                            mask_token_id=0), seed=1)
+    taps = TargetTaps(target, net.config.target_layer_ids)
+    examples = [(list(range(3, 40)), 10), (list(range(5, 60)), 8), (list(range(7, 12)), 4)]
+    batches = held_out_batches(examples, 4, 2, 16, seed=3)
+    again = held_out_batches(examples, 4, 2, 16, seed=3)
+    assert len(batches) == 2 and all(np.array_equal(a.anchors, b.anchors) for a, b in zip(batches, again))
+    targets = [target_pass(taps, b, 4) for b in batches]
+    got = score(net, taps, batches, targets)
+    parts = []
+    for b, (h, t) in zip(batches, targets):
+        logits, conf = draft_pass(net, taps.embed, taps.lm_head, b, h)
+        loss, metrics = dspark_loss(logits, conf, t, mx.array(b.labels), mx.array(b.eval_mask))
+        parts.append((float((b.eval_mask[..., 0] > 0).sum()), loss.item(), metrics["tau"].item()))
+    blocks = [w for w, _, _ in parts]
+    assert blocks[0] != blocks[1]  # (unequal weights: the weighting matters)
+    assert got["loss"] == pytest.approx(sum(w * lo for w, lo, _ in parts) / sum(blocks), abs=1e-5)
+    assert got["tau"] == pytest.approx(sum(w * ta for w, _, ta in parts) / sum(blocks), abs=1e-4)
+    assert len(got["accept"]) == 4 and all(0 <= a <= 1 for a in got["accept"])
+
+
 def test_micro_batches_flag():
     from drafters.dspark.train import build_parser
 
