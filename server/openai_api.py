@@ -219,17 +219,36 @@ def echo_offsets(tokenizer, hidden, text: str, ids: list[int]) -> tuple[dict[int
     tokenizer drops (a byte a byte-level vocabulary has no token for, such as SmolLM2's 0x1d)
     or normalises do not shift the offsets after them, as offsets counted along the decoded
     tokens would; a token holding part of a character starts where the character does, and a
-    special token the tokenizer added (a BOS) spans nothing. ``({}, None)`` when the tokenizer
-    gives no offsets or other ids (the caller then counts along the decoded tokens)."""
+    token spanning nothing there (a special token the tokenizer added: a BOS, an appended EOS)
+    starts where the token before it ended. ``starts`` is None when the tokenizer gives no
+    offsets, other ids, or offsets trimmed of whitespace (a ByteLevel post-processor with
+    ``trim_offsets``, which moves a token's start past its leading spaces): the caller then
+    counts along the decoded tokens."""
     try:
-        enc = getattr(tokenizer, "_tokenizer", tokenizer)(text, return_offsets_mapping=True)
+        backend = getattr(tokenizer, "_tokenizer", tokenizer)
+        enc = backend(text, return_offsets_mapping=True)
     except Exception:  # (a slow tokenizer has no offsets)
         return {}, None
     if list(enc["input_ids"]) != list(ids):
         return {}, None
     spans = [tuple(span) for span in enc["offset_mapping"]]
     typed = {i: text[a:b] for i, (t, (a, b)) in enumerate(zip(ids, spans)) if t in hidden and b > a}
-    return typed, [a for a, _ in spans]
+    if _trims_offsets(backend):
+        return typed, None
+    starts, end = [], 0
+    for a, b in spans:
+        starts.append(a if b > a else end)
+        end = max(end, b)
+    return typed, starts
+
+
+def _trims_offsets(hf_tokenizer) -> bool:
+    """Whether ``hf_tokenizer``'s post-processor trims whitespace off the offsets it reports."""
+    processor = getattr(getattr(hf_tokenizer, "backend_tokenizer", None), "post_processor", None)
+    try:
+        return processor is not None and '"trim_offsets":true' in processor.__getstate__().decode().replace(" ", "")
+    except Exception:  # (no serialisable state: assume it may trim)
+        return True
 
 
 def capped_max_tokens(settings, requested: int | None, default: int, param: str) -> int:
@@ -745,17 +764,20 @@ class LegacyLogprobs:
     positions whose hidden special token the prompt text spells out (:func:`echo_offsets`):
     those show as that spelling and span it, as the echoed text does; other hidden special
     tokens (a BOS the tokenizer added, an EOS generated) show by their spelling too
-    (:meth:`TokenTable.token_text`) but span nothing: the text leaves them out. ``prompt_starts``:
-    the echoed prompt tokens' starts in the prompt's text (:func:`echo_offsets`), used for the
-    first ``len(prompt_starts)`` items instead of counting, which would drift where the
-    tokenizer dropped characters of the text; the next item then starts at ``prompt_length``."""
+    (:meth:`TokenTable.token_text`) but span nothing: the text leaves them out. The first
+    ``prompt_items`` items are the echoed prompt's, whose text is ``prompt_length`` characters
+    long: their starts are ``prompt_starts`` where given (:func:`echo_offsets`: counting would
+    drift where the tokenizer dropped characters of the text), and the generated tokens after
+    them start at ``prompt_length``, counted through a fresh decoder as the engine decodes
+    them (a prompt ending inside a character does not shift them)."""
 
-    def __init__(self, table, offset: int = 0, typed: dict[int, str] | None = None,
+    def __init__(self, table, offset: int = 0, typed: dict[int, str] | None = None, prompt_items: int = 0,
                  prompt_starts: list[int] | None = None, prompt_length: int = 0):
         self.table = table
         self.offset = offset
         self.typed = typed or {}
-        self.prompt_starts = prompt_starts or []
+        self.prompt_items = prompt_items
+        self.prompt_starts = prompt_starts if prompt_starts is not None and len(prompt_starts) == prompt_items else None
         self.prompt_length = prompt_length
         self._index = 0  # items rendered so far (the echoed prompt's come first)
         self._detok = StreamingDetokenizer(table)
@@ -774,20 +796,24 @@ class LegacyLogprobs:
                 top = {text if t == item.token else self.table.token_text(t): lp for t, lp in item.top}
                 top.setdefault(text, item.logprob)
             out["top_logprobs"].append(top)
-            if self._index <= len(self.prompt_starts):  # (an echoed prompt token with a known start)
-                out["text_offset"].append(self.prompt_starts[self._index - 1])
-                if self._index == len(self.prompt_starts):
-                    self.offset = self.prompt_length
-                continue
-            out["text_offset"].append(self.offset)
-            self.offset += len(spelled) if spelled is not None else len(self._detok.add(item.token))
+            index = self._index - 1
+            if index < self.prompt_items and self.prompt_starts is not None:  # (a start known from the text)
+                out["text_offset"].append(self.prompt_starts[index])
+            else:
+                out["text_offset"].append(self.offset)
+                self.offset += len(spelled) if spelled is not None else len(self._detok.add(item.token))
+            if index == self.prompt_items - 1:
+                # the generated text comes after the whole echo, decoded afresh (as the engine does)
+                self.offset = self.prompt_length
+                self._detok = StreamingDetokenizer(self.table)
         return out
 
 
 def legacy_logprobs(table, job: Job) -> LegacyLogprobs:
     """The renderer of one completion choice's logprobs (its echo's offsets included)."""
-    return LegacyLogprobs(table, typed=job.typed_specials, prompt_starts=job.prompt_starts,
-                          prompt_length=len(job.prompt_text or ""))
+    echoed = job.prompt_text is not None and job.request.prompt_logprobs
+    return LegacyLogprobs(table, typed=job.typed_specials, prompt_items=len(job.request.prompt_tokens) if echoed else 0,
+                          prompt_starts=job.prompt_starts, prompt_length=len(job.prompt_text or ""))
 
 
 def chat_logprobs(table, items: list[TokenLogprob]) -> list[dict]:

@@ -214,7 +214,8 @@ def test_typed_specials_come_from_the_tokenizers_offsets(split):
         if i:  # (the added BOS is not in the text)
             assert text[offset:offset + len(token)] == token
     assert lp["text_offset"][-1] + len(lp["tokens"][-1]) == len(text)
-    assert LegacyLogprobs(table, typed=typed, prompt_starts=starts, prompt_length=len(text)).render(items) == lp
+    assert LegacyLogprobs(table, typed=typed, prompt_items=len(ids), prompt_starts=starts,
+                          prompt_length=len(text)).render(items) == lp
     generated = LegacyLogprobs(table, offset=len(text)).render([TokenLogprob(eos, -0.5, [(eos, -0.5), (unk, -0.9)])])
     assert generated == {"tokens": ["<|im_end|>"], "token_logprobs": [-0.5],
                          "top_logprobs": [{"<|im_end|>": -0.5, "<|endoftext|>": -0.9}], "text_offset": [len(text)]}
@@ -226,7 +227,7 @@ def test_echo_offsets_index_the_prompt_as_given_where_the_tokenizer_drops_charac
     text as given, so its tokens' offsets come from the tokenizer's offsets, not from counting
     the decoded tokens, and the generated tokens start after the whole prompt."""
     from tiny import byte_tokenizer
-    from tokenizers import normalizers
+    from tokenizers import normalizers, processors
 
     from engine import TokenLogprob
     from engine.detokenizer import TokenTable
@@ -248,13 +249,83 @@ def test_echo_offsets_index_the_prompt_as_given_where_the_tokenizer_drops_charac
         assert typed == {} and starts == want, text
         items = [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in ids + generated]
         for split in (len(items), 1, len(ids)):  # (streamed in chunks: the same offsets)
-            log = LegacyLogprobs(table, prompt_starts=starts, prompt_length=len(text))
+            log = LegacyLogprobs(table, prompt_items=len(ids), prompt_starts=starts, prompt_length=len(text))
             rendered = log.render(items[:split])["text_offset"] + log.render(items[split:])["text_offset"]
             assert rendered == want + [len(text), len(text) + 1], (text, split)
-        counted = LegacyLogprobs(table).render(items)["text_offset"]  # (the old way: drifts)
+        counted = LegacyLogprobs(table, prompt_items=len(ids)).render(items)["text_offset"]  # (counting: drifts)
         assert counted != want + [len(text), len(text) + 1]
     # no offsets (ids the text does not tokenize to): None, and the caller counts instead
     assert echo_offsets(wrapper, table.special_text, "abc", [5, 6]) == ({}, None)
+    # an EOS the tokenizer appends spans nothing: it starts where the text ends, not at 0
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="$A <|im_end|>", special_tokens=[("<|im_end|>", eos)])
+    ids = tok.encode("a\x1dbc")
+    assert ids[-1] == eos and echo_offsets(wrapper, table.special_text, "a\x1dbc", ids)[1] == [0, 2, 3, 4]
+    # offsets trimmed of whitespace (a ByteLevel post-processor's trim_offsets) are not starts: count instead
+    tok._tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
+    assert echo_offsets(wrapper, table.special_text, "hi  there", tok.encode("hi  there")) == ({}, None)
+
+
+def test_echo_offsets_per_prompt_and_choice_over_http(tiny):
+    """Through the server, with a tokenizer that drops 0x1d: every choice of every prompt (n = 2,
+    two prompts, one with the dropped character) gets its own prompt's offsets, streamed or not,
+    and the generated tokens' offsets index the choice's text."""
+    import dataclasses
+
+    from conftest import tiny_live_server
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+    from tiny import byte_tokenizer
+    from tokenizers import normalizers
+
+    from engine.detokenizer import TokenTable
+
+    hf = byte_tokenizer()
+    hf._tokenizer.normalizer = normalizers.Replace("\x1d", "")
+    wrapper = TokenizerWrapper(hf, eos_token_ids=[2])
+    live = tiny_live_server(dataclasses.replace(tiny, tokenizer=wrapper, token_table=TokenTable.from_tokenizer(wrapper)))
+    try:
+        body = {"prompt": ["a\x1db c", "ab c"], "n": 2, "max_tokens": 3, "echo": True, "logprobs": 0,
+                "temperature": 0, "ignore_eos": True}
+        choices = post(live, "/v1/completions", body).json()["choices"]
+        want = {0: [0, 2, 3, 4], 1: [0, 1, 2, 3]}
+        assert len(choices) == 4
+        for c in choices:
+            prompt = body["prompt"][c["index"] // 2]
+            offsets, tokens = c["logprobs"]["text_offset"], c["logprobs"]["tokens"]
+            assert offsets[:4] == want[c["index"] // 2] and offsets[4] == len(prompt), c
+            for token, offset in zip(tokens[4:], offsets[4:]):
+                if not token.startswith("bytes:"):
+                    assert c["text"][offset:offset + len(token)] == token, c
+        events = sse_events(post(live, "/v1/completions", {**body, "stream": True}))
+        for c in choices:
+            streamed = [x for e in events for x in e["choices"][0]["logprobs"]["text_offset"]
+                        if e["choices"][0]["index"] == c["index"]]
+            assert streamed == c["logprobs"]["text_offset"]
+    finally:
+        live.stop()
+
+
+def test_generated_offsets_start_after_an_echo_that_ends_inside_a_character():
+    """A prompt of token ids ending with part of a character echoes as decoded (U+FFFD for the
+    unfinished bytes); the generated tokens start after that text and are decoded afresh, as the
+    engine decodes them, so their offsets index the choice's text."""
+    from tiny import byte_tokenizer
+
+    from engine import TokenLogprob
+    from engine.detokenizer import TokenTable
+    from server.openai_api import LegacyLogprobs
+
+    tok = byte_tokenizer()
+    table = TokenTable.from_tokenizer(SimpleNamespace(_tokenizer=tok))
+    prompt = tok.encode("x\u00e9")[:-1]  # ("x" and the first byte of "é")
+    generated = tok.encode("ab")
+    echo = table.decode(prompt)
+    assert echo.startswith("x") and echo.endswith("\ufffd")
+    items = [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in prompt + generated]
+    lp = LegacyLogprobs(table, prompt_items=len(prompt), prompt_length=len(echo)).render(items)
+    text = echo + "ab"
+    assert lp["text_offset"][len(prompt):] == [len(echo), len(echo) + 1]
+    assert [text[o] for o in lp["text_offset"][len(prompt):]] == ["a", "b"]
 
 
 def test_chat_logprobs(tiny_server):
