@@ -128,10 +128,49 @@ class TokenTable:
             return self.tokenizer.decode(ids, skip_special_tokens=True)
         return b"".join(self.token_bytes[i] for i in ids).decode("utf-8", "replace")
 
-    def token_raw(self, token: int) -> bytes:
+    def char_starts(self, text: str, ids: list[int], typed: dict[int, str] | None = None) -> list[int] | None:
+        """Where each of ``ids`` (``text`` tokenized) starts in ``text``, in characters, by
+        matching the tokens' bytes against the text's UTF-8 bytes, skipping the bytes this
+        tokenizer drops (``dropped_bytes``), within a token too (BPE merges across a dropped
+        byte: SmolLM2 reads ``"?\\x1d?"`` as one token ``"??"``); a token holding part of a
+        character starts where the character does, and a token with no bytes (a BOS or EOS the
+        tokenizer added) where the token before it ended. ``typed``: positions whose hidden special token the text
+        spells out, to that spelling (those bytes are in the text).
+
+        Exact for a byte-level BPE whose text can only vanish through dropped bytes (where
+        ``max_token_bytes`` is known); None elsewhere, or where the bytes do not line up (the
+        text is not what ``ids`` tokenize from). The Hugging Face offsets are wrong within a
+        pre-token that holds a dropped byte (SmolLM2, ``"!\\x1d?"``: "?" is put on the 0x1d),
+        which this avoids."""
+        if self.token_bytes is None or self.max_token_bytes is None:
+            return None
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError:  # (a lone surrogate)
+            return None
+        char_of = [i for i, ch in enumerate(text) for _ in range(len(ch.encode("utf-8")))] + [len(text)]
+        typed, dropped, starts, p = typed or {}, set(self.dropped_bytes), [], 0
+        for i, token in enumerate(ids):
+            raw = typed[i].encode("utf-8") if i in typed else self.token_bytes[token]
+            start = None
+            for byte in raw:  # (dropped bytes may sit inside a token too: "?\x1d?" gives "??")
+                while p < len(data) and data[p] != byte and data[p] in dropped:
+                    p += 1
+                if p == len(data) or data[p] != byte:
+                    return None
+                start = p if start is None else start
+                p += 1
+            starts.append(char_of[p if start is None else start])
+        return starts
+
+    def token_raw(self, token: int) -> bytes | None:
         """One token's own bytes (OpenAI chat ``logprobs`` ``bytes``): its UTF-8 fragment where
         :meth:`token_text` shows a ``bytes:`` placeholder (part of a character), else the UTF-8
-        of what it shows."""
+        of what it shows; None for a special token hidden from the text (``<|im_end|>``): it
+        has no bytes there (OpenAI: "null if there is no bytes representation"), so joining
+        the entries' bytes still gives the text."""
+        if token in self.special_text:
+            return None
         if self.token_bytes is not None:
             raw = self.token_bytes[token]
             try:

@@ -211,19 +211,22 @@ def check_text_length(request: Request, text: str, param: str = "prompt") -> Non
                    code="context_length_exceeded")
 
 
-def echo_offsets(tokenizer, hidden, text: str, ids: list[int]) -> tuple[dict[int, str], list[int] | None]:
+def echo_offsets(tokenizer, table, text: str, ids: list[int]) -> tuple[dict[int, str], list[int] | None]:
     """Where each of ``ids`` (``text`` tokenized) starts in ``text``, in characters, and the
-    positions holding a hidden special token (one of ``hidden``) that ``text`` spells out
-    (``<|im_start|>`` typed in a text prompt) to that spelling: ``(typed, starts)``, from the
-    fast tokenizer's character offsets. The starts index the text as given, so characters the
-    tokenizer drops (a byte a byte-level vocabulary has no token for, such as SmolLM2's 0x1d)
-    or normalises do not shift the offsets after them, as offsets counted along the decoded
-    tokens would; a token holding part of a character starts where the character does, and a
-    token spanning nothing there (a special token the tokenizer added: a BOS, an appended EOS)
-    starts where the token before it ended. ``starts`` is None when the tokenizer gives no
-    offsets, other ids, or offsets trimmed of whitespace (a ByteLevel post-processor with
-    ``trim_offsets``, which moves a token's start past its leading spaces): the caller then
-    counts along the decoded tokens."""
+    positions holding a hidden special token (one of ``table.special_text``) that ``text``
+    spells out (``<|im_start|>`` typed in a text prompt) to that spelling: ``(typed, starts)``.
+    The starts index the text as given, so characters the tokenizer drops (a byte a byte-level
+    vocabulary has no token for, such as SmolLM2's 0x1d) or normalises do not shift the
+    offsets after them, as offsets counted along the decoded tokens would; a token holding part
+    of a character starts where the character does, and a token spanning nothing there (a
+    special token the tokenizer added: a BOS, an appended EOS) starts where the token before it
+    ended. ``typed`` comes from the fast tokenizer's character offsets; ``starts`` from the
+    tokens' bytes where the table can match them (:meth:`TokenTable.char_starts`: the fast
+    tokenizer's offsets are wrong within a pre-token holding a dropped byte), else from those
+    offsets. ``({}, None)`` when the tokenizer gives no offsets or other ids, and ``starts``
+    None when the offsets are trimmed of whitespace (a ByteLevel post-processor with
+    ``trim_offsets`` moves a token's start past its leading spaces): the caller then counts
+    along the decoded tokens."""
     try:
         backend = getattr(tokenizer, "_tokenizer", tokenizer)
         enc = backend(text, return_offsets_mapping=True)
@@ -232,9 +235,10 @@ def echo_offsets(tokenizer, hidden, text: str, ids: list[int]) -> tuple[dict[int
     if list(enc["input_ids"]) != list(ids):
         return {}, None
     spans = [tuple(span) for span in enc["offset_mapping"]]
-    typed = {i: text[a:b] for i, (t, (a, b)) in enumerate(zip(ids, spans)) if t in hidden and b > a}
-    if _trims_offsets(backend):
-        return typed, None
+    typed = {i: text[a:b] for i, (t, (a, b)) in enumerate(zip(ids, spans)) if t in table.special_text and b > a}
+    starts = table.char_starts(text, ids, typed)
+    if starts is not None or _trims_offsets(backend):
+        return typed, starts
     starts, end = [], 0
     for a, b in spans:
         starts.append(a if b > a else end)
@@ -309,8 +313,8 @@ def completion_jobs(request: Request, body: CompletionRequest, rid: str) -> list
                 echo = job.prompt_text = text if text is not None else table.decode(tokens)
                 if text is not None and body.logprobs is not None:
                     loaded = _state(request).engine.loaded
-                    typed, starts = job.typed_specials, job.prompt_starts = echo_offsets(
-                        loaded.tokenizer, table.special_text, text, tokens)
+                    typed, starts = echo_offsets(loaded.tokenizer, table, text, tokens)
+                    job.typed_specials, job.prompt_starts = typed, starts
             jobs.append(job)
     return jobs
 
@@ -818,11 +822,11 @@ def legacy_logprobs(table, job: Job) -> LegacyLogprobs:
 
 def chat_logprobs(table, items: list[TokenLogprob]) -> list[dict]:
     """Chat ``logprobs.content``. A hidden special token shows by its spelling with ``bytes``
-    null (OpenAI: "null if there is no bytes representation"), so that joining the entries'
-    bytes still gives the message's text."""
+    null (:meth:`TokenTable.token_raw`), so that joining the entries' bytes still gives the
+    message's text."""
     def entry(token, logprob):
-        raw = None if token in table.special_text else list(table.token_raw(token))
-        return {"token": table.token_text(token), "logprob": logprob, "bytes": raw}
+        raw = table.token_raw(token)
+        return {"token": table.token_text(token), "logprob": logprob, "bytes": None if raw is None else list(raw)}
 
     return [
         {**entry(item.token, item.logprob), "top_logprobs": [entry(t, lp) for t, lp in item.top]}

@@ -128,3 +128,7 @@ def test_echo_offsets_skip_characters_the_tokenizer_drops(real_server):
         chunks = [line[6:] for line in r.iter_lines() if line.startswith("data: ") and line != "data: [DONE]"]
     streamed = [x for c in chunks for x in json.loads(c)["choices"][0]["logprobs"]["text_offset"]]
     assert streamed == lp["text_offset"]
+    # within one pre-token ("!\x1d?"), where the tokenizer's own offsets put "?" on the 0x1d
+    body = {**body, "prompt": "x!\u001d?"}
+    lp = httpx.post(real_server + "/v1/completions", json=body, timeout=120).json()["choices"][0]["logprobs"]
+    assert lp["tokens"][:3] == ["x", "!", "?"] and lp["text_offset"][:4] == [0, 1, 3, 4]

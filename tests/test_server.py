@@ -201,7 +201,7 @@ def test_typed_specials_come_from_the_tokenizers_offsets(split):
     text = "<|im_start|>hi<|im_end|>"
     ids = tok.encode(text)
     assert ids[0] == bos and (ids.count(bos) == 1) == split
-    typed, starts = echo_offsets(wrapper, table.special_text, text, ids)
+    typed, starts = echo_offsets(wrapper, table, text, ids)
     assert typed == ({} if split else {1: "<|im_start|>", 4: "<|im_end|>"})
     assert starts[:2] == [0, 0] and len(starts) == len(ids)
     eos, unk = tok.convert_tokens_to_ids("<|im_end|>"), tok.convert_tokens_to_ids("<|endoftext|>")
@@ -245,7 +245,7 @@ def test_echo_offsets_index_the_prompt_as_given_where_the_tokenizer_drops_charac
     for text, (visible, want) in cases.items():
         ids = tok.encode(text)
         assert tok.decode(ids) == visible  # (what counting along the decoded tokens would index)
-        typed, starts = echo_offsets(wrapper, table.special_text, text, ids)
+        typed, starts = echo_offsets(wrapper, table, text, ids)
         assert typed == {} and starts == want, text
         items = [TokenLogprob(t, -1.0, [(t, -1.0)]) for t in ids + generated]
         for split in (len(items), 1, len(ids)):  # (streamed in chunks: the same offsets)
@@ -255,15 +255,15 @@ def test_echo_offsets_index_the_prompt_as_given_where_the_tokenizer_drops_charac
         counted = LegacyLogprobs(table, prompt_items=len(ids)).render(items)["text_offset"]  # (counting: drifts)
         assert counted != want + [len(text), len(text) + 1]
     # no offsets (ids the text does not tokenize to): None, and the caller counts instead
-    assert echo_offsets(wrapper, table.special_text, "abc", [5, 6]) == ({}, None)
+    assert echo_offsets(wrapper, table, "abc", [5, 6]) == ({}, None)
     # an EOS the tokenizer appends spans nothing: it starts where the text ends, not at 0
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     tok._tokenizer.post_processor = processors.TemplateProcessing(single="$A <|im_end|>", special_tokens=[("<|im_end|>", eos)])
     ids = tok.encode("a\x1dbc")
-    assert ids[-1] == eos and echo_offsets(wrapper, table.special_text, "a\x1dbc", ids)[1] == [0, 2, 3, 4]
+    assert ids[-1] == eos and echo_offsets(wrapper, table, "a\x1dbc", ids)[1] == [0, 2, 3, 4]
     # offsets trimmed of whitespace (a ByteLevel post-processor's trim_offsets) are not starts: count instead
     tok._tokenizer.post_processor = processors.ByteLevel(trim_offsets=True)
-    assert echo_offsets(wrapper, table.special_text, "hi  there", tok.encode("hi  there")) == ({}, None)
+    assert echo_offsets(wrapper, table, "hi  there", tok.encode("hi  there")) == ({}, None)
 
 
 def test_echo_offsets_per_prompt_and_choice_over_http(tiny):
@@ -275,25 +275,23 @@ def test_echo_offsets_per_prompt_and_choice_over_http(tiny):
     from conftest import tiny_live_server
     from mlx_lm.tokenizer_utils import TokenizerWrapper
     from tiny import byte_tokenizer
-    from tokenizers import normalizers
 
     from engine.detokenizer import TokenTable
 
-    hf = byte_tokenizer()
-    hf._tokenizer.normalizer = normalizers.Replace("\x1d", "")
+    hf = byte_tokenizer(missing=b"\x1d")
     wrapper = TokenizerWrapper(hf, eos_token_ids=[2])
     live = tiny_live_server(dataclasses.replace(tiny, tokenizer=wrapper, token_table=TokenTable.from_tokenizer(wrapper)))
     try:
-        body = {"prompt": ["a\x1db c", "ab c"], "n": 2, "max_tokens": 3, "echo": True, "logprobs": 0,
+        body = {"prompt": ["a\x1db !\x1d?", "ab c"], "n": 2, "max_tokens": 3, "echo": True, "logprobs": 0,
                 "temperature": 0, "ignore_eos": True}
         choices = post(live, "/v1/completions", body).json()["choices"]
-        want = {0: [0, 2, 3, 4], 1: [0, 1, 2, 3]}
+        want = {0: [0, 2, 3, 4, 6], 1: [0, 1, 2, 3]}
         assert len(choices) == 4
         for c in choices:
-            prompt = body["prompt"][c["index"] // 2]
+            prompt, starts = body["prompt"][c["index"] // 2], want[c["index"] // 2]
             offsets, tokens = c["logprobs"]["text_offset"], c["logprobs"]["tokens"]
-            assert offsets[:4] == want[c["index"] // 2] and offsets[4] == len(prompt), c
-            for token, offset in zip(tokens[4:], offsets[4:]):
+            assert offsets[:len(starts)] == starts and offsets[len(starts)] == len(prompt), c
+            for token, offset in zip(tokens[len(starts):], offsets[len(starts):]):
                 if not token.startswith("bytes:"):
                     assert c["text"][offset:offset + len(token)] == token, c
         events = sse_events(post(live, "/v1/completions", {**body, "stream": True}))
@@ -303,6 +301,35 @@ def test_echo_offsets_per_prompt_and_choice_over_http(tiny):
             assert streamed == c["logprobs"]["text_offset"]
     finally:
         live.stop()
+
+
+def test_echo_offsets_match_token_bytes_where_the_vocabulary_lacks_a_byte():
+    """A byte-level vocabulary without 0x1d (as SmolLM2's) drops it from the text, within a
+    pre-token too, where the fast tokenizer's own offsets go wrong ("!\\x1d?": it puts "?" on
+    the 0x1d); the starts come from matching the tokens' bytes instead, a dropped byte inside a
+    token included, and a typed special token keeps its spelling."""
+    from tiny import byte_tokenizer
+
+    from engine.detokenizer import TokenTable
+    from server.openai_api import echo_offsets
+
+    tok = byte_tokenizer(missing=b"\x1d")
+    wrapper = SimpleNamespace(_tokenizer=tok)
+    table = TokenTable.from_tokenizer(wrapper)
+    assert table.dropped_bytes == b"\x1d"
+    text = "!\x1d?"
+    assert tok(text, return_offsets_mapping=True)["offset_mapping"] == [(0, 1), (1, 2)]  # (the tokenizer's: wrong)
+    cases = {"!\x1d?": [0, 2], "x\x1d\x1d!?": [0, 3, 4], "a\x1db c": [0, 2, 3, 4],
+             "x\U00040000\x1dy": [0, 1, 1, 1, 1, 3], "<|im_start|>\x1d!?": [0, 13, 14]}
+    for text, want in cases.items():
+        typed, starts = echo_offsets(wrapper, table, text, tok.encode(text))
+        assert starts == want, (text, starts)
+    assert typed == {0: "<|im_start|>"}
+    # a token spanning a dropped byte (a merge "??" over "?\x1d?") starts at its first byte
+    merged = TokenTable([b"?", b"??", b"x"], None, max_token_bytes=2, dropped_bytes=b"\x1d")
+    assert merged.char_starts("x?\x1d?x", [2, 1, 2]) == [0, 1, 4]
+    assert merged.char_starts("x?\x1d!x", [2, 1, 2]) is None  # (bytes that do not line up)
+    assert TokenTable([b"?"], None).char_starts("?", [0]) is None  # (no byte bound: no alignment)
 
 
 def test_generated_offsets_start_after_an_echo_that_ends_inside_a_character():

@@ -22,12 +22,15 @@ CHAT_TEMPLATE = (
 )
 
 
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE with no merges: ids 0-2 are special, 3..258 are the 256 bytes."""
+def byte_tokenizer(missing: bytes = b"") -> PreTrainedTokenizerFast:
+    """Byte-level BPE with no merges: ids 0-2 are special, 3..258 are the 256 bytes. ``missing``:
+    bytes left out of the vocabulary, which tokenizing then drops (SmolLM2's has no 0x1d); the
+    bytes after them get ids one lower each."""
     chars = sorted(_gpt2_byte_decoder().items(), key=lambda kv: kv[1])
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for ch, _ in chars:
-        vocab[ch] = len(vocab)
+    for ch, byte in chars:
+        if byte not in missing:
+            vocab[ch] = len(vocab)
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
