@@ -808,17 +808,17 @@ def test_micro_batches_give_the_whole_batch_gradient(tiny_target):
 
 
 @pytest.mark.parametrize("group_size", [32, 64])
-def test_export_rounding_gives_the_exports_weights_with_straight_through_gradients(tmp_path, group_size):
-    """``export_rounding`` (quantization-aware training): the float weights become exactly what
+def test_fake_quantizer_gives_the_exports_weights_with_straight_through_gradients(tmp_path, group_size):
+    """``fake_quantizer`` (quantization-aware training): the float weights become exactly what
     the 4-bit float16 export loads as (group grid where the export has scales, float16 rounding
     elsewhere, the confidence head included); the gradient is the identity."""
-    from drafters.dspark.train import export_rounding
+    from drafters.dspark.train import fake_quantizer
 
     net = tiny_net(seed=8)
     saved = save_dspark(net, tmp_path / "q", bits=4, group_size=group_size, dtype="float16")
     want = dict(tree_flatten(load_dspark(saved, dequantize=True).parameters()))
     floats = dict(tree_flatten(net.parameters()))
-    rounding = export_rounding(net, 4, group_size)
+    rounding = fake_quantizer(net, 4, group_size)
     got = rounding(floats)
     assert got.keys() == want.keys() == floats.keys()
     assert all(got[k].dtype == mx.float32 and mx.array_equal(got[k], want[k]) for k in got)
@@ -836,7 +836,7 @@ def test_quantization_aware_loss_is_the_exports_loss(tiny_target, tmp_path):
     """``quantization_aware``: the loss and gradient of the float drafter through the export's
     rounding are the exported drafter's own (dequantized); afterwards the drafter holds its
     float weights again, so the optimizer updates those."""
-    from drafters.dspark.train import _new_model, export_rounding, quantization_aware
+    from drafters.dspark.train import _new_model, fake_quantizer, quantization_aware
 
     target, tok = tiny_target
     net = _new_model(target, tok, DraftArch(layers=1, target_layer_ids=[0, 1], block_size=4, markov_rank=16,
@@ -849,7 +849,7 @@ def test_quantization_aware_loss_is_the_exports_loss(tiny_target, tmp_path):
         return dspark_loss(logits, conf, t, mx.array(b.labels), mx.array(b.eval_mask))
 
     floats = {k: mx.array(v) for k, v in tree_flatten(net.parameters())}
-    qat = nn.value_and_grad(net, quantization_aware(loss_fn, export_rounding(net, 4, 32)))
+    qat = nn.value_and_grad(net, quantization_aware(loss_fn, fake_quantizer(net, 4, 32)))
     loss, metrics, grads = batch_gradients(qat, net, taps, batch, 1, 4.0)
     assert all(mx.array_equal(v, floats[k]) for k, v in tree_flatten(net.parameters()))
     exported = load_dspark(save_dspark(net, tmp_path / "q4", bits=4, group_size=32, dtype="float16"), dequantize=True)
@@ -981,6 +981,26 @@ def test_qat_benchmark_scores_weight_batches_by_their_blocks(tiny_target):
     assert got["loss"] == pytest.approx(sum(w * lo for w, lo, _ in parts) / sum(blocks), abs=1e-5)
     assert got["tau"] == pytest.approx(sum(w * ta for w, _, ta in parts) / sum(blocks), abs=1e-4)
     assert len(got["accept"]) == 4 and all(0 <= a <= 1 for a in got["accept"])
+
+
+def test_reround_measures_moves_in_group_steps(tmp_path):
+    """``benchmarks.dspark_reround``: exporting an export's dequantized weights again moves some
+    values (MLX's affine grid is refit), by less than a step each, measured per quantized
+    matrix in its own group steps; kinds drop the layer index."""
+    from benchmarks.dspark_reround import kind, main, reround_moves
+
+    src = save_dspark(tiny_net(seed=8), tmp_path / "q4", bits=4, group_size=32, dtype="float16")
+    moves = reround_moves(src, 4, 32)
+    quantized = {k[: -len(".scales")] for k in mx.load(str(src / "model.safetensors")) if k.endswith(".scales")}
+    assert moves.keys() == quantized
+    flat = np.concatenate([m.ravel() for m in moves.values()])
+    assert 0 < (flat > 0.01).mean() < 0.5 and flat.max() < 1.0
+    assert kind("layers.3.mlp.up_proj") == "mlp.up_proj" and kind("fc") == "fc"
+    assert main([str(src), "--out", str(tmp_path / "r.json"), "--group-size", "32"]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["all"]["values"] == flat.size and report["all"]["max_steps"] == round(float(flat.max()), 3)
+    with pytest.raises(ValueError, match="no quantized matrix"):
+        reround_moves(save_dspark(tiny_net(seed=8), tmp_path / "plain"))
 
 
 def test_micro_batches_flag():

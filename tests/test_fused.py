@@ -526,13 +526,13 @@ def _default_like_drafter(target):
     """A random drafter of the shipped one's shapes for ``target`` (4-bit, group 64)."""
     from drafters.dspark import DSparkModel, init_weights
     from drafters.dspark.config import draft_config_from_target
-    from drafters.dspark.loader import _quantizable
+    from drafters.dspark.loader import quantizable
 
     cfg = draft_config_from_target({**vars(target.args), "num_hidden_layers": 30}, num_hidden_layers=3,
                                    target_layer_ids=[1, 8, 14, 20, 27], block_size=7, markov_rank=128, mask_token_id=0)
     net = DSparkModel(cfg)
     init_weights(net, seed=2)
-    nn.quantize(net, group_size=64, bits=4, class_predicate=_quantizable(64))
+    nn.quantize(net, group_size=64, bits=4, class_predicate=quantizable(64))
     return net
 
 

@@ -67,7 +67,7 @@ for name in "${names[@]}"; do
   echo "$name: $rows log rows; last: $([ -f "$log" ] && tail -1 "$log" | cut -c1-160)"
   grep -iE "error|Traceback|out of memory" "/root/arms/$name/train.log" | tail -3 || true
   # An arm the budget stopped before STEPS has no export: export its newest checkpoint the way
-  # the trainer exports (4 bits, the run's group size, float16) into drafter-partial/, named by its step
+  # the trainer exports (the run's export grid, float16) into drafter-partial/, named by its step
   # (its learning rate had not decayed to 0: compare such arms at equal steps only).
   rm -rf "/root/arms/$name/drafter-partial"  # (an earlier call's, superseded by this one's)
   if [ ! -d "/root/arms/$name/drafter" ] || [ -z "$(ls -A "/root/arms/$name/drafter")" ]; then
@@ -82,8 +82,8 @@ ckpt = latest_checkpoint(sys.argv[1])
 if ckpt is None:
     sys.exit(f"{sys.argv[1]}: no checkpoint to export")
 train = json.loads((ckpt / "trainer_state.json").read_text())["train"]  # (the grid the run trains for)
-save_dspark(load_dspark(ckpt, dtype=None), sys.argv[2], bits=4, group_size=train.get("qat_group_size", 64),
-            dtype="float16")
+save_dspark(load_dspark(ckpt, dtype=None), sys.argv[2], bits=train.get("qat_bits", 4),
+            group_size=train.get("qat_group_size", 64), dtype="float16")
 open(f"{sys.argv[2]}/STEP", "w").write(ckpt.name + "\n")
 print(f"exported {ckpt} -> {sys.argv[2]}")
 EOF

@@ -202,7 +202,10 @@ def guard_quantized_matmuls(model: nn.Module, rows: tuple[int, ...] = (1, 8)) ->
     return swapped
 
 
-def _quantizable(group_size: int):
+def quantizable(group_size: int):
+    """``nn.quantize``'s ``class_predicate`` for what :func:`save_dspark` quantizes: every
+    Linear/Embedding whose input width is a multiple of ``group_size``, except the confidence
+    head (a 1-output matrix that quantizing would only blur)."""
     def predicate(path: str, module: nn.Module) -> bool:
         if path.startswith("confidence_head") or not isinstance(module, (nn.Linear, nn.Embedding)):
             return False
@@ -245,7 +248,7 @@ def save_dspark(model: DSparkModel, out: str | Path, *, bits: int | None = None,
     if bits is not None:
         if cfg.quantization:
             raise ValueError("the model is already quantized")
-        nn.quantize(copy, group_size=group_size, bits=bits, class_predicate=_quantizable(group_size))
+        nn.quantize(copy, group_size=group_size, bits=bits, class_predicate=quantizable(group_size))
         cfg.quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
     weights = dict(tree_flatten(copy.parameters()))
     mx.eval(weights)

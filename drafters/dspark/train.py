@@ -20,7 +20,7 @@ Recipe ([DS-paper] eqs. 9-12; [DeepSpec] ``loss.py``, ``common.py``; dspark.md s
    gradient clipping at norm 1.0. Only the draft network trains; the target, its embedding
    and its LM head are frozen (they are not parameters of the draft network).
 5. Optionally (``TrainConfig.qat_steps``), the last steps are quantization-aware: the forward
-   uses the weights the quantized export will hold (:func:`export_rounding`) and the gradient
+   uses the weights the quantized export will hold (:func:`fake_quantizer`) and the gradient
    passes straight through the rounding to the float weights (Bengio et al. 2013, "Estimating
    or Propagating Gradients Through Stochastic Neurons"; Jacob et al. 2018, "Quantization and
    Training of Neural Networks for Efficient Integer-Arithmetic-Only Inference", section 3).
@@ -50,7 +50,7 @@ from ..base import DraftContext
 from .config import DSparkConfig, draft_config_from_target
 from .data import PromptRecord, build_prompt_set, encode_prompt, read_jsonl, write_jsonl
 from .drafter import DraftStep, DSparkDrafter
-from .loader import _quantizable, load_dspark, save_dspark
+from .loader import load_dspark, quantizable, save_dspark
 from .model import DSparkModel, init_weights
 from .target import TargetTaps, model_config_dict
 
@@ -124,7 +124,8 @@ class TrainConfig:
     # Quantization-aware training: the last ``qat_steps`` steps train through the rounding of
     # the export (``qat_bits``-bit affine groups of ``qat_group_size``, float16 elsewhere), so
     # the shipped weights are the ones the loss saw. 0 = off. train_dspark requires the grid to
-    # be the export's.
+    # be the export's. The learning rate decays to 0 over the run (cosine), so a short QAT tail
+    # moves the weights little; to continue a trained drafter, make every step QAT.
     qat_steps: int = 0
     qat_bits: int = 4
     qat_group_size: int = 64
@@ -597,12 +598,12 @@ def _straight_through_vjp(primals, cotangent, output):
     return cotangent, mx.zeros_like(primals[1])
 
 
-def export_rounding(model: DSparkModel, bits: int, group_size: int) -> Callable[[dict], dict]:
-    """Fake quantization for quantization-aware training: a function of ``model``'s flat
+def fake_quantizer(model: DSparkModel, bits: int, group_size: int) -> Callable[[dict], dict]:
+    """The fake-quantization op of quantization-aware training: a function of ``model``'s flat
     parameters (``{name: array}``, any float dtype) giving the values
     ``save_dspark(model, bits=bits, group_size=group_size, dtype="float16")`` will store, as
     arrays of the input dtypes: float16 rounding of every floating tensor and, for the matrices
-    the export quantizes (``loader._quantizable``: every Linear/Embedding but the confidence
+    the export quantizes (:func:`loader.quantizable`: every Linear/Embedding but the confidence
     head whose input width divides into groups), MLX affine quantization per group of
     ``group_size`` (scale and bias from the group's min and max) then dequantization.
 
@@ -615,7 +616,7 @@ def export_rounding(model: DSparkModel, bits: int, group_size: int) -> Callable[
     trained further from a quantized export, ``--init``) can refit a narrower grid and move some
     of them by up to 2/3 of a step (docs/dspark.md, "Rounding twice"). QAT sees that too.
     """
-    predicate = _quantizable(group_size)
+    predicate = quantizable(group_size)
     quantized = {f"{path}.weight" for path, module in tree_flatten(model.leaf_modules(), is_leaf=nn.Module.is_module)
                  if predicate(path, module)}
 
@@ -638,7 +639,7 @@ def export_rounding(model: DSparkModel, bits: int, group_size: int) -> Callable[
 
 def quantization_aware(loss_fn: Callable, rounding: Callable[[dict], dict]) -> Callable:
     """``loss_fn(net, *args)`` computed with ``net``'s weights replaced by ``rounding`` of them
-    (:func:`export_rounding`), for ``nn.value_and_grad``: the gradient reaches the float
+    (:func:`fake_quantizer`), for ``nn.value_and_grad``: the gradient reaches the float
     weights straight through the rounding, and ``net`` holds its float weights again when the
     call returns (so the optimizer updates those, not the rounded copies)."""
     def wrapped(net, *args):
@@ -660,7 +661,7 @@ def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, 
     Batch ``t`` is drawn with ``numpy.random.default_rng([seed, t])``, so a resumed run sees the
     same batches as an uninterrupted one. When ``deadline`` (a ``time.perf_counter()`` value)
     passes, a checkpoint is written and the loop stops early. Steps from
-    ``steps - qat_steps`` on are quantization-aware (:func:`export_rounding`; their log rows say
+    ``steps - qat_steps`` on are quantization-aware (:func:`fake_quantizer`; their log rows say
     ``"qat": true``); the model and its checkpoints keep the float weights throughout.
     Returns ``(logged metric rows, steps completed)``.
     """
@@ -678,7 +679,7 @@ def train_loop(model: DSparkModel, optimizer: optim.Optimizer, start_step: int, 
     loss_and_grad = nn.value_and_grad(model, loss_fn)
     qat_from = train_cfg.steps - train_cfg.qat_steps if train_cfg.qat_steps > 0 else None
     if qat_from is not None:
-        rounding = export_rounding(model, train_cfg.qat_bits, train_cfg.qat_group_size)
+        rounding = fake_quantizer(model, train_cfg.qat_bits, train_cfg.qat_group_size)
         qat_loss_and_grad = nn.value_and_grad(model, quantization_aware(loss_fn, rounding))
     rows, started = [], time.perf_counter()
     log_path = out_dir / "train_log.jsonl"
@@ -992,8 +993,8 @@ def _prepare(target, tokenizer, out_dir: Path, arch: DraftArch, data: DataConfig
         model, optimizer, step = restore(ckpt, train)
         log.info("resuming from %s (step %d)", ckpt, step)
         saved = json.loads((ckpt / "trainer_state.json").read_text())["train"]
-        changed = {k: (saved.get(k, 0), getattr(train, k)) for k in ("steps", "qat_steps", "qat_bits", "qat_group_size")
-                   if saved.get(k, getattr(TrainConfig, k)) != getattr(train, k)}
+        before = {k: saved.get(k, getattr(TrainConfig, k)) for k in ("steps", "qat_steps", "qat_bits", "qat_group_size")}
+        changed = {k: (v, getattr(train, k)) for k, v in before.items() if v != getattr(train, k)}
         if changed and (train.qat_steps or saved.get("qat_steps")):
             log.warning("resuming with other quantization-aware settings (checkpoint, now): %s", changed)
         if arch.init not in NEW_INITS:
@@ -1048,7 +1049,9 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
             (quantized export), ``eval.json``, ``train_log.jsonl``, ``checkpoints/``.
         records: prompts to use instead of :func:`build_prompt_set` (new runs only).
         eval_per_source: held-out prompts per source for the acceptance evaluation (0 = skip).
-        export_bits: bits of the shipped export (None = no export).
+        export_bits: bits of the shipped export (None = no export; else one of ``EXPORT_BITS``).
+        export_group_size: weights per quantization group of the export (one of
+            ``EXPORT_GROUP_SIZES``; a matrix whose input width is no multiple stays float16).
         generate_only: stop after the self-distillation data is written (``completed=True``,
             ``steps=0``), e.g. to generate on one machine and train on another.
 
@@ -1155,7 +1158,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight of L1(softmax draft, softmax target)")
     g.add_argument("--qat-steps", type=int, default=t.qat_steps,
                    help="train the last N steps through the export's rounding (--export-bits, "
-                        "--export-group-size; straight-through gradients); 0 = off")
+                        "--export-group-size; straight-through gradients); 0 = off. The cosine schedule "
+                        "leaves the last steps little learning rate: to continue a trained drafter "
+                        "(--init), make every step quantization-aware (N = --steps)")
     g = p.add_argument_group("evaluation and export")
     g.add_argument("--eval-per-source", type=int, default=20)
     g.add_argument("--eval-max-new-tokens", type=int, default=128)
@@ -1184,12 +1189,14 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
     is injected by the caller (the engine's loader handles GGUF); default: ``mlx_lm.load``."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not 0 <= args.qat_steps <= args.steps:
-        parser.error(f"--qat-steps must be in 0..--steps ({args.steps}), got {args.qat_steps}")
-    if args.qat_steps and not args.export_bits:
-        parser.error("--qat-steps trains for the quantized export: it needs --export-bits")
-    if args.export_bits and args.export_bits not in EXPORT_BITS:
-        parser.error(f"--export-bits must be 0 or one of {EXPORT_BITS}, got {args.export_bits}")
+    train = TrainConfig(**{k: getattr(args, k) for k in (
+        "steps", "batch_size", "micro_batches", "num_anchors", "max_seq_len", "save_every", "seed", "lr",
+        "warmup_ratio", "weight_decay", "grad_clip", "ce_weight", "l1_weight", "qat_steps")},
+                        qat_bits=args.export_bits or TrainConfig.qat_bits, qat_group_size=args.export_group_size)
+    try:  # (before the target loads)
+        check_quantization(train, args.export_bits or None, args.export_group_size)
+    except ValueError as exc:
+        parser.error(str(exc))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model, tokenizer = (load_target or _mlx_lm_loader)(args.target, args.target_weights)
     arch = DraftArch(args.layers, args.num_taps, args.target_layer_ids, args.block_size, args.markov_rank,
@@ -1201,10 +1208,6 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
                       temperature=args.gen_temperature, top_p=args.gen_top_p,
                       gen_batch_size=args.gen_batch_size, shard_size=args.gen_shard_size, seed=args.seed,
                       target_weights=args.target_weights)
-    train = TrainConfig(**{k: getattr(args, k) for k in (
-        "steps", "batch_size", "micro_batches", "num_anchors", "max_seq_len", "save_every", "seed", "lr",
-        "warmup_ratio", "weight_decay", "grad_clip", "ce_weight", "l1_weight", "qat_steps")},
-                        qat_bits=args.export_bits or TrainConfig.qat_bits, qat_group_size=args.export_group_size)
     result = train_dspark(model, tokenizer, args.out, arch=arch, data=data, train=train,
                           eval_per_source=args.eval_per_source, eval_max_new_tokens=args.eval_max_new_tokens,
                           export_bits=args.export_bits or None, export_group_size=args.export_group_size,
