@@ -134,8 +134,8 @@ class TokenTable:
         tokenizer drops (``dropped_bytes``), within a token too (BPE merges across a dropped
         byte: SmolLM2 reads ``"?\\x1d?"`` as one token ``"??"``); a token holding part of a
         character starts where the character does, and a token with no bytes (a BOS or EOS the
-        tokenizer added) where the token before it ended. ``typed``: positions whose hidden special token the text
-        spells out, to that spelling (those bytes are in the text).
+        tokenizer added) where the token before it ended. ``typed``: positions whose hidden
+        special token the text spells out, to that spelling (those bytes are in the text).
 
         Exact for a byte-level BPE whose text can only vanish through dropped bytes (where
         ``max_token_bytes`` is known); None elsewhere, or where the bytes do not line up (the
