@@ -228,8 +228,10 @@ class Sequence:
 
         Prompt lookup proposes for free, and so does a request's grammar (the tokens it forces
         next, drafter ``grammar``); DSpark costs a draft forward, so it runs only when its
-        recent yield (tokens per second, draft cost included) beats the best option so far (plain
-        decoding included, also when DSpark is the only drafter), or as a probe on a request's
+        recent yield (tokens per second, the cost of this forward included: a catch-up over the
+        rows committed since its last forward costs more, ``DsparkStats.forward_cost``) beats
+        the best option so far (plain decoding included, also when DSpark is the only drafter),
+        or as a probe on a request's
         first cycle and then after ``DSPARK_PROBE_EVERY`` cycles (only when a block accepted
         whole would beat that option: ``DsparkStats.best_case_rate``), an interval that doubles after
         every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets once it wins, as
@@ -285,7 +287,9 @@ class Sequence:
         dspark = self.drafters.get("dspark")
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1, len(self.tokens))] + [o[0] for o in options])
-            wins = forced or self.dspark_stats.expected_rate(cost, len(self.tokens)) > best_so_far
+            # priced at this forward's cost: after other drafters' cycles it is a catch-up
+            rows = len(self.tokens) - 1 - dspark.projected_length
+            wins = forced or self.dspark_stats.expected_rate(cost, len(self.tokens), rows) > best_so_far
             # a probe that could not win even with every draft accepted is not run
             probe = (not wins and self.cycles_since_dspark >= self.dspark_probe_every
                      and self.dspark_stats.best_case_rate(cost, min(budget, dspark.config.block_size),
@@ -321,7 +325,7 @@ class Sequence:
         cut(proposal, length)
         if proposal.drafter == "dspark" and not forced:
             # what its verify pass must yield to beat the other options (observe() judges it)
-            self.dspark_bar = (best_so_far, cost.T(length + 1, len(self.tokens)) + self.dspark_stats.draft_cost)
+            self.dspark_bar = (best_so_far, cost.T(length + 1, len(self.tokens)) + self.dspark_stats.forward_cost(rows))
         return proposal, dspark_ran
 
     def _drop_dspark(self) -> None:

@@ -535,14 +535,56 @@ def test_draft_cost_is_the_steady_forwards_cost():
         ds.observe_cost(0.0028, rows=rows)
     assert ds.draft_cost == 0.0012 and ds.catch_up_cost == 0.0028 and ds.timed_forwards == 3
     assert ds.expected_rate(cost) > 1 / cost.T(1)  # (priced at 2.8 ms it would lose)
+    # ... and a forward that itself projects more than STEADY_ROWS rows is priced at 2.8 ms
+    assert ds.forward_cost(DsparkStats.STEADY_ROWS) == 0.0012 and ds.forward_cost(DsparkStats.STEADY_ROWS + 1) == 0.0028
+    assert ds.expected_rate(cost, rows=DsparkStats.STEADY_ROWS + 1) < 1 / cost.T(1)
     ds.observe_cost(0.0014, rows=DsparkStats.STEADY_ROWS)
     ds.observe_cost(0.0016, rows=3)
     assert ds.draft_cost == pytest.approx(0.0015) and ds.fastest_forward == 0.0014
     unknown = DsparkStats()  # nothing timed at start-up: the dear forwards are all there is
     unknown.observe_cost(0.0028, rows=200)
-    assert unknown.draft_cost == 0.0028
+    assert unknown.draft_cost == 0.0028 == unknown.forward_cost(200)
+    fresh = DsparkStats(steady_cost=0.0012)  # no catch-up timed yet: the steady cost and a margin
+    assert fresh.forward_cost(200) == pytest.approx(DsparkStats.ABSORB_MARGIN * 0.0012)
     unknown.observe_cost(0.0013, rows=2)
     assert unknown.draft_cost == 0.0013
+
+
+def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, monkeypatch):
+    """A DSpark forward projects every row committed since the request's last one: over a prompt,
+    or after cycles of other drafters, more than ``STEADY_ROWS`` rows make it a catch-up, which
+    costs more (2.33 ms against 1.23 ms steady on an H100, where auto, pricing DSpark's forwards
+    after prompt-lookup cycles as steady ones, ran code_edit at 0.973x prompt lookup alone). Here
+    DSpark's recent yield beats plain decoding at a 1 ms steady forward but not at a 20 ms
+    catch-up: with no probe budget left it never runs on a 40-token prompt; with catch-ups as
+    cheap as steady forwards it runs from the first cycle. Costs and evidence are fixed (a frozen
+    curve, T(k) = 3 + 0.2 (k - 1) ms), so the verdict does not hang on this machine's timing."""
+    from collections import deque
+
+    from drafters.dspark import DSparkDrafter
+
+    ds, cost = dspark_engine.dspark_stats, dspark_engine.cost
+    monkeypatch.setattr(cost, "alpha", 0.0)
+    monkeypatch.setattr(cost, "_curve", [0.003 + 0.0002 * k for k in range(cost.max_rows)])
+    monkeypatch.setattr(ds, "observe_cost", lambda seconds, *, rows: None)
+    monkeypatch.setattr(ds, "observe", lambda *a, **k: None)
+    monkeypatch.setattr(ds, "draft_cost", 0.001)
+    monkeypatch.setattr(ds, "accepted_ema", 4.0)
+    monkeypatch.setattr(ds, "length_ema", 4.0)
+    monkeypatch.setattr(ds, "probe_seconds", 1e9)  # no probe may run
+    calls = []
+    original = DSparkDrafter.propose
+    monkeypatch.setattr(DSparkDrafter, "propose", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    prompt = list(range(10, 50))  # no repeated n-gram: prompt lookup proposes nothing
+    seen = {}
+    for catch_up in (0.02, 0.001):
+        monkeypatch.setattr(ds, "catch_up_costs", deque([catch_up]))
+        assert ds.expected_rate(cost, rows=1) > 1 / cost.T(1)
+        calls.clear()
+        _, _, last = run(dspark_engine, prompt, max_tokens=12, ignore_eos=True, speculative=SpeculativeParams("auto"))
+        seen[catch_up] = (len(calls), last.stats.by_drafter.get("dspark"))
+    assert seen[0.02][0] == 0 and seen[0.02][1] is None, seen
+    assert seen[0.001][0] >= 2 and seen[0.001][1].num_drafts >= 2, seen
 
 
 def test_engine_times_each_forward_by_the_new_context_rows_it_projects(tiny, tmp_path, monkeypatch):
