@@ -227,26 +227,25 @@ class Sequence:
         """Choose this cycle's drafter and draft length (issue #6's rule, engine/scheduler.py).
 
         Prompt lookup proposes for free, and so does a request's grammar (the tokens it forces
-        next, drafter ``grammar``); DSpark costs a draft forward, so it runs only when its
-        recent yield (tokens per second, the cost of this forward included: a catch-up over the
-        rows committed since its last forward costs more, ``DsparkStats.forward_cost``) beats
-        the best option so far (plain decoding included, also when DSpark is the only drafter),
-        or as a probe on a request's
-        first cycle and then after ``DSPARK_PROBE_EVERY`` cycles (only when a block accepted
-        whole would beat that option: ``DsparkStats.best_case_rate``), an interval that doubles after
-        every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets once it wins, as
-        long as the engine's probes fit their budget (at most 2% of its decode time, shrinking to
-        0.25% while probes keep losing: ``DsparkStats.may_probe``); it always runs when the request
-        sets ``min_draft_tokens``. A request carrying DSpark drops it (taps, queued rows) for
-        good on the first cycle where DSpark could not win with this cycle's room to draft, or
-        has recently yielded less than plain decoding while the engine's probe budget is spent
-        (``DsparkStats.worth_tapping``), unless it sets ``min_draft_tokens``. (No room to draft
-        includes a full batched pass, whose share leaves one row per sequence.) A DSpark forward
-        whose draft is cut to nothing counts as a cycle that yielded nothing, and any DSpark
-        forward whose proposal is not verified counts in the request's stats
+        next, drafter ``grammar``); DSpark costs a draft forward, so it runs only when its recent
+        yield (tokens per second, the cost of this forward included: a catch-up over the rows
+        committed since its last forward costs more, ``DsparkStats.forward_cost``) beats the best
+        option so far (plain decoding included, also when DSpark is the only drafter), or as a
+        probe on a request's first cycle and then after ``DSPARK_PROBE_EVERY`` cycles (only when a
+        block accepted whole would beat that option: ``DsparkStats.best_case_rate``), an interval
+        that doubles after every probe while DSpark loses (up to ``DSPARK_PROBE_MAX``) and resets
+        once it wins, as long as the engine's probes fit their budget (at most 2% of its decode
+        time, shrinking to 0.25% while probes keep losing: ``DsparkStats.may_probe``); it always
+        runs when the request sets ``min_draft_tokens``. A request carrying DSpark drops it (taps,
+        queued rows) for good on the first cycle where DSpark could not win with this cycle's room
+        to draft, or has recently yielded less than plain decoding while the engine's probe budget
+        is spent (``DsparkStats.worth_tapping``), unless it sets ``min_draft_tokens``. (No room to
+        draft includes a full batched pass, whose share leaves one row per sequence.) A DSpark
+        forward whose draft is cut to nothing counts as a cycle that yielded nothing, and any
+        DSpark forward whose proposal is not verified counts in the request's stats
         (``num_unused_proposals``). Each proposal is cut to the length maximising ``E(L) / T(L +
-        1)`` under its acceptance estimate; the best rate wins, plain decoding when none beats
-        it. ``max_rows`` caps the verify rows (a sequence's share of a batched pass).
+        1)`` under its acceptance estimate; the best rate wins, plain decoding when none beats it.
+        ``max_rows`` caps the verify rows (a sequence's share of a batched pass).
         """
         if self.pending_error is not None:  # the last cycle committed the tokens before it
             raise self.pending_error
@@ -254,7 +253,8 @@ class Sequence:
         dspark = self.drafters.get("dspark")
         if (dspark is not None and self.request.speculative.min_draft_tokens == 0
                 and not self.dspark_stats.worth_tapping(cost, min(budget, dspark.config.block_size),
-                                                        len(self.tokens))):
+                                                        len(self.tokens),
+                                                        len(self.tokens) - 1 - dspark.projected_length)):
             self._drop_dspark()  # not chosen, and no probe before the budget refills: no more taps
         if budget == 0 or not self.speculative:
             return Draft()
@@ -283,7 +283,7 @@ class Sequence:
                 conditional = self.acceptance.survival(proposal.match_length, len(proposal.tokens))
                 length, rate = choose_length(conditional, cost, context=len(self.tokens))
                 options.append((rate, length, proposal, conditional))
-        dspark_ran = False
+        dspark_ran, rows = False, 0
         dspark = self.drafters.get("dspark")
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1, len(self.tokens))] + [o[0] for o in options])
@@ -343,6 +343,8 @@ class Sequence:
         started = time.perf_counter()
         drafter = self.drafters["dspark"]
         new_rows = len(self.tokens) - 1 - drafter.projected_length  # (projected by this forward)
+        if "prompt_lookup" in self.drafters:  # (runs between another drafter's cycles: auto)
+            self.dspark_stats.observe_forward(new_rows)
         proposal = self._grammar_cut(drafter.propose(ctx, budget))
         if not getattr(drafter, "traced", False):  # a forward that compiled a graph is not typical
             self.dspark_stats.observe_cost(time.perf_counter() - started, rows=new_rows)

@@ -347,6 +347,11 @@ class DsparkStats:
         self.length_ema = 4.0  # verified draft length per DSpark cycle (EMA; the first sets it)
         self.cycles = 0  # DSpark cycles observed
         self.drafted_cycles = 0  # ... of which verified a draft (the length estimate's count)
+        # share of the DSpark forwards of requests with another drafter that were catch-ups
+        # (running mean, then EMA; :meth:`observe_forward`): 1 / the mean run of forwards that
+        # a catch-up starts, over which its extra cost is spread (:meth:`forward_cost`)
+        self.catch_up_share = 1.0
+        self.shared_forwards = 0
 
     def calibrated(self, conditional: list[float]) -> list[float]:
         survival, acc = [], 1.0
@@ -427,19 +432,35 @@ class DsparkStats:
         new rows (0.0 before any)."""
         return statistics.median(self.catch_up_costs) if self.catch_up_costs else 0.0
 
-    def forward_cost(self, rows: int) -> float:
-        """Seconds the next DSpark forward should take when it projects ``rows`` new context rows
-        (the rows committed since the request's last DSpark forward): :attr:`draft_cost` for a
-        steady one (``rows <= STEADY_ROWS``), else :attr:`catch_up_cost`, or before any was timed
-        :attr:`draft_cost` x :attr:`ABSORB_MARGIN` (never below :attr:`draft_cost`).
+    def observe_forward(self, rows: int) -> None:
+        """A DSpark forward of a request that also has another drafter (``auto``) projected
+        ``rows`` new context rows: it updates :attr:`catch_up_share` (a running mean over the first
+        ``1 / alpha`` forwards, an EMA after). Requests with DSpark alone are left out: their only
+        catch-up is the first forward, over the prompt, which says nothing about how long DSpark
+        runs between another drafter's cycles."""
+        self.shared_forwards += 1
+        weight = max(self.alpha, 1.0 / self.shared_forwards)
+        self.catch_up_share += weight * (float(rows > self.STEADY_ROWS) - self.catch_up_share)
 
-        Under ``auto`` a DSpark forward after prompt-lookup cycles is a catch-up: on an H100
-        (forty-ninth session, code_edit) the 50 DSpark drafts auto verified cost 2.33 ms
-        forwards (the median catch-up) against the 1.23 ms steady price the choice had used, and
-        auto ran at 0.973x prompt lookup alone, 1.025x plain with DSpark alone."""
+    def forward_cost(self, rows: int) -> float:
+        """Seconds to charge the next DSpark forward of a request when it projects ``rows`` new
+        context rows (the rows committed since the request's last DSpark forward).
+
+        A steady forward (``rows <= STEADY_ROWS``) costs :attr:`draft_cost`. A catch-up costs
+        more, :attr:`catch_up_cost` (before any was timed, :attr:`draft_cost` x
+        :attr:`ABSORB_MARGIN`), but it is paid once for the run of steady forwards that follows
+        while DSpark keeps being chosen, so its extra over :attr:`draft_cost` is charged times
+        :attr:`catch_up_share` (catch-ups per forward, 1 / the mean run): all of it where
+        DSpark's runs last one forward, little where they last many. Charged in full, a DSpark
+        that wins at the steady price would stay locked out after a few other cycles until a
+        probe ran it; charged at the steady price, auto ran code_edit at 0.973x prompt lookup
+        alone on an H100 (forty-ninth session, ``spec_h100_s49_qat_r4.json``): its 50 DSpark
+        drafts came after prompt-lookup cycles, and their forwards were catch-ups (median 2.33
+        ms against 1.23 ms steady)."""
         if rows <= self.STEADY_ROWS:
             return self.draft_cost
-        return max(self.draft_cost, self.catch_up_cost or self.ABSORB_MARGIN * self.draft_cost)
+        full = max(self.draft_cost, self.catch_up_cost or self.ABSORB_MARGIN * self.draft_cost)
+        return self.draft_cost + self.catch_up_share * (full - self.draft_cost)
 
     def best_case_rate(self, cost: CostModel, max_draft: int, context: int | None = None) -> float:
         """Tokens per second DSpark would deliver if every draft were accepted: the best
@@ -465,11 +486,13 @@ class DsparkStats:
         (:meth:`worth_tapping`)."""
         return self.best_case_rate(cost, max_draft, context) > 1.0 / cost.T(1, context)
 
-    def worth_tapping(self, cost: CostModel, max_draft: int, context: int | None = None) -> bool:
+    def worth_tapping(self, cost: CostModel, max_draft: int, context: int | None = None,
+                      rows: int = 1) -> bool:
         """Whether a request should carry DSpark now, tapping the target's hidden rows for it:
         DSpark :meth:`can_win` at ``context`` tokens with ``max_draft`` drafts (the request's
         room this cycle; 0: never), and either it has recently delivered more than plain
-        decoding (:meth:`expected_rate` over ``1 / T(1)``, so it may be chosen) or the
+        decoding (:meth:`expected_rate` over ``1 / T(1)``, its next forward projecting ``rows``
+        new context rows, so it may be chosen) or the
         engine-wide probe budget has room (:meth:`may_probe`, so a probe may run; whether this
         request's probe would run also depends on its other options). Otherwise the taps
         feed a drafter that will not run before the budget refills: on the H200 (a block forward
@@ -484,7 +507,7 @@ class DsparkStats:
             return False
         if self.TAP_WHILE_IDLE or self.may_probe():
             return True
-        return self.expected_rate(cost, context) > 1.0 / cost.T(1, context)
+        return self.expected_rate(cost, context, rows) > 1.0 / cost.T(1, context)
 
     def expected_rate(self, cost: CostModel, context: int | None = None, rows: int = 1) -> float:
         """Tokens per second DSpark has recently delivered, at ``context``, with a forward that

@@ -455,6 +455,7 @@ def test_warm_up_drafts_leave_no_dspark_evidence(tiny, tmp_path, monkeypatch):
         assert (ds.cycles, ds.accepted_ema, ds.length_ema, ds.timed_forwards) == (0, fresh.accepted_ema,
                                                                                   fresh.length_ema, 0)
         assert ds.realised == fresh.realised and ds.predicted == fresh.predicted
+        assert (ds.catch_up_share, ds.shared_forwards) == (fresh.catch_up_share, 0)
         # the draft cost is the start-up timing of steady forwards, not the warm-up's forwards
         assert ds.draft_cost == ds.steady_cost > 0 and not ds.recent_costs and not ds.catch_up_costs
         run(eng, prompts(1, seed=2)[0], "dspark", max_tokens=8)
@@ -554,20 +555,26 @@ def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, mon
     """A DSpark forward projects every row committed since the request's last one: over a prompt,
     or after cycles of other drafters, more than ``STEADY_ROWS`` rows make it a catch-up, which
     costs more (2.33 ms against 1.23 ms steady on an H100, where auto, pricing DSpark's forwards
-    after prompt-lookup cycles as steady ones, ran code_edit at 0.973x prompt lookup alone). Here
-    DSpark's recent yield beats plain decoding at a 1 ms steady forward but not at a 20 ms
-    catch-up: with no probe budget left it never runs on a 40-token prompt; with catch-ups as
-    cheap as steady forwards it runs from the first cycle. Costs and evidence are fixed (a frozen
-    curve, T(k) = 3 + 0.2 (k - 1) ms), so the verdict does not hang on this machine's timing."""
+    after prompt-lookup cycles as steady ones, ran code_edit at 0.973x prompt lookup alone); the
+    extra is charged times the share of forwards that are catch-ups. Here DSpark's recent yield
+    beats plain decoding at a 1 ms steady forward but not at a 20 ms catch-up: with no probe
+    budget left and runs of one forward it never runs on a 40-token prompt, and the request drops
+    it (no taps); with runs of 20 forwards, or catch-ups as cheap as steady forwards, it runs
+    from the first cycle. Costs and evidence are fixed (a frozen curve, T(k) = 3 + 0.2 (k - 1)
+    ms), so the verdict does not hang on this machine's timing."""
     from collections import deque
 
     from drafters.dspark import DSparkDrafter
+    from engine import generation
 
     ds, cost = dspark_engine.dspark_stats, dspark_engine.cost
+    drops = []
+    drop = generation.Sequence._drop_dspark
+    monkeypatch.setattr(generation.Sequence, "_drop_dspark", lambda self: drops.append(len(calls)) or drop(self))
     monkeypatch.setattr(cost, "alpha", 0.0)
     monkeypatch.setattr(cost, "_curve", [0.003 + 0.0002 * k for k in range(cost.max_rows)])
-    monkeypatch.setattr(ds, "observe_cost", lambda seconds, *, rows: None)
-    monkeypatch.setattr(ds, "observe", lambda *a, **k: None)
+    for name in ("observe_cost", "observe", "observe_forward"):
+        monkeypatch.setattr(ds, name, lambda *a, **k: None)
     monkeypatch.setattr(ds, "draft_cost", 0.001)
     monkeypatch.setattr(ds, "accepted_ema", 4.0)
     monkeypatch.setattr(ds, "length_ema", 4.0)
@@ -577,14 +584,54 @@ def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, mon
     monkeypatch.setattr(DSparkDrafter, "propose", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     prompt = list(range(10, 50))  # no repeated n-gram: prompt lookup proposes nothing
     seen = {}
-    for catch_up in (0.02, 0.001):
+    # (catch-up cost, share of forwards that are catch-ups): DSpark's runs last one forward, so
+    # a 20 ms catch-up is charged in full; they last 20 forwards, so it is charged 1.95 ms; catch-ups
+    # cost what steady forwards do
+    for catch_up, share in ((0.02, 1.0), (0.02, 0.05), (0.001, 1.0)):
         monkeypatch.setattr(ds, "catch_up_costs", deque([catch_up]))
+        monkeypatch.setattr(ds, "catch_up_share", share)
         assert ds.expected_rate(cost, rows=1) > 1 / cost.T(1)
         calls.clear()
+        drops.clear()
         _, _, last = run(dspark_engine, prompt, max_tokens=12, ignore_eos=True, speculative=SpeculativeParams("auto"))
-        seen[catch_up] = (len(calls), last.stats.by_drafter.get("dspark"))
-    assert seen[0.02][0] == 0 and seen[0.02][1] is None, seen
-    assert seen[0.001][0] >= 2 and seen[0.001][1].num_drafts >= 2, seen
+        seen[catch_up, share] = (len(calls), last.stats.by_drafter.get("dspark"), list(drops))
+    # (dropped before any forward; the others drop DSpark at the end, with no room left to draft)
+    assert seen[0.02, 1.0] == (0, None, [0]), seen
+    for key in ((0.02, 0.05), (0.001, 1.0)):
+        assert seen[key][0] >= 2 and seen[key][1].num_drafts >= 2 and seen[key][2][:1] != [0], seen
+
+
+def test_only_requests_with_another_drafter_measure_how_long_dspark_runs(dspark_engine, monkeypatch):
+    """``DsparkStats.catch_up_share`` (how often a DSpark forward is a catch-up, which spreads a
+    catch-up's cost over the run it starts) is fed by the forwards of requests that have prompt
+    lookup too (auto); a dspark-only request's one catch-up, over its prompt, is left out."""
+    ds = dspark_engine.dspark_stats
+    ds.decode_seconds += 1e6  # probe budget to spare: auto's first cycle probes DSpark
+    monkeypatch.setattr(ds, "can_win", lambda *a, **k: True)
+    prompt = list(range(10, 50))
+    before = ds.shared_forwards
+    _, _, last = run(dspark_engine, prompt, max_tokens=8, ignore_eos=True, speculative=FORCE)
+    assert last.stats.by_drafter["dspark"].num_drafts >= 2 and ds.shared_forwards == before
+    _, _, last = run(dspark_engine, prompt, max_tokens=8, ignore_eos=True, speculative=SpeculativeParams("auto"))
+    assert ds.shared_forwards > before
+
+
+def test_a_catch_up_is_charged_by_the_share_of_forwards_that_are_catch_ups():
+    from engine.scheduler import DsparkStats
+
+    ds = DsparkStats(steady_cost=0.001)
+    assert ds.catch_up_share == 1.0  # before any evidence: a catch-up is charged in full
+    assert ds.forward_cost(40) == pytest.approx(DsparkStats.ABSORB_MARGIN * 0.001)
+    ds.observe_cost(0.003, rows=40)
+    assert ds.forward_cost(40) == pytest.approx(0.003) and ds.forward_cost(DsparkStats.STEADY_ROWS) == 0.001
+    ds.observe_forward(40)
+    for _ in range(3):
+        ds.observe_forward(2)
+    assert ds.catch_up_share == pytest.approx(0.25)  # a running mean over the first forwards
+    assert ds.forward_cost(40) == pytest.approx(0.001 + 0.25 * 0.002)
+    for _ in range(200):  # then an EMA: runs of one forward again
+        ds.observe_forward(DsparkStats.STEADY_ROWS + 1)
+    assert ds.catch_up_share > 0.99 and ds.forward_cost(40) == pytest.approx(0.003, rel=0.01)
 
 
 def test_engine_times_each_forward_by_the_new_context_rows_it_projects(tiny, tmp_path, monkeypatch):
