@@ -409,6 +409,7 @@ def main(argv=None) -> dict:
                 "draft_cost_ms": round(ds.draft_cost * 1e3, 3),
                 "steady_cost_at_start_ms": round(ds.steady_cost * 1e3, 3),
                 "steady_forwards": len(ds.recent_costs), "catch_up_cost_ms": round(ds.catch_up_cost * 1e3, 3),
+                "catch_up_share": round(ds.catch_up_share, 3), "shared_forwards": ds.shared_forwards,
                 "accepted_ema": round(ds.accepted_ema, 3), "probe_s": round(ds.probe_seconds, 4),
                 "decode_s": round(ds.decode_seconds, 3), "cycles": ds.cycles,
                 "can_win": ds.can_win(eng.cost, eng.dspark.config.block_size)}
