@@ -238,14 +238,15 @@ class Sequence:
         time, shrinking to 0.25% while probes keep losing: ``DsparkStats.may_probe``); it always
         runs when the request sets ``min_draft_tokens``. A request carrying DSpark drops it (taps,
         queued rows) for good on the first cycle where DSpark could not win with this cycle's room
-        to draft, or has recently yielded less than plain decoding while the engine's probe budget
-        is spent (``DsparkStats.worth_tapping``), unless it sets ``min_draft_tokens``. (No room to
-        draft includes a full batched pass, whose share leaves one row per sequence.) A DSpark
-        forward whose draft is cut to nothing counts as a cycle that yielded nothing, and any
-        DSpark forward whose proposal is not verified counts in the request's stats
-        (``num_unused_proposals``). Each proposal is cut to the length maximising ``E(L) / T(L +
-        1)`` under its acceptance estimate; the best rate wins, plain decoding when none beats it.
-        ``max_rows`` caps the verify rows (a sequence's share of a batched pass).
+        to draft, or has recently yielded less than plain decoding (its pending forward priced as
+        in the choice) while the engine's probe budget is spent (``DsparkStats.worth_tapping``),
+        unless it sets ``min_draft_tokens``. (No room to draft includes a full batched pass, whose
+        share leaves one row per sequence.) A DSpark forward whose draft is cut to nothing counts
+        as a cycle that yielded nothing, and any DSpark forward whose proposal is not verified
+        counts in the request's stats (``num_unused_proposals``). Each proposal is cut to the
+        length maximising ``E(L) / T(L + 1)`` under its acceptance estimate; the best rate wins,
+        plain decoding when none beats it. ``max_rows`` caps the verify rows (a sequence's share of
+        a batched pass).
         """
         if self.pending_error is not None:  # the last cycle committed the tokens before it
             raise self.pending_error
@@ -253,8 +254,7 @@ class Sequence:
         dspark = self.drafters.get("dspark")
         if (dspark is not None and self.request.speculative.min_draft_tokens == 0
                 and not self.dspark_stats.worth_tapping(cost, min(budget, dspark.config.block_size),
-                                                        len(self.tokens),
-                                                        len(self.tokens) - 1 - dspark.projected_length)):
+                                                        len(self.tokens), self._dspark_rows())):
             self._drop_dspark()  # not chosen, and no probe before the budget refills: no more taps
         if budget == 0 or not self.speculative:
             return Draft()
@@ -287,8 +287,7 @@ class Sequence:
         dspark = self.drafters.get("dspark")
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1, len(self.tokens))] + [o[0] for o in options])
-            # priced at this forward's cost: after other drafters' cycles it is a catch-up
-            rows = len(self.tokens) - 1 - dspark.projected_length
+            rows = self._dspark_rows()  # (after other cycles, a catch-up: priced as one)
             wins = forced or self.dspark_stats.expected_rate(cost, len(self.tokens), rows) > best_so_far
             # a probe that could not win even with every draft accepted is not run
             probe = (not wins and self.cycles_since_dspark >= self.dspark_probe_every
@@ -328,6 +327,18 @@ class Sequence:
             self.dspark_bar = (best_so_far, cost.T(length + 1, len(self.tokens)) + self.dspark_stats.forward_cost(rows))
         return proposal, dspark_ran
 
+    def _dspark_rows(self) -> int:
+        """New context rows to price the next DSpark forward at (``DsparkStats.forward_cost``):
+        the rows committed since this request's last DSpark forward. A request's first forward,
+        over its prompt, counts as a steady one: every use of DSpark in the request pays it, so
+        it prices the request's DSpark, not this cycle's (charged as a catch-up, a request would
+        drop DSpark on its first cycle whenever the probe budget is spent, before it could
+        win)."""
+        drafter = self.drafters["dspark"]
+        if drafter.projected_length == 0:
+            return 0
+        return len(self.tokens) - 1 - drafter.projected_length
+
     def _drop_dspark(self) -> None:
         """Run the rest of the request without DSpark: no drafter, no taps, no pending rows
         (after prefill the taps feed only the drafter; the prompt's rows are already stored)."""
@@ -343,9 +354,9 @@ class Sequence:
         started = time.perf_counter()
         drafter = self.drafters["dspark"]
         new_rows = len(self.tokens) - 1 - drafter.projected_length  # (projected by this forward)
-        if "prompt_lookup" in self.drafters:  # (runs between another drafter's cycles: auto)
-            self.dspark_stats.observe_forward(new_rows)
         proposal = self._grammar_cut(drafter.propose(ctx, budget))
+        if "prompt_lookup" in self.drafters and self.request.speculative.min_draft_tokens == 0:
+            self.dspark_stats.observe_forward(new_rows)  # (auto, unforced: runs between other cycles)
         if not getattr(drafter, "traced", False):  # a forward that compiled a graph is not typical
             self.dspark_stats.observe_cost(time.perf_counter() - started, rows=new_rows)
         proposal.drafter = "dspark"

@@ -435,9 +435,12 @@ class DsparkStats:
     def observe_forward(self, rows: int) -> None:
         """A DSpark forward of a request that also has another drafter (``auto``) projected
         ``rows`` new context rows: it updates :attr:`catch_up_share` (a running mean over the first
-        ``1 / alpha`` forwards, an EMA after). Requests with DSpark alone are left out: their only
-        catch-up is the first forward, over the prompt, which says nothing about how long DSpark
-        runs between another drafter's cycles."""
+        ``1 / alpha`` forwards, an EMA after). The engine feeds it the unforced forwards of
+        requests that also have prompt lookup (auto): how long DSpark runs between other
+        drafters' cycles is what the share prices. Requests with DSpark alone, or forcing it
+        (``min_draft_tokens``), run it every cycle they can and would make runs look longer
+        than auto's are. The share is engine-wide: mixed traffic averages the run lengths of
+        all auto requests."""
         self.shared_forwards += 1
         weight = max(self.alpha, 1.0 / self.shared_forwards)
         self.catch_up_share += weight * (float(rows > self.STEADY_ROWS) - self.catch_up_share)
@@ -456,7 +459,8 @@ class DsparkStats:
         probe ran it; charged at the steady price, auto ran code_edit at 0.973x prompt lookup
         alone on an H100 (forty-ninth session, ``spec_h100_s49_qat_r4.json``): its 50 DSpark
         drafts came after prompt-lookup cycles, and their forwards were catch-ups (median 2.33
-        ms against 1.23 ms steady)."""
+        ms against 1.23 ms steady). A request's first forward, over its prompt, is priced as a
+        steady one by the engine (``Sequence._dspark_rows``): every use of DSpark pays it."""
         if rows <= self.STEADY_ROWS:
             return self.draft_cost
         full = max(self.draft_cost, self.catch_up_cost or self.ABSORB_MARGIN * self.draft_cost)

@@ -455,7 +455,6 @@ def test_warm_up_drafts_leave_no_dspark_evidence(tiny, tmp_path, monkeypatch):
         assert (ds.cycles, ds.accepted_ema, ds.length_ema, ds.timed_forwards) == (0, fresh.accepted_ema,
                                                                                   fresh.length_ema, 0)
         assert ds.realised == fresh.realised and ds.predicted == fresh.predicted
-        assert (ds.catch_up_share, ds.shared_forwards) == (fresh.catch_up_share, 0)
         # the draft cost is the start-up timing of steady forwards, not the warm-up's forwards
         assert ds.draft_cost == ds.steady_cost > 0 and not ds.recent_costs and not ds.catch_up_costs
         run(eng, prompts(1, seed=2)[0], "dspark", max_tokens=8)
@@ -552,66 +551,85 @@ def test_draft_cost_is_the_steady_forwards_cost():
 
 
 def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, monkeypatch):
-    """A DSpark forward projects every row committed since the request's last one: over a prompt,
-    or after cycles of other drafters, more than ``STEADY_ROWS`` rows make it a catch-up, which
-    costs more (2.33 ms against 1.23 ms steady on an H100, where auto, pricing DSpark's forwards
-    after prompt-lookup cycles as steady ones, ran code_edit at 0.973x prompt lookup alone); the
-    extra is charged times the share of forwards that are catch-ups. Here DSpark's recent yield
-    beats plain decoding at a 1 ms steady forward but not at a 20 ms catch-up: with no probe
-    budget left and runs of one forward it never runs on a 40-token prompt, and the request drops
-    it (no taps); with runs of 20 forwards, or catch-ups as cheap as steady forwards, it runs
-    from the first cycle. Costs and evidence are fixed (a frozen curve, T(k) = 3 + 0.2 (k - 1)
-    ms), so the verdict does not hang on this machine's timing."""
+    """A DSpark forward projects every row committed since the request's last one: after cycles
+    without DSpark, more than ``STEADY_ROWS`` rows make it a catch-up, which costs more (2.33 ms
+    against 1.23 ms steady on an H100, where auto, pricing such forwards as steady ones, ran
+    code_edit at 0.973x prompt lookup alone); the extra is charged times the share of forwards
+    that are catch-ups. Here DSpark wins the first cycle, loses the next 20 (no probe is due and
+    none may run), then its recent yield beats plain decoding again at a 1 ms steady forward but
+    not at a 20 ms catch-up: charged in full (runs of one forward), it is not run again, and,
+    when the request may not keep idle taps, it is dropped on that cycle; charged at a share of
+    0.05 (runs of 20 forwards), or with catch-ups as cheap as steady forwards, it runs again.
+    Costs and evidence are fixed (a frozen curve, T(k) = 3 + 0.2 (k - 1) ms), so the verdicts do
+    not hang on this machine's timing."""
     from collections import deque
 
     from drafters.dspark import DSparkDrafter
     from engine import generation
 
     ds, cost = dspark_engine.dspark_stats, dspark_engine.cost
-    drops = []
-    drop = generation.Sequence._drop_dspark
-    monkeypatch.setattr(generation.Sequence, "_drop_dspark", lambda self: drops.append(len(calls)) or drop(self))
     monkeypatch.setattr(cost, "alpha", 0.0)
     monkeypatch.setattr(cost, "_curve", [0.003 + 0.0002 * k for k in range(cost.max_rows)])
-    for name in ("observe_cost", "observe", "observe_forward"):
+    for name in ("observe_cost", "observe_forward"):
         monkeypatch.setattr(ds, name, lambda *a, **k: None)
     monkeypatch.setattr(ds, "draft_cost", 0.001)
-    monkeypatch.setattr(ds, "accepted_ema", 4.0)
     monkeypatch.setattr(ds, "length_ema", 4.0)
     monkeypatch.setattr(ds, "probe_seconds", 1e9)  # no probe may run
-    calls = []
+    passes, state = [], {}
+
+    def losing_after_a_draft(*args, **kwargs):  # the first DSpark cycle: its evidence now says it loses
+        if len(passes) < state["flip"]:
+            ds.accepted_ema = 0.0
+
+    def cycle(seconds):  # after 20 more passes it says DSpark wins again
+        passes.append(seconds)
+        if len(passes) == state["flip"]:
+            ds.accepted_ema, ds.TAP_WHILE_IDLE = 4.0, state["idle_taps"]
+
+    monkeypatch.setattr(ds, "observe", losing_after_a_draft)
+    monkeypatch.setattr(ds, "observe_cycle", cycle)
+    calls, drops = [], []
     original = DSparkDrafter.propose
     monkeypatch.setattr(DSparkDrafter, "propose", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
+    drop = generation.Sequence._drop_dspark
+    monkeypatch.setattr(generation.Sequence, "_drop_dspark", lambda self: drops.append(self.num_generated) or drop(self))
     prompt = list(range(10, 50))  # no repeated n-gram: prompt lookup proposes nothing
     seen = {}
-    # (catch-up cost, share of forwards that are catch-ups): DSpark's runs last one forward, so
-    # a 20 ms catch-up is charged in full; they last 20 forwards, so it is charged 1.95 ms; catch-ups
-    # cost what steady forwards do
-    for catch_up, share in ((0.02, 1.0), (0.02, 0.05), (0.001, 1.0)):
+    for catch_up, share, idle_taps in ((0.02, 1.0, True), (0.02, 1.0, False), (0.02, 0.05, False),
+                                       (0.001, 1.0, False)):
         monkeypatch.setattr(ds, "catch_up_costs", deque([catch_up]))
         monkeypatch.setattr(ds, "catch_up_share", share)
-        assert ds.expected_rate(cost, rows=1) > 1 / cost.T(1)
-        calls.clear()
-        drops.clear()
-        _, _, last = run(dspark_engine, prompt, max_tokens=12, ignore_eos=True, speculative=SpeculativeParams("auto"))
-        seen[catch_up, share] = (len(calls), last.stats.by_drafter.get("dspark"), list(drops))
-    # (dropped before any forward; the others drop DSpark at the end, with no room left to draft)
-    assert seen[0.02, 1.0] == (0, None, [0]), seen
-    for key in ((0.02, 0.05), (0.001, 1.0)):
-        assert seen[key][0] >= 2 and seen[key][1].num_drafts >= 2 and seen[key][2][:1] != [0], seen
+        monkeypatch.setattr(ds, "accepted_ema", 4.0)
+        monkeypatch.setattr(ds, "TAP_WHILE_IDLE", True)  # (kept while it loses: no probe budget)
+        passes.clear(), calls.clear(), drops.clear()
+        state.update(flip=21, idle_taps=idle_taps)
+        ids, _, last = run(dspark_engine, prompt, max_tokens=40, temperature=1.0, seed=1, ignore_eos=True,
+                           speculative=SpeculativeParams("auto"))  # (sampled: little for prompt lookup to copy)
+        assert len(passes) > 25 and len(ids) == 40
+        seen[catch_up, share, idle_taps] = (len(calls), list(drops))
+    # the first forward (over the prompt) ran; the catch-up never did; no drop before the end
+    assert seen[0.02, 1.0, True][0] == 1 and min(seen[0.02, 1.0, True][1], default=40) > 30, seen
+    # ... and with no idle taps allowed, dropped on the cycle after the flip (about 20 tokens in)
+    assert seen[0.02, 1.0, False][0] == 1 and 18 <= seen[0.02, 1.0, False][1][0] <= 24, seen
+    for key in ((0.02, 0.05, False), (0.001, 1.0, False)):
+        assert seen[key][0] >= 3 and min(seen[key][1], default=40) > 30, seen
 
 
 def test_only_requests_with_another_drafter_measure_how_long_dspark_runs(dspark_engine, monkeypatch):
     """``DsparkStats.catch_up_share`` (how often a DSpark forward is a catch-up, which spreads a
-    catch-up's cost over the run it starts) is fed by the forwards of requests that have prompt
-    lookup too (auto); a dspark-only request's one catch-up, over its prompt, is left out."""
+    catch-up's cost over the run it starts) is fed by the unforced forwards of requests that
+    have prompt lookup too (auto); dspark-only and forced requests are left out."""
+    import math
+
     ds = dspark_engine.dspark_stats
-    ds.decode_seconds += 1e6  # probe budget to spare: auto's first cycle probes DSpark
+    monkeypatch.setattr(ds, "decode_seconds", ds.decode_seconds + 1e6)  # probe budget to spare
     monkeypatch.setattr(ds, "can_win", lambda *a, **k: True)
+    monkeypatch.setattr(ds, "best_case_rate", lambda *a, **k: math.inf)  # auto's first cycle probes
     prompt = list(range(10, 50))
     before = ds.shared_forwards
-    _, _, last = run(dspark_engine, prompt, max_tokens=8, ignore_eos=True, speculative=FORCE)
-    assert last.stats.by_drafter["dspark"].num_drafts >= 2 and ds.shared_forwards == before
+    for params in (FORCE, SpeculativeParams("auto", min_draft_tokens=3)):
+        _, _, last = run(dspark_engine, prompt, max_tokens=8, ignore_eos=True, speculative=params)
+        assert last.stats.by_drafter["dspark"].num_drafts >= 2 and ds.shared_forwards == before
     _, _, last = run(dspark_engine, prompt, max_tokens=8, ignore_eos=True, speculative=SpeculativeParams("auto"))
     assert ds.shared_forwards > before
 
