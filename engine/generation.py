@@ -98,6 +98,7 @@ class Sequence:
         self.pending_folded = 0  # leading entries of pending_hidden that are evaluated chunks
         self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
         self.dspark_probe_every = DSPARK_PROBE_EVERY
+        self.dspark_forwards = 0  # DSpark forwards this request ran
         self.dspark_bar: tuple[float, float] | None = None  # (rate to beat, seconds) of the DSpark draft in flight
         self.max_draft = max_draft
         self.stats = SpecStats()
@@ -334,10 +335,11 @@ class Sequence:
         it prices the request's DSpark, not this cycle's (charged as a catch-up, a request would
         drop DSpark on its first cycle whenever the probe budget is spent, before it could
         win)."""
-        drafter = self.drafters["dspark"]
-        if drafter.projected_length == 0:
+        # (counted, not read off projected_length == 0: a 1-token prompt's first forward leaves
+        # that at 0)
+        if self.dspark_forwards == 0:
             return 0
-        return len(self.tokens) - 1 - drafter.projected_length
+        return len(self.tokens) - 1 - self.drafters["dspark"].projected_length
 
     def _drop_dspark(self) -> None:
         """Run the rest of the request without DSpark: no drafter, no taps, no pending rows
@@ -354,9 +356,11 @@ class Sequence:
         started = time.perf_counter()
         drafter = self.drafters["dspark"]
         new_rows = len(self.tokens) - 1 - drafter.projected_length  # (projected by this forward)
+        priced_rows = self._dspark_rows()  # (the first forward, over the prompt, as a steady one)
         proposal = self._grammar_cut(drafter.propose(ctx, budget))
+        self.dspark_forwards += 1
         if "prompt_lookup" in self.drafters and self.request.speculative.min_draft_tokens == 0:
-            self.dspark_stats.observe_forward(new_rows)  # (auto, unforced: runs between other cycles)
+            self.dspark_stats.observe_forward(priced_rows)  # (auto, unforced: runs between other cycles)
         if not getattr(drafter, "traced", False):  # a forward that compiled a graph is not typical
             self.dspark_stats.observe_cost(time.perf_counter() - started, rows=new_rows)
         proposal.drafter = "dspark"

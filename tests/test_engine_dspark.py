@@ -550,7 +550,8 @@ def test_draft_cost_is_the_steady_forwards_cost():
     assert unknown.draft_cost == 0.0013
 
 
-def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, monkeypatch):
+@pytest.mark.parametrize("prompt", [list(range(10, 50)), [10]], ids=["40 tokens", "1 token"])
+def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, monkeypatch, prompt):
     """A DSpark forward projects every row committed since the request's last one: after cycles
     without DSpark, more than ``STEADY_ROWS`` rows make it a catch-up, which costs more (2.33 ms
     against 1.23 ms steady on an H100, where auto, pricing such forwards as steady ones, ran
@@ -560,12 +561,15 @@ def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, mon
     not at a 20 ms catch-up: charged in full (runs of one forward), it is not run again, and,
     when the request may not keep idle taps, it is dropped on that cycle; charged at a share of
     0.05 (runs of 20 forwards), or with catch-ups as cheap as steady forwards, it runs again.
-    Costs and evidence are fixed (a frozen curve, T(k) = 3 + 0.2 (k - 1) ms), so the verdicts do
-    not hang on this machine's timing."""
+    A verified draft counts as a win when it beats the other options at the price of the forward
+    that made it. A 1-token prompt's first forward projects no row, and the rule still knows it
+    ran. Costs and evidence are fixed (a frozen curve, T(k) = 3 + 0.2 (k - 1) ms), so the verdicts
+    do not hang on this machine's timing."""
     from collections import deque
 
     from drafters.dspark import DSparkDrafter
     from engine import generation
+    from engine.scheduler import DsparkStats
 
     ds, cost = dspark_engine.dspark_stats, dspark_engine.cost
     monkeypatch.setattr(cost, "alpha", 0.0)
@@ -593,7 +597,17 @@ def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, mon
     monkeypatch.setattr(DSparkDrafter, "propose", lambda self, *a, **k: calls.append(1) or original(self, *a, **k))
     drop = generation.Sequence._drop_dspark
     monkeypatch.setattr(generation.Sequence, "_drop_dspark", lambda self: drops.append(self.num_generated) or drop(self))
-    prompt = list(range(10, 50))  # no repeated n-gram: prompt lookup proposes nothing
+    bars = []  # (rows the DSpark forward was priced at, the seconds its verified draft must beat)
+    choose = generation.Sequence._choose
+
+    def recording_choose(self, *args, **kwargs):
+        rows = self._dspark_rows() if "dspark" in self.drafters else None
+        out = choose(self, *args, **kwargs)
+        if self.dspark_bar is not None:
+            bars.append((rows, self.dspark_bar[1] - cost.T(len(out[0].tokens) + 1, len(self.tokens))))
+        return out
+
+    monkeypatch.setattr(generation.Sequence, "_choose", recording_choose)
     seen = {}
     for catch_up, share, idle_taps in ((0.02, 1.0, True), (0.02, 1.0, False), (0.02, 0.05, False),
                                        (0.001, 1.0, False)):
@@ -601,18 +615,23 @@ def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, mon
         monkeypatch.setattr(ds, "catch_up_share", share)
         monkeypatch.setattr(ds, "accepted_ema", 4.0)
         monkeypatch.setattr(ds, "TAP_WHILE_IDLE", True)  # (kept while it loses: no probe budget)
-        passes.clear(), calls.clear(), drops.clear()
+        passes.clear(), calls.clear(), drops.clear(), bars.clear()
         state.update(flip=21, idle_taps=idle_taps)
         ids, _, last = run(dspark_engine, prompt, max_tokens=40, temperature=1.0, seed=1, ignore_eos=True,
                            speculative=SpeculativeParams("auto"))  # (sampled: little for prompt lookup to copy)
         assert len(passes) > 25 and len(ids) == 40
         seen[catch_up, share, idle_taps] = (len(calls), list(drops))
+        assert bars[0] == (0, pytest.approx(0.001))  # the first forward: priced as a steady one
+        for rows, seconds in bars[1:]:  # the catch-up after the flip, then steady ones
+            steady = rows <= DsparkStats.STEADY_ROWS
+            assert seconds == pytest.approx(0.001 if steady else 0.001 + share * (catch_up - 0.001)), bars
     # the first forward (over the prompt) ran; the catch-up never did; no drop before the end
     assert seen[0.02, 1.0, True][0] == 1 and min(seen[0.02, 1.0, True][1], default=40) > 30, seen
     # ... and with no idle taps allowed, dropped on the cycle after the flip (about 20 tokens in)
     assert seen[0.02, 1.0, False][0] == 1 and 18 <= seen[0.02, 1.0, False][1][0] <= 24, seen
     for key in ((0.02, 0.05, False), (0.001, 1.0, False)):
         assert seen[key][0] >= 3 and min(seen[key][1], default=40) > 30, seen
+    assert any(rows > DsparkStats.STEADY_ROWS for rows, _ in bars), bars  # (the last case's catch-up)
 
 
 def test_only_requests_with_another_drafter_measure_how_long_dspark_runs(dspark_engine, monkeypatch):
@@ -622,16 +641,21 @@ def test_only_requests_with_another_drafter_measure_how_long_dspark_runs(dspark_
     import math
 
     ds = dspark_engine.dspark_stats
-    monkeypatch.setattr(ds, "decode_seconds", ds.decode_seconds + 1e6)  # probe budget to spare
+    for name in ("decode_seconds", "probe_seconds", "probe_share", "catch_up_share", "shared_forwards",
+                 "accepted_ema", "length_ema", "cycles", "drafted_cycles"):  # (restored afterwards)
+        monkeypatch.setattr(ds, name, getattr(ds, name))
+    ds.decode_seconds += 1e6  # probe budget to spare
     monkeypatch.setattr(ds, "can_win", lambda *a, **k: True)
     monkeypatch.setattr(ds, "best_case_rate", lambda *a, **k: math.inf)  # auto's first cycle probes
+    fed = []
+    observe_forward = ds.observe_forward
+    monkeypatch.setattr(ds, "observe_forward", lambda rows: fed.append(rows) or observe_forward(rows))
     prompt = list(range(10, 50))
-    before = ds.shared_forwards
     for params in (FORCE, SpeculativeParams("auto", min_draft_tokens=3)):
         _, _, last = run(dspark_engine, prompt, max_tokens=8, ignore_eos=True, speculative=params)
-        assert last.stats.by_drafter["dspark"].num_drafts >= 2 and ds.shared_forwards == before
-    _, _, last = run(dspark_engine, prompt, max_tokens=8, ignore_eos=True, speculative=SpeculativeParams("auto"))
-    assert ds.shared_forwards > before
+        assert last.stats.by_drafter["dspark"].num_drafts >= 2 and fed == []
+    run(dspark_engine, prompt, max_tokens=8, ignore_eos=True, speculative=SpeculativeParams("auto"))
+    assert fed[:1] == [0]  # the first forward, over the prompt, counts as a steady one
 
 
 def test_a_catch_up_is_charged_by_the_share_of_forwards_that_are_catch_ups():
