@@ -433,11 +433,12 @@ class DsparkStats:
         return statistics.median(self.catch_up_costs) if self.catch_up_costs else 0.0
 
     def observe_forward(self, rows: int) -> None:
-        """A DSpark forward of a request that also has another drafter (``auto``) projected
-        ``rows`` new context rows: it updates :attr:`catch_up_share` (a running mean over the first
-        ``1 / alpha`` forwards, an EMA after). The engine feeds it the unforced forwards of
-        requests that also have prompt lookup (auto): how long DSpark runs between other
-        drafters' cycles is what the share prices. Requests with DSpark alone, or forcing it
+        """A DSpark forward ran that was priced at ``rows`` new context rows (the rows committed
+        since the request's last DSpark forward; 0 for its first, over the prompt): it updates
+        :attr:`catch_up_share` (a running mean over the first ``1 / alpha`` forwards, an EMA
+        after). The engine feeds it the unforced forwards of requests that also have prompt
+        lookup (auto): how long DSpark runs between other drafters' cycles is what the share
+        prices. Requests with DSpark alone, or forcing it
         (``min_draft_tokens``), run it every cycle they can and would make runs look longer
         than auto's are. The share is engine-wide: mixed traffic averages the run lengths of
         all auto requests."""
