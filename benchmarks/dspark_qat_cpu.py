@@ -42,9 +42,9 @@ from drafters.dspark.train import (
     Batch,
     DataConfig,
     TrainConfig,
-    _examples_for_training,
     draft_pass,
     dspark_loss,
+    examples_for_training,
     generate_examples,
     make_batch,
     make_optimizer,
@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                              DataConfig(max_new_tokens=args.max_new_tokens, temperature=0.0, gen_batch_size=32,
                                         seed=args.seed), progress=False)
     generated_s = time.perf_counter() - began
-    train_examples = _examples_for_training(rows, 1024)
-    eval_examples = _examples_for_training([{**r, "split": "train"} for r in rows if r["split"] == "eval"], 1024)
+    train_examples = examples_for_training(rows, 1024)
+    eval_examples = examples_for_training([{**r, "split": "train"} for r in rows if r["split"] == "eval"], 1024)
     batches = held_out_batches(eval_examples, cfg.block_size, args.batch_size, args.num_anchors, args.seed)
     targets = [target_pass(taps, b, cfg.block_size) for b in batches]
     mx.eval(targets)

@@ -740,7 +740,10 @@ def default_mask_token_id(tokenizer) -> int:
     raise ValueError("no reserved token to use as MASK; pass mask_token_id")
 
 
-def _examples_for_training(rows: list[dict], max_seq_len: int) -> list[tuple[list[int], int]]:
+def examples_for_training(rows: list[dict], max_seq_len: int) -> list[tuple[list[int], int]]:
+    """Training sequences from generated data rows (``prompt``/``response`` token lists,
+    ``split``): ``(prompt + response truncated to max_seq_len tokens, prompt length)`` for each
+    training-split row with a response and a prompt shorter than ``max_seq_len``."""
     out = []
     for r in rows:
         if r["split"] != "train" or not r["response"] or len(r["prompt"]) >= max_seq_len:
@@ -1076,7 +1079,7 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
         return RunResult(str(out_dir), completed=False, steps=0)
     if generate_only:
         return RunResult(str(out_dir), completed=True, steps=0)
-    examples = _examples_for_training(rows, train.max_seq_len)
+    examples = examples_for_training(rows, train.max_seq_len)
     if not examples:
         raise ValueError("no training examples (every prompt was held out, too long, or empty)")
     model, optimizer, step = _prepare(target, tokenizer, out_dir, arch, data, train)
