@@ -33,6 +33,7 @@ import importlib
 import json
 import platform
 import re
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -409,6 +410,8 @@ def main(argv=None) -> dict:
                 "draft_cost_ms": round(ds.draft_cost * 1e3, 3),
                 "steady_cost_at_start_ms": round(ds.steady_cost * 1e3, 3),
                 "steady_forwards": len(ds.recent_costs), "catch_up_cost_ms": round(ds.catch_up_cost * 1e3, 3),
+                "catch_ups": len(ds.catch_up_costs), "prompt_forwards": len(ds.prompt_costs),
+                "prompt_cost_ms": round(statistics.median(ds.prompt_costs) * 1e3, 3) if ds.prompt_costs else None,
                 "catch_up_share": round(ds.catch_up_share, 3), "shared_forwards": ds.shared_forwards,
                 "accepted_ema": round(ds.accepted_ema, 3), "probe_s": round(ds.probe_seconds, 4),
                 "decode_s": round(ds.decode_seconds, 3), "cycles": ds.cycles,

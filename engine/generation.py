@@ -357,12 +357,13 @@ class Sequence:
         drafter = self.drafters["dspark"]
         new_rows = len(self.tokens) - 1 - drafter.projected_length  # (projected by this forward)
         priced_rows = self._dspark_rows()  # (the first forward, over the prompt, as a steady one)
+        first = self.dspark_forwards == 0
         proposal = self._grammar_cut(drafter.propose(ctx, budget))
         self.dspark_forwards += 1
         if "prompt_lookup" in self.drafters and self.request.speculative.min_draft_tokens == 0:
             self.dspark_stats.observe_forward(priced_rows)  # (auto, unforced: runs between other cycles)
         if not getattr(drafter, "traced", False):  # a forward that compiled a graph is not typical
-            self.dspark_stats.observe_cost(time.perf_counter() - started, rows=new_rows)
+            self.dspark_stats.observe_cost(time.perf_counter() - started, rows=new_rows, first=first)
         proposal.drafter = "dspark"
         raw = proposal.confidence or [0.5] * len(proposal.tokens)
         conditional = self.dspark_stats.calibrated(raw)

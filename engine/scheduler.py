@@ -340,7 +340,8 @@ class DsparkStats:
         self.steady_cost = steady_cost
         self.draft_cost = steady_cost
         self.recent_costs: deque[float] = deque(maxlen=self.COST_WINDOW)  # steady forwards
-        self.catch_up_costs: deque[float] = deque(maxlen=self.COST_WINDOW)  # the others
+        self.catch_up_costs: deque[float] = deque(maxlen=self.COST_WINDOW)  # later ones of more rows
+        self.prompt_costs: deque[float] = deque(maxlen=self.COST_WINDOW)  # requests' first forwards
         self.fastest_forward = math.inf  # the fastest timed propose (seconds)
         self.timed_forwards = 0  # proposes timed (a forward that compiled a graph is not)
         self.accepted_ema = 1.0  # accepted drafts per DSpark cycle (EMA; the first cycle sets it)
@@ -413,37 +414,44 @@ class DsparkStats:
         the best other option promised when it was chosen."""
         self.probe_share = self.PROBE_SHARE
 
-    def observe_cost(self, seconds: float, *, rows: int) -> None:
+    def observe_cost(self, seconds: float, *, rows: int, first: bool = False) -> None:
         """A timed DSpark forward (propose) that projected ``rows`` new context rows took
-        ``seconds``. :attr:`draft_cost` is the median of the last :attr:`COST_WINDOW` steady
-        forwards (``rows <= STEADY_ROWS``); before any, :attr:`steady_cost` if it was timed,
-        else the median of the last others."""
-        (self.recent_costs if rows <= self.STEADY_ROWS else self.catch_up_costs).append(seconds)
+        ``seconds``; ``first``: a request's first forward (over its prompt). :attr:`draft_cost`
+        is the median of the last :attr:`COST_WINDOW` steady forwards (``rows <= STEADY_ROWS``);
+        before any, :attr:`steady_cost` if it was timed, else the median of the last others.
+        :attr:`catch_up_cost` is the median of the later forwards of more rows: a prompt's
+        projection (hundreds of rows for an agent's prompt) says little about a catch-up after a
+        few cycles of other drafters (tens of rows)."""
+        if rows <= self.STEADY_ROWS:
+            self.recent_costs.append(seconds)
+        else:
+            (self.prompt_costs if first else self.catch_up_costs).append(seconds)
         if self.recent_costs:
             self.draft_cost = statistics.median(self.recent_costs)
         elif not self.steady_cost:
-            self.draft_cost = statistics.median(self.catch_up_costs)
+            self.draft_cost = statistics.median([*self.catch_up_costs, *self.prompt_costs])
         self.fastest_forward = min(self.fastest_forward, seconds)
         self.timed_forwards += 1
 
     @property
     def catch_up_cost(self) -> float:
-        """Median seconds of the recent forwards that projected more than :attr:`STEADY_ROWS`
-        new rows (0.0 before any)."""
+        """Median seconds of the recent forwards after a request's first that projected more
+        than :attr:`STEADY_ROWS` new rows (0.0 before any)."""
         return statistics.median(self.catch_up_costs) if self.catch_up_costs else 0.0
 
     def observe_forward(self, rows: int) -> None:
         """A DSpark forward ran that was priced at ``rows`` new context rows (the rows committed
         since the request's last DSpark forward; 0 for its first, over the prompt): it updates
-        :attr:`catch_up_share` (a running mean over the first ``1 / alpha`` forwards, an EMA
-        after). The engine feeds it the unforced forwards of requests that also have prompt
+        :attr:`catch_up_share` (a running mean over the first ``1 / alpha`` forwards, with its
+        prior of 1 counted as one of them, so a first steady forward halves it rather than
+        zeroing it; an EMA after). The engine feeds it the unforced forwards of requests that also have prompt
         lookup (auto): how long DSpark runs between other drafters' cycles is what the share
         prices. Requests with DSpark alone, or forcing it
         (``min_draft_tokens``), run it every cycle they can and would make runs look longer
         than auto's are. The share is engine-wide: mixed traffic averages the run lengths of
         all auto requests."""
         self.shared_forwards += 1
-        weight = max(self.alpha, 1.0 / self.shared_forwards)
+        weight = max(self.alpha, 1.0 / (self.shared_forwards + 1))
         self.catch_up_share += weight * (float(rows > self.STEADY_ROWS) - self.catch_up_share)
 
     def forward_cost(self, rows: int) -> float:

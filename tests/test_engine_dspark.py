@@ -541,9 +541,12 @@ def test_draft_cost_is_the_steady_forwards_cost():
     ds.observe_cost(0.0014, rows=DsparkStats.STEADY_ROWS)
     ds.observe_cost(0.0016, rows=3)
     assert ds.draft_cost == pytest.approx(0.0015) and ds.fastest_forward == 0.0014
+    ds.observe_cost(0.009, rows=600, first=True)  # a long prompt's projection is not a catch-up's cost
+    assert ds.catch_up_cost == 0.0028 and ds.fastest_forward == 0.0014 and ds.timed_forwards == 6
     unknown = DsparkStats()  # nothing timed at start-up: the dear forwards are all there is
-    unknown.observe_cost(0.0028, rows=200)
-    assert unknown.draft_cost == 0.0028 == unknown.forward_cost(200)
+    unknown.observe_cost(0.0028, rows=200, first=True)
+    assert unknown.draft_cost == 0.0028 and unknown.catch_up_cost == 0.0
+    assert unknown.forward_cost(200) == pytest.approx(DsparkStats.ABSORB_MARGIN * 0.0028)
     fresh = DsparkStats(steady_cost=0.0012)  # no catch-up timed yet: the steady cost and a margin
     assert fresh.forward_cost(200) == pytest.approx(DsparkStats.ABSORB_MARGIN * 0.0012)
     unknown.observe_cost(0.0013, rows=2)
@@ -666,11 +669,13 @@ def test_a_catch_up_is_charged_by_the_share_of_forwards_that_are_catch_ups():
     assert ds.forward_cost(40) == pytest.approx(DsparkStats.ABSORB_MARGIN * 0.001)
     ds.observe_cost(0.003, rows=40)
     assert ds.forward_cost(40) == pytest.approx(0.003) and ds.forward_cost(DsparkStats.STEADY_ROWS) == 0.001
+    ds.observe_forward(2)  # one steady forward halves the prior (it counts as one forward) ...
+    assert ds.catch_up_share == pytest.approx(0.5) and ds.forward_cost(40) == pytest.approx(0.002)
     ds.observe_forward(40)
-    for _ in range(3):
+    for _ in range(2):
         ds.observe_forward(2)
-    assert ds.catch_up_share == pytest.approx(0.25)  # a running mean over the first forwards
-    assert ds.forward_cost(40) == pytest.approx(0.001 + 0.25 * 0.002)
+    assert ds.catch_up_share == pytest.approx(0.4)  # ... in a running mean over the first forwards
+    assert ds.forward_cost(40) == pytest.approx(0.001 + 0.4 * 0.002)
     for _ in range(200):  # then an EMA: runs of one forward again
         ds.observe_forward(DsparkStats.STEADY_ROWS + 1)
     assert ds.catch_up_share > 0.99 and ds.forward_cost(40) == pytest.approx(0.003, rel=0.01)
@@ -679,7 +684,8 @@ def test_a_catch_up_is_charged_by_the_share_of_forwards_that_are_catch_ups():
 def test_engine_times_each_forward_by_the_new_context_rows_it_projects(tiny, tmp_path, monkeypatch):
     """A request's first DSpark forward projects its whole context; every later one of a request
     drafting each cycle projects only the last cycle's committed rows (the anchor and the
-    accepted drafts), so only the first is a catch-up."""
+    accepted drafts), so only the first projects more than ``STEADY_ROWS``, and it is kept out of
+    the catch-up cost."""
     from engine.scheduler import DsparkStats
 
     path = make_drafter(tiny, tmp_path / "drafter")
@@ -689,14 +695,18 @@ def test_engine_times_each_forward_by_the_new_context_rows_it_projects(tiny, tmp
     try:
         ds = eng.dspark_stats
         original = ds.observe_cost
-        monkeypatch.setattr(ds, "observe_cost", lambda seconds, *, rows: (seen.append(rows), original(seconds, rows=rows)))
+        firsts = []
+        monkeypatch.setattr(ds, "observe_cost", lambda seconds, *, rows, first=False: (
+            seen.append(rows), firsts.append(first), original(seconds, rows=rows, first=first)))
         prompt = [int(t) for t in np.random.default_rng(3).integers(3, 259, 48)]
         _, _, last = run(eng, prompt, speculative=FORCE, max_tokens=24, ignore_eos=True)
         steps = last.stats.num_verify_steps
         assert len(seen) >= steps - 1 > 3
         assert seen[0] == len(prompt) - 1 > DsparkStats.STEADY_ROWS  # (the prompt's last token is the anchor)
         assert all(1 <= r <= eng.dspark.config.block_size + 1 for r in seen[1:]), seen
-        assert len(ds.catch_up_costs) == 1 and len(ds.recent_costs) == min(len(seen) - 1, DsparkStats.COST_WINDOW)
+        assert firsts[0] and not any(firsts[1:])  # (the prompt's projection is kept out of catch_up_cost)
+        assert len(ds.prompt_costs) == 1 and not ds.catch_up_costs
+        assert len(ds.recent_costs) == min(len(seen) - 1, DsparkStats.COST_WINDOW)
     finally:
         eng.stop()
 
@@ -777,7 +787,7 @@ def test_a_winning_dspark_restores_the_probe_share(dspark_engine, monkeypatch):
     monkeypatch.setattr(cost, "alpha", 0.0)  # (observe() leaves the curve alone)
     monkeypatch.setattr(cost, "_curve", [0.003 + 0.0002 * k for k in range(cost.max_rows)])
     monkeypatch.setattr(ds, "draft_cost", 0.001)
-    monkeypatch.setattr(ds, "observe_cost", lambda seconds, *, rows: None)
+    monkeypatch.setattr(ds, "observe_cost", lambda seconds, *, rows, first=False: None)
     monkeypatch.setattr(ds, "probe_share", DsparkStats.PROBE_SHARE_MIN)
     monkeypatch.setattr(ds, "accepted_ema", 4.0)
     monkeypatch.setattr(ds, "length_ema", 4.0)
