@@ -491,7 +491,7 @@ class Engine:
             except Exception:  # (only a first estimate: requests time their own forwards)
                 log.warning("DSpark forward not timed at start-up", exc_info=True)
                 steady = 0.0
-            self.dspark_stats = DsparkStats(steady_cost=steady)
+            self.dspark_stats = DsparkStats(steady_cost=steady, steady_rows=self._dspark_step.steady_rows)
             self._stop_point()
         if cfg.prefix_cache_bytes > 0:  # after the warm-up, which must not count in its metrics
             if PrefixCache.supports(self.runner.make_cache()):
@@ -605,7 +605,7 @@ class Engine:
         accepted 2 drafts), greedy, a full block, on random rows after a 96-token context (the
         cost does not depend on the values). Requests rarely time one before DSpark is chosen:
         their first forward projects the prompt, and probes come after 32+ cycles of other
-        drafters (:attr:`DsparkStats.STEADY_ROWS`). Forwards that compiled a graph are left out;
+        drafters (:attr:`DsparkStats.steady_rows`). Forwards that compiled a graph are left out;
         the first one is a warm-up."""
         from drafters.base import DraftContext
 

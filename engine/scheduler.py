@@ -318,7 +318,8 @@ class DsparkStats:
     # is ignored from the third forward on, and a lasting change is followed within five
     COST_WINDOW = 9
     # A forward that projects at most this many new context rows (the rows committed since the
-    # request's last DSpark forward; the fused launch projects up to 16 itself) is a steady one:
+    # request's last DSpark forward) is a steady one, unless the engine says otherwise
+    # (``steady_rows``: ``DraftStep.steady_rows``, 64 with the fused launch, in chunks):
     # what a cycle costs while DSpark keeps drafting. Only those set draft_cost. The others
     # (a request's first forward over its prompt, a probe after 32+ cycles of other drafters)
     # cost more and say nothing about that: on an H100 every forward the scheduler timed in a
@@ -326,8 +327,12 @@ class DsparkStats:
     # (docs/benchmarks.md, "Thirty-ninth session"), and DSpark was never chosen.
     STEADY_ROWS = 16
 
-    def __init__(self, positions: int = 16, alpha: float = 0.05, steady_cost: float = 0.0):
+    def __init__(self, positions: int = 16, alpha: float = 0.05, steady_cost: float = 0.0,
+                 steady_rows: int = STEADY_ROWS):
         self.alpha = alpha
+        # forwards of at most this many new rows are steady ones: the engine's drafter projects
+        # them at its steady cost (the fused launch takes up to 64 on CUDA, in chunks)
+        self.steady_rows = steady_rows
         # measured target-pass time of every cycle of a request that may run DSpark (earns probes)
         self.decode_seconds = 0.0
         self.probe_seconds = 0.0  # time spent on DSpark forwards that ran as probes
@@ -417,12 +422,12 @@ class DsparkStats:
     def observe_cost(self, seconds: float, *, rows: int, first: bool = False) -> None:
         """A timed DSpark forward (propose) that projected ``rows`` new context rows took
         ``seconds``; ``first``: a request's first forward (over its prompt). :attr:`draft_cost`
-        is the median of the last :attr:`COST_WINDOW` steady forwards (``rows <= STEADY_ROWS``);
+        is the median of the last :attr:`COST_WINDOW` steady forwards (``rows <= steady_rows``);
         before any, :attr:`steady_cost` if it was timed, else the median of the last others.
         :attr:`catch_up_cost` is the median of the later forwards of more rows: a prompt's
         projection (hundreds of rows for an agent's prompt) says little about a catch-up after a
         few cycles of other drafters (tens of rows)."""
-        if rows <= self.STEADY_ROWS:
+        if rows <= self.steady_rows:
             self.recent_costs.append(seconds)
         else:
             (self.prompt_costs if first else self.catch_up_costs).append(seconds)
@@ -436,7 +441,7 @@ class DsparkStats:
     @property
     def catch_up_cost(self) -> float:
         """Median seconds of the recent forwards after a request's first that projected more
-        than :attr:`STEADY_ROWS` new rows (0.0 before any)."""
+        than :attr:`steady_rows` new rows (0.0 before any)."""
         return statistics.median(self.catch_up_costs) if self.catch_up_costs else 0.0
 
     def observe_forward(self, rows: int) -> None:
@@ -452,13 +457,13 @@ class DsparkStats:
         all auto requests."""
         self.shared_forwards += 1
         weight = max(self.alpha, 1.0 / (self.shared_forwards + 1))
-        self.catch_up_share += weight * (float(rows > self.STEADY_ROWS) - self.catch_up_share)
+        self.catch_up_share += weight * (float(rows > self.steady_rows) - self.catch_up_share)
 
     def forward_cost(self, rows: int) -> float:
         """Seconds to charge the next DSpark forward of a request when it projects ``rows`` new
         context rows (the rows committed since the request's last DSpark forward).
 
-        A steady forward (``rows <= STEADY_ROWS``) costs :attr:`draft_cost`. A catch-up costs
+        A steady forward (``rows <= steady_rows``) costs :attr:`draft_cost`. A catch-up costs
         more, :attr:`catch_up_cost` (before any was timed, :attr:`draft_cost` x
         :attr:`ABSORB_MARGIN`), but it is paid once for the run of steady forwards that follows
         while DSpark keeps being chosen, so its extra over :attr:`draft_cost` is charged times
@@ -470,7 +475,7 @@ class DsparkStats:
         drafts came after prompt-lookup cycles, and their forwards were catch-ups (median 2.33
         ms against 1.23 ms steady). A request's first forward, over its prompt, is priced as a
         steady one by the engine (``Sequence._dspark_rows``): every use of DSpark pays it."""
-        if rows <= self.STEADY_ROWS:
+        if rows <= self.steady_rows:
             return self.draft_cost
         full = max(self.draft_cost, self.catch_up_cost or self.ABSORB_MARGIN * self.draft_cost)
         return self.draft_cost + self.catch_up_share * (full - self.draft_cost)

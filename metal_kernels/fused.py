@@ -42,6 +42,12 @@ from metal_kernels.qmv import _minify, backend
 log = logging.getLogger("specserve.fused")
 
 MAX_ROWS = 16
+# A DSpark block of at most this many rows runs in a kernel built for it: 8 rows' accumulators
+# leave room for 16 warps (104-108 registers per thread, NVRTC sm_90) where 16 rows' need
+# 136-140 and fit only 8 warps with the context update
+DRAFT_ROWS = 8
+# context rows a draft launch projects itself (in chunks of its row count; more go through MLX ops)
+MAX_ABSORB_ROWS = 64
 WARPS = (16, 8)  # warps per block, in order of preference (16 measured faster on the H200)
 SUPPORTED_HEAD_DIMS = (64, 128)
 SUPPORTED_BITS = (4, 8)
@@ -374,9 +380,10 @@ class FusedPass:
         block has when attention's scratch does not fit xs (its new keys, then each warp's
         values for the query heads of one KV head)."""
         group = self.heads // self.kv_heads
-        if MAX_ROWS * self.head_dim + warps * group * self.head_dim > MAX_ROWS * self.hidden_size:
+        rows = self.max_rows
+        if rows * self.head_dim + warps * group * self.head_dim > rows * self.hidden_size:
             return 1 << 30
-        return 4 * (MAX_ROWS * self.hidden_size + group * self.head_dim + 2 * warps * group)
+        return 4 * (rows * self.hidden_size + group * self.head_dim + 2 * warps * group)
 
     # per-launch draft inputs: the anchor, the Markov tables, the confidence head (dummies unless
     # a DraftFusedPass drafts greedily in the launch)
@@ -402,7 +409,7 @@ class FusedPass:
         that first writes new context rows into the draft cache (given ``rows``)."""
         return [("ST", self.weights["sqkv"].dtype), ("NL", self.layers), ("DM", self.hidden_size),
                 ("NH", self.heads), ("NKV", self.kv_heads), ("HD", self.head_dim), ("DI", self.intermediate),
-                ("MB", MAX_ROWS), ("W", self.warps), ("BITS", self.bits), ("HBITS", self.head_bits),
+                ("MB", self.max_rows), ("W", self.warps), ("BITS", self.bits), ("HBITS", self.head_bits),
                 ("EPS_BITS", _float_bits(self.eps)), ("SCALE_BITS", _float_bits(self.scale)), ("SKIP", self.skip),
                 ("PROF", int(self.profile)), ("QKN", int(self.qk_norm)), ("BIDIR", int(self.bidirectional)),
                 ("MARKOV", int(markov)), ("MR", self.markov_rank), ("MBITS", self.markov_bits),
@@ -571,7 +578,9 @@ class DraftFusedPass(FusedPass):
         network: a ``drafters.dspark.DSparkModel`` that :func:`draft_unsupported_reason` accepts
             (4/8-bit affine projections, float32 activations).
         target: the mlx-lm target whose LM head (tied embedding or ``lm_head``) the drafter shares.
-        blocks, warps, skip, profile: as for :class:`FusedPass`.
+        blocks, skip, profile: as for :class:`FusedPass`.
+        warps: 8 or 16; default 16 for a block of at most :data:`DRAFT_ROWS` rows and head dim
+            64, else 8.
 
     Raises:
         ValueError: unsupported network, target head or backend (the message says why).
@@ -584,11 +593,15 @@ class DraftFusedPass(FusedPass):
             raise ValueError(f"fused draft pass unsupported: {reason}")
         cfg = network.config
         self.model = target
-        # 8 warps: with the Markov phase 16 warps' 128 registers per thread did not fit (the
-        # launch failed with "too many resources requested" on an H200)
+        # a kernel for the block's rows: 8 where the block fits, with 16 warps; else 16 rows with
+        # 8 warps (with 16 rows' accumulators and the Markov phase, 16 warps' 128 registers per
+        # thread did not fit: "too many resources requested" on an H200)
+        self.max_rows = DRAFT_ROWS if cfg.block_size <= DRAFT_ROWS else MAX_ROWS
+        self.max_absorb = MAX_ABSORB_ROWS
         self._build(network.layers, head_module(target), network.norm.weight, cfg.num_attention_heads,
                     cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, blocks,
-                    warps or 8, skip, profile, qk_norm=True, bidirectional=True)
+                    warps or (16 if self.max_rows == DRAFT_ROWS and cfg.head_dim == 64 else 8), skip, profile, qk_norm=True,
+                    bidirectional=True)
         inputs = _no_draft_inputs()
         if not absorb_reason(network, self.bits):
             self.absorbs, self.taps = True, cfg.num_taps
@@ -616,14 +629,16 @@ class DraftFusedPass(FusedPass):
         ``errors`` together, then :meth:`check`).
 
         Args:
-            x0: ``[B, d]`` float32 target embeddings of the block, ``B <= 16``.
+            x0: ``[B, d]`` float32 target embeddings of the block, ``B <=`` :attr:`max_rows` (8 for
+                a block of at most 8, else 16).
             keys, values: per draft layer ``[1, KV, capacity, D]`` float32 contiguous buffers
                 that no other array shares, rows ``0..start-1`` valid; ``capacity >= start + B``.
             start: the anchor's position (= valid context rows).
             anchor: ``[1]`` int32 anchor token: also draft greedily (needs ``markov``).
             rows: ``[A, taps * d]`` tapped target states of positions ``start - A .. start - 1``
-                (``1 <= A <= 16``) to project into the draft cache first (needs ``absorbs``):
-                the buffers then hold ``start - A`` valid rows before the launch.
+                (``1 <= A <=`` :attr:`max_absorb`, 64; projected in chunks of :attr:`max_rows`)
+                to project into the draft cache first (needs ``absorbs``): the buffers then hold
+                ``start - A`` valid rows before the launch.
 
         Returns:
             :class:`FusedOutput`: ``logits`` ``[B, V]`` (final norm + LM head), ``hidden``
@@ -635,14 +650,14 @@ class DraftFusedPass(FusedPass):
                 ``markov``.
         """
         m = int(x0.shape[0])
-        if not 1 <= m <= MAX_ROWS or len(keys) != self.layers or start + m > keys[0].shape[2]:
-            raise ValueError(f"fused draft pass takes 1..{MAX_ROWS} rows and {self.layers} layers' buffers "
+        if not 1 <= m <= self.max_rows or len(keys) != self.layers or start + m > keys[0].shape[2]:
+            raise ValueError(f"fused draft pass takes 1..{self.max_rows} rows and {self.layers} layers' buffers "
                              f"with room for them; got {m} rows at {start} in {keys[0].shape[2]}")
         if anchor is not None and not self.markov:
             raise ValueError("this drafter's Markov head cannot draft inside the launch")
-        if rows is not None and (not self.absorbs or not 1 <= rows.shape[0] <= min(MAX_ROWS, start)
+        if rows is not None and (not self.absorbs or not 1 <= rows.shape[0] <= min(self.max_absorb, start)
                                  or rows.shape[1] != self.taps * self.hidden_size):
-            raise ValueError(f"context rows in the launch need absorbs and 1..{MAX_ROWS} rows of "
+            raise ValueError(f"context rows in the launch need absorbs and 1..{self.max_absorb} rows of "
                              f"{self.taps * self.hidden_size} features before the anchor")
         out = self._launch(x0.astype(mx.float32), start, keys, values, anchor, rows)
         self.passes += 1

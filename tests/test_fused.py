@@ -522,14 +522,15 @@ def _render_fused(fp: FusedPass, name: str, markov: bool = False, absorb: bool =
     return f"extern \"C\" __global__ void {name}({', '.join(sig)}) {{\n{consts}{body}}}\n"
 
 
-def _default_like_drafter(target):
+def _default_like_drafter(target, block_size=7):
     """A random drafter of the shipped one's shapes for ``target`` (4-bit, group 64)."""
     from drafters.dspark import DSparkModel, init_weights
     from drafters.dspark.config import draft_config_from_target
     from drafters.dspark.loader import quantizable
 
     cfg = draft_config_from_target({**vars(target.args), "num_hidden_layers": 30}, num_hidden_layers=3,
-                                   target_layer_ids=[1, 8, 14, 20, 27], block_size=7, markov_rank=128, mask_token_id=0)
+                                   target_layer_ids=[1, 8, 14, 20, 27], block_size=block_size, markov_rank=128,
+                                   mask_token_id=0)
     net = DSparkModel(cfg)
     init_weights(net, seed=2)
     nn.quantize(net, group_size=64, bits=4, class_predicate=quantizable(64))
@@ -564,8 +565,12 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
     # its block forward alone, with the greedy draft, and with the context update before it
     cases = [(fp, w, False, False) for fp, w, _ in cases]
     dp = DraftFusedPass(draft, default_like)
-    assert dp.markov and dp.absorbs
-    cases += [(dp, 8, False, False), (dp, 8, True, False), (dp, 8, True, True), (dp, 8, False, True)]
+    assert dp.markov and dp.absorbs and dp.max_rows == 8  # (a block of 7: the 8-row kernel, 16 warps)
+    cases += [(dp, 16, False, False), (dp, 16, True, False), (dp, 16, True, True), (dp, 16, False, True)]
+    # a block of 16 rows: the 16-row kernel, whose registers fit 8 warps only
+    wide = DraftFusedPass(_default_like_drafter(default_like, block_size=16), default_like)
+    assert wide.max_rows == 16
+    cases += [(wide, 8, True, True)]
     src = _NVRTC_PRELUDE + cases[0][0].kernel_source()[0]  # the header, once
     for i, (fp, warps, markov, absorb) in enumerate(cases):
         assert fp.warps == warps
@@ -805,14 +810,14 @@ def test_draft_fused_pass_matches_the_mlx_block_forward(stand_in, tmp_path, cont
     assert step.fused_error(context) < (1e-3 if ON_CUDA else 1e-4)
 
 
-@pytest.mark.parametrize("broken", ["context_rows", "greedy_draft", "later_slots", "logits", "nan_confidence",
-                                    "short_draft"])
+@pytest.mark.parametrize("broken", ["context_rows", "later_chunks", "greedy_draft", "later_slots", "logits",
+                                    "nan_confidence", "short_draft"])
 def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in, tmp_path, monkeypatch, broken):
     """The engine's probe runs every launch variant: a launch that writes wrong context rows,
-    drafts other tokens than the MLX ops' greedy draft (at every slot, or after a right first
-    one), fewer tokens than the block, whose logits are 2% off (its tokens still right) or
-    whose confidence is NaN, fails it (the engine then keeps the MLX ops under
-    ``fused=auto``)."""
+    (all of them, or only those past the kernel's first chunk of ``MB`` rows), drafts other
+    tokens than the MLX ops' greedy draft (at every slot, or after a right first one), fewer
+    tokens than the block, whose logits are 2% off (its tokens still right) or whose confidence
+    is NaN, fails it (the engine then keeps the MLX ops under ``fused=auto``)."""
     from drafters.dspark import DraftStep
     from metal_kernels.fused import DraftFusedPass
 
@@ -823,6 +828,11 @@ def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in
         if broken == "context_rows" and t["ABS"]:  # (rows written, but the block saw them shifted)
             outs = reference_pass([*inputs[:1], mx.broadcast_to(inputs[1][:1], (inputs[1].shape[0] + 1,)),
                                    *inputs[2:]], template, output_shapes)
+        crow = names.index("crow")
+        if broken == "later_chunks" and t["ABS"] and inputs[crow].shape[0] > t["MB"]:  # (one chunk's rows only)
+            first = inputs[crow][: t["MB"]]
+            outs = reference_pass([*inputs[:crow], mx.concatenate([first, mx.zeros_like(inputs[crow][t["MB"]:])]),
+                                   *inputs[crow + 1:]], template, output_shapes)
         if broken == "greedy_draft" and t["MARKOV"]:
             outs[9] = (outs[9] + 1) % inputs[names.index("we")].shape[0]
         if broken == "later_slots" and t["MARKOV"]:  # (the first token right, the rest wrong)
@@ -896,8 +906,9 @@ def test_probe_scores_a_greedy_draft_by_its_gaps_after_its_own_tokens(tmp_path):
 def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stand_in, tmp_path, temperature):
     """Two drafters fed the same committed rows, one through the launch and one through MLX ops,
     propose the same tokens (and draft_probs / confidence to rounding) for 80 cycles that grow
-    the draft cache past its first capacity; the launch's writes past the context (the block's
-    own keys) never reach a later block, and the cache keeps room for them."""
+    the draft cache past its first capacity, some after 20 new rows (projected in the launch in
+    chunks of its rows) or 70 (more than it takes: MLX ops first); the launch's writes past the
+    context (the block's own keys) never reach a later block, and the cache keeps room for them."""
     from drafters.base import DraftContext
     from drafters.dspark import DraftStep, DSparkDrafter
     from metal_kernels.fused import DraftFusedPass
@@ -907,7 +918,9 @@ def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stan
     taps = _draft_parts(loaded, net)
     fp = DraftFusedPass(net, loaded.model)
     assert fp.absorbs and fp.markov  # (new context rows and the greedy draft go into the launch)
-    tokens = mx.random.randint(3, 259, (340,), key=mx.random.key(2)).tolist()
+    launch, in_launch = fp._launch, []
+    fp._launch = lambda *a, **kw: (in_launch.append(0 if a[5] is None else int(a[5].shape[0])), launch(*a, **kw))[1]
+    tokens = mx.random.randint(3, 259, (700,), key=mx.random.key(2)).tolist()
     hidden = taps.forward(mx.array(tokens)[None])[1][0]
     mx.eval(hidden)
     fused_d = DSparkDrafter(net, taps.embed, taps.lm_head, DraftStep(net, taps.embed, taps.lm_head, fused=fp))
@@ -924,12 +937,13 @@ def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stan
                 assert mx.allclose(a.draft_probs, b.draft_probs, rtol=1e-2 if ON_CUDA else 1e-5,
                                    atol=1e-4 if ON_CUDA else 1e-6).item()
         assert fused_d._length == pos and fused_d._keys[0].shape[2] >= pos + block
-        seen, pos = pos, pos + 1 + cycle % 5
+        seen, pos = pos, pos + (1 + cycle % 5 if cycle % 10 != 9 else 20 if cycle < 50 else 70)
     # The stand-in computes what the MLX ops do: identical drafts. On CUDA a sampled draw that
     # sits on a boundary between two tokens may fall the other way after rounding, rarely.
     assert differ <= (2 if ON_CUDA and temperature else 0), differ
     assert fp.passes == 80 and fused_d.step.fused_failures == 0
     assert fused_d._keys[0].shape[2] > 256  # the cache doubled on the way
+    assert 20 in in_launch and 70 not in in_launch and max(in_launch) <= fp.max_absorb
 
 
 def test_failed_draft_launch_falls_back_to_mlx_ops(stand_in, tmp_path, monkeypatch):
@@ -1035,13 +1049,17 @@ def test_kernel_draft_pass_matches_reference(tmp_path, context):
     fp.check(out)
     assert out.tokens.tolist() == want.tokens.tolist()
     assert mx.allclose(out.confidence, want.confidence, atol=1e-5).item()
-    if context >= 4:  # the last 3 context rows projected into the cache inside the launch
-        rows = mx.random.normal((3, net.config.num_taps * net.config.hidden_size), key=mx.random.key(3))
+    assert fp.max_rows == 8 and fp.warps == 16  # (a block of 5: the 8-row kernel)
+    # the last context rows projected into the cache inside the launch: 3 (a steady cycle's), and
+    # 3 chunks of the kernel's rows and a part (rows committed over a few cycles of other drafters)
+    for new in (3, 3 * fp.max_rows + 2) if context >= 4 else ():
+        new = min(new, context)
+        rows = mx.random.normal((new, net.config.num_taps * net.config.hidden_size), key=mx.random.key(new))
         out, want = fp(x0, keys, values, context, anchor, rows), ref(x0, ref_keys, ref_values, context, anchor, rows)
         mx.eval(out.tokens, out.logits, out.errors, want.tokens, want.logits, *keys, *values)
         fp.check(out)
         assert mx.abs(out.logits - want.logits).max().item() < 1e-4 * scale
         assert out.tokens.tolist() == want.tokens.tolist()
         for got, ref_buf in zip(keys + values, ref_keys + ref_values):
-            assert mx.allclose(got[..., context - 3:context, :], ref_buf[..., context - 3:context, :],
+            assert mx.allclose(got[..., context - new:context, :], ref_buf[..., context - new:context, :],
                                rtol=1e-4, atol=1e-4).item()

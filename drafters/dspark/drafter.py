@@ -156,9 +156,18 @@ class DraftStep:
         """Rows a draft cache keeps free past its context for the fused pass's writes."""
         return self.config.block_size if self.fused is not None else 0
 
+    @property
+    def steady_rows(self) -> int:
+        """The most new context rows a forward projects at its steady cost: in the fused launch
+        (its ``max_absorb``, in chunks) or in one compiled padded update (``MAX_PADDED_ROWS``);
+        more run as uncompiled MLX ops first (a catch-up)."""
+        if self.fused is not None and self.fused.absorbs:
+            return getattr(self.fused, "max_absorb", MAX_PADDED_ROWS)
+        return MAX_PADDED_ROWS
+
     def absorbs_in_launch(self, rows: int) -> bool:
         """Whether the fused launch projects ``rows`` new context rows itself (``draft(rows=)``)."""
-        return self.fused is not None and self.fused.absorbs and 1 <= rows <= MAX_PADDED_ROWS
+        return self.fused is not None and self.fused.absorbs and 1 <= rows <= self.steady_rows
 
     def draft(self, anchor: int, anchor_pos: int, keys: list[mx.array], values: list[mx.array],
               n: int, temperature: float, seed: int, fused: bool = True, rows: mx.array | None = None):
@@ -222,7 +231,7 @@ class DraftStep:
         """How far the fused launch is from the MLX ops over a draft cache of ``context >= 4``
         random context rows (a start-up probe): the largest logit difference relative to the
         largest MLX logit, for the block forward alone and with the last 3 context rows written
-        by the launch itself; with the greedy draft in the launch (``markov``), how far its
+        by the launch itself (and the last ``2 max_rows + 3``, in chunks, where it takes that many); with the greedy draft in the launch (``markov``), how far its
         tokens fall below the MLX ops' best choices after the same previous tokens (relative
         to the same scale: a near tie is not a fault) and the largest absolute confidence
         difference (:meth:`_greedy_draft_errors`); infinity if any of these is NaN.
@@ -266,7 +275,11 @@ class DraftStep:
             return out
 
         errors = []
-        for new in (0, 3) if fused.absorbs else (0,):
+        # context rows written by the launch: none, a steady cycle's 3, and (where the launch
+        # projects more rows than its block's, in chunks) two chunks and a part
+        chunk = getattr(fused, "max_rows", 16)
+        chunked = (2 * chunk + 3,) if self.steady_rows >= 2 * chunk + 3 and context > 2 * chunk + 3 else ()
+        for new in (0, 3, *chunked) if fused.absorbs else (0,):
             errors.append((mx.abs(launch(False, new).logits - want).max() / scale).item())
             if fused.markov:
                 errors += self._greedy_draft_errors(launch(True, new), want, h, anchor, scale)
@@ -336,7 +349,7 @@ class DSparkDrafter:
     def projected_length(self) -> int:
         """Positions whose context rows are already projected into the draft cache: a
         :meth:`propose` with the anchor at position ``p`` projects ``p - projected_length`` new
-        rows first (inside the fused launch for up to ``MAX_PADDED_ROWS``, else as MLX ops)."""
+        rows first (inside the fused launch for up to ``DraftStep.steady_rows``, else as MLX ops)."""
         return self._length
 
     def reset(self) -> None:

@@ -131,26 +131,40 @@ if (ABS) {
   const int A = crow_shape[0];
   const int S0 = S - A;
   constexpr int NKVD = 2 * NKV * HD;  // a layer's keys and values per row
-  // Z1: fc -> cfc [A, DM]
-  ss_proj_residual<BITS, MB, W, ST>(wfc, sfc, bfc, DM, NT * DM, gshift_of(NT * DM, sfc_shape[1]), sfc_shape[1], crow,
-                                    nullptr, cfc, A, xs, MB * DM);
+  // Z1: fc -> cfc [A, DM], in chunks of up to MB rows (A may exceed MB: each chunk is a pass
+  // over fc's rows; a row's arithmetic does not depend on its chunk)
+  for (int c0 = 0; c0 < A; c0 += MB) {
+    if (c0) {
+      __syncthreads();  // (the block's warps are done reading xs)
+    }
+    ss_proj_residual<BITS, MB, W, ST>(wfc, sfc, bfc, DM, NT * DM, gshift_of(NT * DM, sfc_shape[1]), sfc_shape[1],
+                                      crow + (size_t)c0 * NT * DM, nullptr, cfc + (size_t)c0 * DM, min(MB, A - c0),
+                                      xs, MB * DM);
+  }
   ok = ss_grid_sync(barp, epoch);
-  // Z2: hidden_norm, then every layer's k/v projections (rows NA.. of its wqkv) -> ckv [NL, A, NKVD]
+  // Z2: hidden_norm, then every layer's k/v projections (rows NA.. of its wqkv) -> ckv [NL, A, NKVD],
+  // chunk by chunk as Z1
   if (ok) {
-    ss_rmsnorm<DM, W>(cfc, hnw, eps, A, xs);
-    for (int t = gw; t < NL * NKVD; t += TW) {
-      const int l = t / NKVD;
-      const int n = NA + (t - l * NKVD);
-      const size_t row = (size_t)l * NQKV + n;
-      float acc[MB];
-      ss_qdot<BITS, MB, ST>(wqkv + row * (DM / PK), sqkv + row * ng_qkv, bqkv + row * ng_qkv, DM, gs_qkv, xs, A, lane,
-                            acc);
+    for (int c0 = 0; c0 < A; c0 += MB) {
+      const int AC = min(MB, A - c0);
+      if (c0) {
+        __syncthreads();
+      }
+      ss_rmsnorm<DM, W>(cfc + (size_t)c0 * DM, hnw, eps, AC, xs);
+      for (int t = gw; t < NL * NKVD; t += TW) {
+        const int l = t / NKVD;
+        const int n = NA + (t - l * NKVD);
+        const size_t row = (size_t)l * NQKV + n;
+        float acc[MB];
+        ss_qdot<BITS, MB, ST>(wqkv + row * (DM / PK), sqkv + row * ng_qkv, bqkv + row * ng_qkv, DM, gs_qkv, xs, AC,
+                              lane, acc);
 #pragma unroll
-      for (int m = 0; m < MB; ++m) {
-        if (m < A) {
-          const float v = ss_warp_sum(acc[m]);
-          if (lane == 0) {
-            ckv[((size_t)l * A + m) * NKVD + (n - NA)] = v;
+        for (int m = 0; m < MB; ++m) {
+          if (m < AC) {
+            const float v = ss_warp_sum(acc[m]);
+            if (lane == 0) {
+              ckv[((size_t)l * A + c0 + m) * NKVD + (n - NA)] = v;
+            }
           }
         }
       }
