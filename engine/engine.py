@@ -605,8 +605,8 @@ class Engine:
         accepted 2 drafts), greedy, a full block, on random rows after a 96-token context (the
         cost does not depend on the values). Requests rarely time one before DSpark is chosen:
         their first forward projects the prompt, and probes come after 32+ cycles of other
-        drafters (:attr:`DsparkStats.steady_rows`). Forwards that compiled a graph are left out;
-        the first one is a warm-up."""
+        drafters, often more rows than :attr:`DsparkStats.steady_rows`. Forwards that compiled a
+        graph are left out; the first one is a warm-up."""
         from drafters.base import DraftContext
 
         cfg = self.dspark.config

@@ -304,8 +304,9 @@ class DsparkStats:
     PROBE_SHARE_MIN = 0.0025  # ... halved by every probe (after BOUND_AFTER timed) down to this, until a win
     BOUND_AFTER = 3  # timed forwards before best_case_rate may keep probes from running
     # what the forwards timed while DSpark loses cost over a steady one: they project a prompt's
-    # rows or the 32+ cycles' rows queued since the last probe (tiny model on the CPU: +40-50% at
-    # 65-100 rows; H200, the default model: 2.86 against 2.27 ms for a request's first forward)
+    # rows or the 32+ cycles' rows queued since the last probe, where those are more than the
+    # drafter's steady rows (tiny model on the CPU: +40-50% at 65-100 rows; H200, the default
+    # model: 2.86 against 2.27 ms for a request's first forward)
     ABSORB_MARGIN = 1.5
     # whether requests keep DSpark (its taps and queued rows) while it neither delivers more than
     # plain decoding nor may be probed: False (the rule, :meth:`worth_tapping`); True keeps it
@@ -321,8 +322,9 @@ class DsparkStats:
     # request's last DSpark forward) is a steady one, unless the engine says otherwise
     # (``steady_rows``: ``DraftStep.steady_rows``, 64 with the fused launch, in chunks):
     # what a cycle costs while DSpark keeps drafting. Only those set draft_cost. The others
-    # (a request's first forward over its prompt, a probe after 32+ cycles of other drafters)
-    # cost more and say nothing about that: on an H100 every forward the scheduler timed in a
+    # (a request's first forward over its prompt, a probe after cycles of other drafters that
+    # committed more rows) cost more and say nothing about that: on an H100 every forward the
+    # scheduler timed in a
     # benchmark run was one of them (2.5-2.9 ms), against 1.2-1.3 ms for steady forwards
     # (docs/benchmarks.md, "Thirty-ninth session"), and DSpark was never chosen.
     STEADY_ROWS = 16

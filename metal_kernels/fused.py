@@ -43,8 +43,8 @@ log = logging.getLogger("specserve.fused")
 
 MAX_ROWS = 16
 # A DSpark block of at most this many rows runs in a kernel built for it: 8 rows' accumulators
-# leave room for 16 warps (104-108 registers per thread, NVRTC sm_90) where 16 rows' need
-# 136-140 and fit only 8 warps with the context update
+# leave room for 16 warps (104-110 registers per thread, NVRTC 12.x/13 for sm_90) where 16 rows'
+# need 136-150 and fit only 8 warps with the context update
 DRAFT_ROWS = 8
 # context rows a draft launch projects itself (in chunks of its row count; more go through MLX ops)
 MAX_ABSORB_ROWS = 64
@@ -579,8 +579,8 @@ class DraftFusedPass(FusedPass):
             (4/8-bit affine projections, float32 activations).
         target: the mlx-lm target whose LM head (tied embedding or ``lm_head``) the drafter shares.
         blocks, skip, profile: as for :class:`FusedPass`.
-        warps: 8 or 16; default 16 for a block of at most :data:`DRAFT_ROWS` rows and head dim
-            64, else 8.
+        warps: 8 or 16; default 16 where it fits (a block of at most :data:`DRAFT_ROWS` rows,
+            head dim 64, the attention scratch within shared memory), else 8.
 
     Raises:
         ValueError: unsupported network, target head or backend (the message says why).
@@ -600,8 +600,7 @@ class DraftFusedPass(FusedPass):
         self.max_absorb = MAX_ABSORB_ROWS
         self._build(network.layers, head_module(target), network.norm.weight, cfg.num_attention_heads,
                     cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, blocks,
-                    warps or (16 if self.max_rows == DRAFT_ROWS and cfg.head_dim == 64 else 8), skip, profile, qk_norm=True,
-                    bidirectional=True)
+                    warps, skip, profile, qk_norm=True, bidirectional=True)
         inputs = _no_draft_inputs()
         if not absorb_reason(network, self.bits):
             self.absorbs, self.taps = True, cfg.num_taps
@@ -622,6 +621,11 @@ class DraftFusedPass(FusedPass):
                 inputs.update(cw=proj.weight.reshape(-1), cb=proj.bias.reshape(-1))
         self._draft_inputs = {k: mx.contiguous(v) for k, v in inputs.items()}
         mx.eval(list(self._draft_inputs.values()))
+
+    def _registers_fit(self, warps: int) -> bool:
+        """16 warps only for the 8-row kernel of head dim 64 (104-110 registers per thread); the
+        16-row one with the context update or the greedy draft takes 136-150."""
+        return warps == 8 or (self.max_rows == DRAFT_ROWS and self.head_dim == 64)
 
     def __call__(self, x0: mx.array, keys: list[mx.array], values: list[mx.array], start: int,
                  anchor: mx.array | None = None, rows: mx.array | None = None) -> FusedOutput:

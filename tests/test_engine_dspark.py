@@ -661,6 +661,21 @@ def test_only_requests_with_another_drafter_measure_how_long_dspark_runs(dspark_
     assert fed[:1] == [0]  # the first forward, over the prompt, counts as a steady one
 
 
+def test_forwards_within_the_drafters_steady_rows_are_steady_ones():
+    """With the fused launch projecting up to 64 new rows itself (``DraftStep.steady_rows``), a
+    forward after a few cycles of other drafters costs what a steady one does: priced, timed and
+    counted as one."""
+    from engine.scheduler import DsparkStats
+
+    ds = DsparkStats(steady_cost=0.001, steady_rows=64)
+    ds.observe_cost(0.003, rows=65)
+    assert ds.forward_cost(40) == ds.forward_cost(64) == 0.001 and ds.forward_cost(65) > 0.001
+    ds.observe_cost(0.0012, rows=40)
+    assert ds.draft_cost == 0.0012 and ds.catch_up_cost == 0.003
+    ds.observe_forward(40)
+    assert ds.catch_up_share == pytest.approx(0.5)  # (the prior and one steady forward)
+
+
 def test_a_catch_up_is_charged_by_the_share_of_forwards_that_are_catch_ups():
     from engine.scheduler import DsparkStats
 

@@ -21,6 +21,7 @@ import pytest
 from helpers import assert_pass_matches_mlx_lm, assert_writes_only_its_own_buffers, run
 from tiny import quantize_like_gguf, tiny_loaded, tiny_model
 
+from drafters.dspark.drafter import MAX_PADDED_ROWS
 from engine import Engine, EngineConfig, SpeculativeParams
 from engine.engine import DRAFT_PROBE_TOLERANCE
 from engine.runner import TargetRunner
@@ -50,6 +51,7 @@ def reference_pass(inputs, template, output_shapes, **_):
     kc, vc = inputs[len(names):len(names) + nl], inputs[len(names) + nl:len(names) + 2 * nl]
     start, h = w["pos"].shape[0], w["x0"]
     m = h.shape[0]
+    assert m <= t["MB"], "more rows than the kernel was built for"
 
     def qmm(a, wq, s, b, bits):
         return mx.quantized_matmul(a, wq, s, b, transpose=True, group_size=a.shape[-1] // s.shape[-1], bits=bits)
@@ -522,14 +524,15 @@ def _render_fused(fp: FusedPass, name: str, markov: bool = False, absorb: bool =
     return f"extern \"C\" __global__ void {name}({', '.join(sig)}) {{\n{consts}{body}}}\n"
 
 
-def _default_like_drafter(target, block_size=7):
-    """A random drafter of the shipped one's shapes for ``target`` (4-bit, group 64)."""
+def _default_like_drafter(target, block_size=7, num_target_layers=30):
+    """A random drafter of the first shipped ones' shapes for ``target`` (4-bit, group 64)."""
     from drafters.dspark import DSparkModel, init_weights
     from drafters.dspark.config import draft_config_from_target
     from drafters.dspark.loader import quantizable
 
-    cfg = draft_config_from_target({**vars(target.args), "num_hidden_layers": 30}, num_hidden_layers=3,
-                                   target_layer_ids=[1, 8, 14, 20, 27], block_size=block_size, markov_rank=128,
+    taps = [1, 8, 14, 20, 27] if num_target_layers == 30 else [0, 1, 2]
+    cfg = draft_config_from_target({**vars(target.args), "num_hidden_layers": num_target_layers}, num_hidden_layers=3,
+                                   target_layer_ids=taps, block_size=block_size, markov_rank=128,
                                    mask_token_id=0)
     net = DSparkModel(cfg)
     init_weights(net, seed=2)
@@ -793,6 +796,29 @@ def test_draft_unsupported_reason_names_what_it_rejects(tmp_path, monkeypatch):
     assert "RoPE" in draft_unsupported_reason(quantized, loaded.model)
 
 
+@pytest.mark.parametrize("hidden, heads, kv_heads, block, warps", [(576, 9, 3, 7, 16), (512, 8, 2, 7, 8),
+                                                                   (640, 10, 2, 7, 8), (576, 9, 3, 16, 8)])
+def test_draft_launch_takes_16_warps_where_its_rows_and_scratch_fit(monkeypatch, hidden, heads, kv_heads, block,
+                                                                   warps):
+    """A block of at most 8 rows gets the 8-row kernel with 16 warps where attention's scratch
+    (8 rows of a head, then each warp's values for a KV head's query heads) fits the row buffer,
+    else 8 warps; a block of 16 the 16-row kernel, whose registers fit 8 warps only."""
+    from mlx_lm.models import llama
+
+    from metal_kernels.fused import DraftFusedPass
+
+    monkeypatch.setattr(fused, "backend", lambda: "cuda")
+    monkeypatch.setattr(fused, "multiprocessors", lambda: 4)
+    target = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=hidden, num_hidden_layers=4, intermediate_size=2 * hidden,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64, rms_norm_eps=1e-5, vocab_size=256,
+        rope_theta=10000.0, tie_word_embeddings=True))
+    quantize_like_gguf(target, 4)
+    fp = DraftFusedPass(_default_like_drafter(target, block_size=block, num_target_layers=4), target)
+    assert (fp.max_rows, fp.warps) == (8 if block <= 8 else 16, warps)
+    assert fp._shared_bytes(fp.warps) <= 48 * 1024 and fp.markov and fp.absorbs
+
+
 @pytest.mark.parametrize("context", [4, 40, 300])
 def test_draft_fused_pass_matches_the_mlx_block_forward(stand_in, tmp_path, context):
     """The launch's logits (q/k norms, bidirectional block, context strictly before the anchor,
@@ -999,6 +1025,8 @@ def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
     try:
         fp = eng._dspark_step.fused
         assert (fp is not None) == (mode == "on")
+        # forwards of up to the launch's own context rows are priced as steady ones
+        assert eng.dspark_stats.steady_rows == (fp.max_absorb if fp is not None else MAX_PADDED_ROWS)
         bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}  # the target's argmax is 77: drafts pass
         accepted, before = 0, fp.passes if fp else 0
         for prompt in ([5, 6, 7, 8] * 6, list(range(30, 70))):
@@ -1050,9 +1078,10 @@ def test_kernel_draft_pass_matches_reference(tmp_path, context):
     assert out.tokens.tolist() == want.tokens.tolist()
     assert mx.allclose(out.confidence, want.confidence, atol=1e-5).item()
     assert fp.max_rows == 8 and fp.warps == 16  # (a block of 5: the 8-row kernel)
-    # the last context rows projected into the cache inside the launch: 3 (a steady cycle's), and
-    # 3 chunks of the kernel's rows and a part (rows committed over a few cycles of other drafters)
-    for new in (3, 3 * fp.max_rows + 2) if context >= 4 else ():
+    # the last context rows projected into the cache inside the launch: 3 (a steady cycle's),
+    # 3 chunks of the kernel's rows and a part, and the most it takes (8 chunks; rows committed
+    # over cycles of other drafters)
+    for new in (3, 3 * fp.max_rows + 2, fp.max_absorb) if context >= 4 else ():
         new = min(new, context)
         rows = mx.random.normal((new, net.config.num_taps * net.config.hidden_size), key=mx.random.key(new))
         out, want = fp(x0, keys, values, context, anchor, rows), ref(x0, ref_keys, ref_values, context, anchor, rows)

@@ -49,7 +49,8 @@ class DraftStep:
     shapes let ``mx.compile`` fuse the forward: the block forward, LM head, Markov loop and
     confidence head compile once per (draft length, greedy/sampled, capacity), the context
     update once per (padded row count <= 16, capacity). Larger updates (a prompt, or the rows
-    that piled up while another drafter ran) run the same function uncompiled.
+    that piled up while another drafter ran) run the same function uncompiled, unless the fused
+    launch below takes them (up to its ``max_absorb``, 64 rows, in chunks: :attr:`steady_rows`).
 
     With a ``fused`` block pass (``metal_kernels.fused.DraftFusedPass`` on CUDA: the draft
     layers and the LM head in one kernel launch instead of ~70 MLX ops), the block forward runs
