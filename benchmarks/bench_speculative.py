@@ -314,6 +314,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--exact-verify", default="auto", choices=["auto", "row", "batched", "kernel"],
                     help="SPECSERVE_EXACT_VERIFY")
     ap.add_argument("--fused", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_FUSED")
+    ap.add_argument("--draft-kernel-rows", type=int, default=16, choices=[8, 16], help="SPECSERVE_DRAFT_KERNEL_ROWS")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_COMPILE")
     ap.add_argument("--methods", default="off,prompt_lookup",
                     help="comma-separated: off, prompt_lookup, dspark, auto (off first: the baseline); "
@@ -362,6 +363,7 @@ def main(argv=None) -> dict:
     eng = Engine(EngineConfig(model=args.model, weights=args.weights, speculation="auto", dspark=use_dspark,
                               dspark_drafter=args.dspark_drafter, kernels=args.kernels,
                               exact_verify=args.exact_verify, fused=args.fused,
+                              draft_kernel_rows=args.draft_kernel_rows,
                               compile=args.compile, **extra)).start(wait=True)
     tok = eng.loaded.tokenizer
     if args.freeze_cost:

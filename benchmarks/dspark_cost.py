@@ -40,9 +40,11 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--cycles", type=int, default=60, help="cycles of the eager/compiled comparison")
     ap.add_argument("--drafter", default=None, help="a DSpark drafter directory (default: the shipped one)")
+    ap.add_argument("--draft-kernel-rows", type=int, default=16, choices=[8, 16], help="SPECSERVE_DRAFT_KERNEL_ROWS")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    eng = Engine(EngineConfig(speculation="dspark", dspark=True, dspark_drafter=args.drafter)).start(wait=True)
+    eng = Engine(EngineConfig(speculation="dspark", dspark=True, dspark_drafter=args.drafter,
+                              draft_kernel_rows=args.draft_kernel_rows)).start(wait=True)
     forwards: list[tuple[int, float]] = []  # (context rows absorbed, ms)
     propose = dspark_drafter.DSparkDrafter.propose
 

@@ -86,6 +86,7 @@ class EngineConfig:
     compile: str = "auto"  # compiled decode/verify over a static KV cache: auto (= off, measured) | on | off
     fused: str = "auto"  # one-call decode/verify passes (metal_kernels.fused / fused_cpu): auto | on | off
     cpu_activations: str = "q16"  # the CPU fused pass's projection inputs: q16 | q8 (integer dot products) | float32
+    draft_kernel_rows: int = 16  # the fused DSpark launch's kernel: 16 rows (8 warps) | 8 (16 warps, chunked updates)
     dspark: bool = False  # load the DSpark drafter
     dspark_drafter: str | None = None  # its directory (default: the one shipped for the default model)
     prompt_lookup_min_ngram: int = 2
@@ -646,7 +647,7 @@ class Engine:
             log.info("fused DSpark drafts off: %s", reason)
             return None
         try:
-            fp = fused.DraftFusedPass(self.dspark, self.loaded.model)
+            fp = fused.DraftFusedPass(self.dspark, self.loaded.model, rows=self.config.draft_kernel_rows)
             probe = DraftStep(self.dspark, self.target_taps.embed, self.target_taps.lm_head, compiled=False, fused=fp)
             err = probe.fused_error(fp.segment + 37)  # two key segments: the cross-segment combine runs
             if not err <= DRAFT_PROBE_TOLERANCE:

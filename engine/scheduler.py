@@ -320,7 +320,7 @@ class DsparkStats:
     COST_WINDOW = 9
     # A forward that projects at most this many new context rows (the rows committed since the
     # request's last DSpark forward) is a steady one, unless the engine says otherwise
-    # (``steady_rows``: ``DraftStep.steady_rows``, 64 with the fused launch, in chunks):
+    # (``steady_rows``: ``DraftStep.steady_rows``, up to 64 with the fused launch's 8-row kernel):
     # what a cycle costs while DSpark keeps drafting. Only those set draft_cost. The others
     # (a request's first forward over its prompt, a probe after cycles of other drafters that
     # committed more rows) cost more and say nothing about that: on an H100 every forward the
@@ -333,7 +333,7 @@ class DsparkStats:
                  steady_rows: int = STEADY_ROWS):
         self.alpha = alpha
         # forwards of at most this many new rows are steady ones: the engine's drafter projects
-        # them at its steady cost (the fused launch takes up to 64 on CUDA, in chunks)
+        # them at its steady cost (the fused launch takes 16, or 64 with its 8-row kernel, on CUDA)
         self.steady_rows = steady_rows
         # measured target-pass time of every cycle of a request that may run DSpark (earns probes)
         self.decode_seconds = 0.0

@@ -42,11 +42,14 @@ from metal_kernels.qmv import _minify, backend
 log = logging.getLogger("specserve.fused")
 
 MAX_ROWS = 16
-# A DSpark block of at most this many rows runs in a kernel built for it: 8 rows' accumulators
-# leave room for 16 warps (104-110 registers per thread, NVRTC 12.x/13 for sm_90) where 16 rows'
-# need 136-150 and fit only 8 warps with the context update
+# DraftFusedPass(rows=8): a DSpark block of at most this many rows runs in a kernel built for
+# it: 8 rows' accumulators leave room for 16 warps (104-110 registers per thread, NVRTC 12.x/13
+# for sm_90) where 16 rows' need 136-150 and fit only 8 warps with the context update; and the
+# launch projects up to MAX_ABSORB_ROWS new context rows itself, in chunks of 8 (else MLX ops
+# first). Not yet measured on a GPU (fiftieth session), so the engine's default stays rows=16:
+# the 16-row kernel, 8 warps, at most 16 context rows in the launch.
 DRAFT_ROWS = 8
-# context rows a draft launch projects itself (in chunks of its row count; more go through MLX ops)
+DEFAULT_DRAFT_KERNEL_ROWS = 16
 MAX_ABSORB_ROWS = 64
 WARPS = (16, 8)  # warps per block, in order of preference (16 measured faster on the H200)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -579,25 +582,31 @@ class DraftFusedPass(FusedPass):
             (4/8-bit affine projections, float32 activations).
         target: the mlx-lm target whose LM head (tied embedding or ``lm_head``) the drafter shares.
         blocks, skip, profile: as for :class:`FusedPass`.
-        warps: 8 or 16; default 16 where it fits (a block of at most :data:`DRAFT_ROWS` rows,
-            head dim 64, the attention scratch within shared memory), else 8.
+        rows: the kernel's rows, 16 (default: 8 warps, up to 16 context rows in the launch) or 8
+            (:data:`DRAFT_ROWS`, for a block of at most 8: 16 warps where they fit, up to
+            :data:`MAX_ABSORB_ROWS` context rows in the launch, in chunks); a larger block
+            always gets 16.
+        warps: 8 or 16; default 16 where it fits (the 8-row kernel, head dim 64, the attention
+            scratch within shared memory), else 8.
 
     Raises:
         ValueError: unsupported network, target head or backend (the message says why).
     """
 
     def __init__(self, network, target, blocks: int | None = None, warps: int | None = None, skip: int = 0,
-                 profile: bool = False):
+                 profile: bool = False, rows: int = DEFAULT_DRAFT_KERNEL_ROWS):
+        if rows not in (DRAFT_ROWS, MAX_ROWS):
+            raise ValueError(f"the draft kernel's rows must be {DRAFT_ROWS} or {MAX_ROWS}, got {rows}")
         reason = draft_unsupported_reason(network, target)
         if reason:
             raise ValueError(f"fused draft pass unsupported: {reason}")
         cfg = network.config
         self.model = target
-        # a kernel for the block's rows: 8 where the block fits, with 16 warps; else 16 rows with
-        # 8 warps (with 16 rows' accumulators and the Markov phase, 16 warps' 128 registers per
+        # the 8-row kernel where asked for and the block fits, with 16 warps; else 16 rows with 8
+        # warps (with 16 rows' accumulators and the Markov phase, 16 warps' 128 registers per
         # thread did not fit: "too many resources requested" on an H200)
-        self.max_rows = DRAFT_ROWS if cfg.block_size <= DRAFT_ROWS else MAX_ROWS
-        self.max_absorb = MAX_ABSORB_ROWS
+        self.max_rows = DRAFT_ROWS if rows == DRAFT_ROWS and cfg.block_size <= DRAFT_ROWS else MAX_ROWS
+        self.max_absorb = MAX_ABSORB_ROWS if self.max_rows == DRAFT_ROWS else MAX_ROWS
         self._build(network.layers, head_module(target), network.norm.weight, cfg.num_attention_heads,
                     cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, blocks,
                     warps, skip, profile, qk_norm=True, bidirectional=True)

@@ -227,6 +227,17 @@ class Settings(BaseSettings):
         "Whichever is chosen, greedy speculative output equals plain decoding. CUDA passes ignore it.",
     )
 
+    draft_kernel_rows: Literal[8, 16] = Field(
+        16,
+        description="The fused DSpark draft launch's kernel (CUDA, `fused` auto/on). `16`: built for "
+        "up to 16 block rows, 8 warps per block, up to 16 new context rows projected in the launch "
+        "(measured: the default model's steady forward 1.16 ms on an H100). `8`: for blocks of at "
+        "most 8 rows (the shipped drafter's 7), 16 warps per block, up to 64 new context rows in the "
+        "launch in chunks of 8, so a DSpark forward after several prompt-lookup cycles costs about a "
+        "steady one; compiled without spills (NVRTC, sm_90) and tested on the CPU stand-in, not yet "
+        "measured on a GPU. Drafts only: output stays exact either way.",
+    )
+
     cuda_graphs: Literal["auto", "on", "off"] = Field(
         "auto",
         description="MLX-CUDA's CUDA graphs (MLX's `MLX_USE_CUDA_GRAPHS`, read once per process, "
@@ -251,6 +262,7 @@ class Settings(BaseSettings):
             compile=self.compile,
             fused=self.fused,
             cpu_activations=self.cpu_activations,
+            draft_kernel_rows=self.draft_kernel_rows,
             dspark=self.dspark,
             dspark_drafter=self.dspark_drafter,
             prompt_lookup_min_ngram=self.prompt_lookup_min_ngram,

@@ -567,12 +567,12 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
     draft = _default_like_drafter(default_like)
     # its block forward alone, with the greedy draft, and with the context update before it
     cases = [(fp, w, False, False) for fp, w, _ in cases]
-    dp = DraftFusedPass(draft, default_like)
+    dp = DraftFusedPass(draft, default_like, rows=8)
     assert dp.markov and dp.absorbs and dp.max_rows == 8  # (a block of 7: the 8-row kernel, 16 warps)
     cases += [(dp, 16, False, False), (dp, 16, True, False), (dp, 16, True, True), (dp, 16, False, True)]
-    # a block of 16 rows: the 16-row kernel, whose registers fit 8 warps only
-    wide = DraftFusedPass(_default_like_drafter(default_like, block_size=16), default_like)
-    assert wide.max_rows == 16
+    # the default, the 16-row kernel, whose registers fit 8 warps only
+    wide = DraftFusedPass(draft, default_like)
+    assert wide.max_rows == 16 and wide.max_absorb == 16
     cases += [(wide, 8, True, True)]
     src = _NVRTC_PRELUDE + cases[0][0].kernel_source()[0]  # the header, once
     for i, (fp, warps, markov, absorb) in enumerate(cases):
@@ -796,13 +796,14 @@ def test_draft_unsupported_reason_names_what_it_rejects(tmp_path, monkeypatch):
     assert "RoPE" in draft_unsupported_reason(quantized, loaded.model)
 
 
-@pytest.mark.parametrize("hidden, heads, kv_heads, block, warps", [(576, 9, 3, 7, 16), (512, 8, 2, 7, 8),
-                                                                   (640, 10, 2, 7, 8), (576, 9, 3, 16, 8)])
+@pytest.mark.parametrize("hidden, heads, kv_heads, block, rows, warps", [
+    (576, 9, 3, 7, 8, 16), (512, 8, 2, 7, 8, 8), (640, 10, 2, 7, 8, 8), (576, 9, 3, 16, 8, 8), (576, 9, 3, 7, 16, 8)])
 def test_draft_launch_takes_16_warps_where_its_rows_and_scratch_fit(monkeypatch, hidden, heads, kv_heads, block,
-                                                                   warps):
-    """A block of at most 8 rows gets the 8-row kernel with 16 warps where attention's scratch
-    (8 rows of a head, then each warp's values for a KV head's query heads) fits the row buffer,
-    else 8 warps; a block of 16 the 16-row kernel, whose registers fit 8 warps only."""
+                                                                   rows, warps):
+    """Asked for the 8-row kernel, a block of at most 8 rows gets it, with 16 warps where
+    attention's scratch (8 rows of a head, then each warp's values for a KV head's query heads)
+    fits the row buffer, else 8 warps; a block of 16, or the default, the 16-row kernel, whose
+    registers fit 8 warps only (and 16 context rows in the launch, not 64)."""
     from mlx_lm.models import llama
 
     from metal_kernels.fused import DraftFusedPass
@@ -814,8 +815,9 @@ def test_draft_launch_takes_16_warps_where_its_rows_and_scratch_fit(monkeypatch,
         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=64, rms_norm_eps=1e-5, vocab_size=256,
         rope_theta=10000.0, tie_word_embeddings=True))
     quantize_like_gguf(target, 4)
-    fp = DraftFusedPass(_default_like_drafter(target, block_size=block, num_target_layers=4), target)
-    assert (fp.max_rows, fp.warps) == (8 if block <= 8 else 16, warps)
+    fp = DraftFusedPass(_default_like_drafter(target, block_size=block, num_target_layers=4), target, rows=rows)
+    kernel = 8 if block <= 8 and rows == 8 else 16
+    assert (fp.max_rows, fp.warps, fp.max_absorb) == (kernel, warps, 64 if kernel == 8 else 16)
     assert fp._shared_bytes(fp.warps) <= 48 * 1024 and fp.markov and fp.absorbs
 
 
@@ -876,7 +878,7 @@ def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     _, net = _draft_net(loaded, tmp_path / "d")
     taps = _draft_parts(loaded, net)
-    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=DraftFusedPass(net, loaded.model))
+    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=DraftFusedPass(net, loaded.model, rows=8))
     assert step.fused_error(40) < (1e-3 if ON_CUDA else 1e-4)
     monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: bad))
     assert step.fused_error(40) > DRAFT_PROBE_TOLERANCE
@@ -928,12 +930,14 @@ def test_probe_scores_a_greedy_draft_by_its_gaps_after_its_own_tokens(tmp_path):
     assert score(logits, tokens, confidence=conf * 0.5) > 0.05
 
 
+@pytest.mark.parametrize("rows", [16, 8])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stand_in, tmp_path, temperature):
+def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stand_in, tmp_path, temperature, rows):
     """Two drafters fed the same committed rows, one through the launch and one through MLX ops,
     propose the same tokens (and draft_probs / confidence to rounding) for 80 cycles that grow
-    the draft cache past its first capacity, some after 20 new rows (projected in the launch in
-    chunks of its rows) or 70 (more than it takes: MLX ops first); the launch's writes past the
+    the draft cache past its first capacity, some after 20 new rows (projected in the launch by
+    the 8-row kernel, in chunks; MLX ops first with the 16-row one) or 70 (MLX ops first); the
+    launch's writes past the
     context (the block's own keys) never reach a later block, and the cache keeps room for them."""
     from drafters.base import DraftContext
     from drafters.dspark import DraftStep, DSparkDrafter
@@ -942,7 +946,7 @@ def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stan
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     _, net = _draft_net(loaded, tmp_path / "d")
     taps = _draft_parts(loaded, net)
-    fp = DraftFusedPass(net, loaded.model)
+    fp = DraftFusedPass(net, loaded.model, rows=rows)
     assert fp.absorbs and fp.markov  # (new context rows and the greedy draft go into the launch)
     launch, in_launch = fp._launch, []
     fp._launch = lambda *a, **kw: (in_launch.append(0 if a[5] is None else int(a[5].shape[0])), launch(*a, **kw))[1]
@@ -969,7 +973,7 @@ def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stan
     assert differ <= (2 if ON_CUDA and temperature else 0), differ
     assert fp.passes == 80 and fused_d.step.fused_failures == 0
     assert fused_d._keys[0].shape[2] > 256  # the cache doubled on the way
-    assert 20 in in_launch and 70 not in in_launch and max(in_launch) <= fp.max_absorb
+    assert (20 in in_launch) == (rows == 8) and 70 not in in_launch and max(in_launch) <= fp.max_absorb
 
 
 def test_failed_draft_launch_falls_back_to_mlx_ops(stand_in, tmp_path, monkeypatch):
@@ -1012,7 +1016,7 @@ def test_failed_draft_launch_falls_back_to_mlx_ops(stand_in, tmp_path, monkeypat
     assert fp.passes == 3
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
+@pytest.mark.parametrize("mode", ["on", "on8", "off"])
 def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
     """With fused passes on, the engine probes and uses the one-launch block forward for a
     quantized drafter; greedy output stays identical to plain and DSpark drafts get accepted.
@@ -1021,10 +1025,12 @@ def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
 
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     path, _ = _draft_net(loaded, tmp_path / "d", boosts={77: 12.0})
-    eng = _engine(loaded, fused=mode, dspark=True, dspark_drafter=str(path), speculation="auto")
+    eng = _engine(loaded, fused=mode[:3].rstrip("8"), dspark=True, dspark_drafter=str(path), speculation="auto",
+                  draft_kernel_rows=8 if mode == "on8" else 16)
     try:
         fp = eng._dspark_step.fused
-        assert (fp is not None) == (mode == "on")
+        assert (fp is not None) == (mode != "off")
+        assert fp is None or fp.max_rows == (8 if mode == "on8" else 16)
         # forwards of up to the launch's own context rows are priced as steady ones
         assert eng.dspark_stats.steady_rows == (fp.max_absorb if fp is not None else MAX_PADDED_ROWS)
         bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}  # the target's argmax is 77: drafts pass
@@ -1044,7 +1050,8 @@ def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("context", [1, 45, 600, 1100])
-def test_kernel_draft_pass_matches_reference(tmp_path, context):
+@pytest.mark.parametrize("rows", [16, 8])
+def test_kernel_draft_pass_matches_reference(tmp_path, context, rows):
     """The CUDA kernel's DSpark block forward (q/k norms, bidirectional block) against
     :func:`reference_pass`, with contexts of 1..3 attention segments; the context rows the
     launch was handed keep their bits (it writes only past them)."""
@@ -1058,7 +1065,7 @@ def test_kernel_draft_pass_matches_reference(tmp_path, context):
     values = [mx.random.normal(shape, key=mx.random.key(10 + i)) for i in range(2)]
     ref_keys, ref_values = [mx.array(np.array(k)) for k in keys], [mx.array(np.array(v)) for v in values]
     x0 = taps.embed(mx.array([5, 0, 0, 0, 0]))
-    fp = DraftFusedPass(net, loaded.model)
+    fp = DraftFusedPass(net, loaded.model, rows=rows)
     out = fp(x0, keys, values, context)
     mx.eval(out.logits, out.hidden, out.errors)
     fp.check(out)
@@ -1077,11 +1084,11 @@ def test_kernel_draft_pass_matches_reference(tmp_path, context):
     fp.check(out)
     assert out.tokens.tolist() == want.tokens.tolist()
     assert mx.allclose(out.confidence, want.confidence, atol=1e-5).item()
-    assert fp.max_rows == 8 and fp.warps == 16  # (a block of 5: the 8-row kernel)
+    assert (fp.max_rows, fp.warps) == ((8, 16) if rows == 8 else (16, 8))  # (a block of 5)
     # the last context rows projected into the cache inside the launch: 3 (a steady cycle's),
     # 3 chunks of the kernel's rows and a part, and the most it takes (8 chunks; rows committed
     # over cycles of other drafters)
-    for new in (3, 3 * fp.max_rows + 2, fp.max_absorb) if context >= 4 else ():
+    for new in sorted({3, min(3 * fp.max_rows + 2, fp.max_absorb), fp.max_absorb}) if context >= 4 else ():
         new = min(new, context)
         rows = mx.random.normal((new, net.config.num_taps * net.config.hidden_size), key=mx.random.key(new))
         out, want = fp(x0, keys, values, context, anchor, rows), ref(x0, ref_keys, ref_values, context, anchor, rows)

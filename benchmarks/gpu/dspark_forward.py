@@ -104,8 +104,9 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int) ->
     """Median ms of one evaluated fused launch with phases left out (``skip``: the layers' five
     phases 1..16, the LM head 32): every phase, no LM head, nothing (launch + barriers), the
     greedy draft inside the launch on top of everything, and that with 3 context rows projected
-    into the draft cache first (a steady cycle's update); then the greedy draft at 8 and 16 warps
-    with 0, 3, 20 and 64 new context rows (``w{warps}_greedy_draft_{rows}_new_rows``)."""
+    into the draft cache first (a steady cycle's update); then the greedy draft of the 16-row
+    kernel (8 warps) and the 8-row one (8 and 16 warps) with 0..64 new context rows, as many as
+    each takes (``rows{kernel rows}_w{warps}_greedy_draft_{context rows}_new_rows``)."""
     from metal_kernels.fused import DraftFusedPass
 
     cfg = net.config
@@ -125,11 +126,13 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int) ->
             out[name] = _timed(lambda fp=fp, new=new: fp(x0, keys, values, pos, anchor, new).tokens, iters)
         else:
             out[name] = _timed(lambda fp=fp: fp(x0, keys, values, pos).errors, iters)
-    for warps in (8, 16):  # the 8-row kernel with either warp count; context rows in chunks
-        fp = DraftFusedPass(net, target, warps=warps)
-        for new in (0, 3, 20, fp.max_absorb):
+    for rows, warps in ((16, 8), (8, 8), (8, 16)):  # the kernels; 8 rows: context rows in chunks
+        fp = DraftFusedPass(net, target, warps=warps, rows=rows)
+        for new in (0, 3, 16, 20, 64):
             more = hidden[pos - new:pos] if new else None
-            out[f"w{warps}_greedy_draft_{new}_new_rows"] = _timed(
+            if new > fp.max_absorb:
+                continue
+            out[f"rows{rows}_w{warps}_greedy_draft_{new}_new_rows"] = _timed(
                 lambda fp=fp, more=more: fp(x0, keys, values, pos, anchor, more).tokens, iters)
     fp = DraftFusedPass(net, target)
     out["warps"], out["max_rows"] = fp.warps, fp.max_rows

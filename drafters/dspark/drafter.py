@@ -50,7 +50,8 @@ class DraftStep:
     confidence head compile once per (draft length, greedy/sampled, capacity), the context
     update once per (padded row count <= 16, capacity). Larger updates (a prompt, or the rows
     that piled up while another drafter ran) run the same function uncompiled, unless the fused
-    launch below takes them (up to its ``max_absorb``, 64 rows, in chunks: :attr:`steady_rows`).
+    launch below takes them (up to its ``max_absorb``: 16, or 64 in chunks with the 8-row
+    kernel; :attr:`steady_rows`).
 
     With a ``fused`` block pass (``metal_kernels.fused.DraftFusedPass`` on CUDA: the draft
     layers and the LM head in one kernel launch instead of ~70 MLX ops), the block forward runs
