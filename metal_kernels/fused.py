@@ -642,8 +642,8 @@ class DraftFusedPass(FusedPass):
         ``errors`` together, then :meth:`check`).
 
         Args:
-            x0: ``[B, d]`` float32 target embeddings of the block, ``B <=`` :attr:`max_rows` (8 for
-                a block of at most 8, else 16).
+            x0: ``[B, d]`` float32 target embeddings of the block, ``B <=`` :attr:`max_rows` (8
+                with the 8-row kernel, else 16).
             keys, values: per draft layer ``[1, KV, capacity, D]`` float32 contiguous buffers
                 that no other array shares, rows ``0..start-1`` valid; ``capacity >= start + B``.
             start: the anchor's position (= valid context rows).

@@ -233,8 +233,8 @@ class DraftStep:
         """How far the fused launch is from the MLX ops over a draft cache of ``context >= 4``
         random context rows (a start-up probe): the largest logit difference relative to the
         largest MLX logit, for the block forward alone and with the last 3 context rows written
-        by the launch itself (and the last ``2 max_rows + 3``, in chunks, where it takes that many); with the greedy draft in the launch (``markov``), how far its
-        tokens fall below the MLX ops' best choices after the same previous tokens (relative
+        by the launch itself (and the last ``2 max_rows + 3``, in chunks, where it takes that
+        many); with the greedy draft in the launch (``markov``), how far its tokens fall below the MLX ops' best choices after the same previous tokens (relative
         to the same scale: a near tie is not a fault) and the largest absolute confidence
         difference (:meth:`_greedy_draft_errors`); infinity if any of these is NaN.
         Float32 sums in another order differ by ~1e-6; against MLX-CUDA, whose float32 matmuls
