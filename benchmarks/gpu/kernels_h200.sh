@@ -35,7 +35,8 @@
 #                            # fresh H100 NVRTC compiles made 14 of its 22 tests take 240 s, the
 #                            # 22 took 60 s in the next call)
 #   kernels_h200.sh draftcost # benchmarks/gpu/dspark_forward.py, then benchmarks/dspark_cost.py
-#                            # (DRAFTER=; GRAPHS_AB=1: dspark_forward again with
+#                            # (DRAFTER=; ROWS_AB=1: dspark_cost again with the opt-in 8-row draft
+#                            # kernel; GRAPHS_AB=1: dspark_forward again with
 #                            # MLX_USE_CUDA_GRAPHS=1, MLX's default; engine/mlx_env.py turns CUDA
 #                            # graphs off). dspark_forward ran past 80-90 s twice on an H100 (forty-
 #                            # third session): FORWARD_LIMIT is 150 s; a step past its limit does
@@ -137,8 +138,13 @@ EOF
         --iters "${ITERS:-100}" --out "$out/dspark_forward_h200_graphs.json" 2>&1 | grep -v "^INFO" | tail -4 || true
     fi
     # (the engine's start-up calibration alone took over 85 s on a fresh H100)
-    timeout -k 5 "${COST_LIMIT:-250}" python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
-      ${DRAFTER:+--drafter "$DRAFTER"} --out "$out/dspark_cost_h200.json" 2>&1 | grep -v "^INFO" | tail -12 || true ;;
+    # ROWS_AB=1: the same forced cycles with the opt-in 8-row draft kernel after the default 16-row
+    # one (SPECSERVE_DRAFT_KERNEL_ROWS; docs/kernels.md, "Fused DSpark draft")
+    for rows in 16 $([ "${ROWS_AB:-0}" = 1 ] && echo 8); do
+      timeout -k 5 "${COST_LIMIT:-250}" python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
+        --draft-kernel-rows "$rows" ${DRAFTER:+--drafter "$DRAFTER"} \
+        --out "$out/dspark_cost_h200$([ "$rows" = 8 ] && echo _rows8).json" 2>&1 | grep -v "^INFO" | tail -12 || true
+    done ;;
   mma)
     [ "${SKIP_CHECK:-0}" = 1 ] ||
       python3 benchmarks/kernel_check.py --out "$out/kernel_check_mma.json" -k "${CHECK_K:-const_shape or tiles_and}" 2>&1 | tail -20
