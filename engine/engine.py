@@ -535,6 +535,8 @@ class Engine:
         if self.config.cpu_activations not in ACTIVATIONS:  # (checked here: `auto` would swallow it below)
             raise ValueError(f"cpu_activations must be one of {sorted(ACTIVATIONS)}, "
                              f"got {self.config.cpu_activations!r}")
+        if self.config.draft_kernel_rows not in (8, 16):  # (the same, before any drafter is loaded)
+            raise ValueError(f"draft_kernel_rows must be 8 or 16, got {self.config.draft_kernel_rows!r}")
 
         model, quantized = self.loaded.model, self.loaded.quantized
         reason = ("compiled passes asked for (compile=on)" if compiled

@@ -380,6 +380,10 @@ def test_supports_cache_and_call_reject_what_the_kernel_cannot_take(stand_in):
 def test_engine_rejects_a_bad_fused_mode():
     with pytest.raises(RuntimeError, match="fused must be"):
         _engine(tiny_loaded(seed=4), fused="maybe", calibration_contexts=(40,), max_verify_rows=2)
+    # (on any backend, before a drafter is loaded: the fused draft's own check would be swallowed
+    # by fused=auto, or never run off CUDA)
+    with pytest.raises(RuntimeError, match="draft_kernel_rows must be 8 or 16"):
+        _engine(tiny_loaded(seed=4), draft_kernel_rows=12, calibration_contexts=(40,), max_verify_rows=2)
 
 
 def test_empty_cache_runs_position_zero_as_plain_decoding_does(stand_in):
