@@ -189,6 +189,12 @@ class Settings(BaseSettings):
         "orchestrator's kill grace period (Kubernetes: 30 s).",
     )
 
+    @field_validator("draft_kernel_rows", mode="before")
+    @classmethod
+    def _integer_choice(cls, v):
+        # an environment value is a string, which an integer Literal does not coerce
+        return int(v) if isinstance(v, str) and v.strip().isdigit() else v
+
     @field_validator("api_key")
     @classmethod
     def _nonempty_key(cls, v: SecretStr | None):
@@ -317,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
         kwargs = {"default": None, "help": help_text.replace("%", "%%")}  # (argparse formats help with %)
         if typing.get_origin(base) is Literal:
             kwargs["choices"] = list(typing.get_args(base))
+            if all(type(c) is int for c in kwargs["choices"]):
+                kwargs["type"] = int  # (argparse compares the string given with the choices)
         elif base is bool:
             kwargs["type"] = _parse_bool
             kwargs["metavar"] = "{true,false}"

@@ -662,7 +662,7 @@ def test_only_requests_with_another_drafter_measure_how_long_dspark_runs(dspark_
 
 
 def test_forwards_within_the_drafters_steady_rows_are_steady_ones():
-    """With the fused launch projecting up to 64 new rows itself (``DraftStep.steady_rows``), a
+    """With the fused launch's 8-row kernel projecting up to 64 new rows itself (``DraftStep.steady_rows``), a
     forward after a few cycles of other drafters costs what a steady one does: priced, timed and
     counted as one."""
     from engine.scheduler import DsparkStats

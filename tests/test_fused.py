@@ -1073,7 +1073,7 @@ def test_kernel_draft_pass_matches_reference(tmp_path, context, rows):
     out = fp(x0, keys, values, context)
     mx.eval(out.logits, out.hidden, out.errors)
     fp.check(out)
-    ref = DraftFusedPass(net, loaded.model)
+    ref = DraftFusedPass(net, loaded.model, rows=rows)
     ref.__dict__["_kernel"] = reference_pass
     want = ref(x0, ref_keys, ref_values, context)
     mx.eval(want.logits, want.hidden)
@@ -1094,8 +1094,8 @@ def test_kernel_draft_pass_matches_reference(tmp_path, context, rows):
     # over cycles of other drafters)
     for new in sorted({3, min(3 * fp.max_rows + 2, fp.max_absorb), fp.max_absorb}) if context >= 4 else ():
         new = min(new, context)
-        rows = mx.random.normal((new, net.config.num_taps * net.config.hidden_size), key=mx.random.key(new))
-        out, want = fp(x0, keys, values, context, anchor, rows), ref(x0, ref_keys, ref_values, context, anchor, rows)
+        crows = mx.random.normal((new, net.config.num_taps * net.config.hidden_size), key=mx.random.key(new))
+        out, want = fp(x0, keys, values, context, anchor, crows), ref(x0, ref_keys, ref_values, context, anchor, crows)
         mx.eval(out.tokens, out.logits, out.errors, want.tokens, want.logits, *keys, *values)
         fp.check(out)
         assert mx.abs(out.logits - want.logits).max().item() < 1e-4 * scale

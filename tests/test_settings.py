@@ -49,3 +49,22 @@ def test_help_lists_every_flag():
     for name in Settings.model_fields:
         assert flag_name(name) in text and env_name(name) in text, name
     assert "4-8% of their scale" in text
+
+
+def test_every_choice_of_every_setting_loads_from_its_flag_and_its_variable(monkeypatch):
+    """Each value a choice setting allows (strings and integers alike, e.g. the draft kernel's
+    8 or 16 rows) is accepted from the command line and from the environment, where it arrives
+    as text."""
+    import typing
+
+    from server.settings import _base_type, env_name, flag_name
+
+    choices = {name: typing.get_args(_base_type(field.annotation)) for name, field in Settings.model_fields.items()
+               if typing.get_origin(_base_type(field.annotation)) is typing.Literal}
+    assert "draft_kernel_rows" in choices and "fused" in choices
+    for name, values in choices.items():
+        for value in values:
+            assert getattr(load_settings([flag_name(name), str(value)]), name) == value, (name, value)
+            monkeypatch.setenv(env_name(name), str(value))
+            assert getattr(load_settings([]), name) == value, (name, value)
+            monkeypatch.delenv(env_name(name))

@@ -126,13 +126,17 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int) ->
             out[name] = _timed(lambda fp=fp, new=new: fp(x0, keys, values, pos, anchor, new).tokens, iters)
         else:
             out[name] = _timed(lambda fp=fp: fp(x0, keys, values, pos).errors, iters)
-    for rows, warps in ((16, 8), (8, 8), (8, 16)):  # the kernels; 8 rows: context rows in chunks
-        fp = DraftFusedPass(net, target, warps=warps, rows=rows)
+    for kernel_rows, warps in ((16, 8), (8, 8), (8, 16)):  # the kernels; 8 rows: context rows in chunks
+        try:
+            fp = DraftFusedPass(net, target, warps=warps, rows=kernel_rows)
+        except ValueError as exc:  # (16 warps that do not fit this drafter)
+            out[f"rows{kernel_rows}_w{warps}"] = str(exc)
+            continue
         for new in (0, 3, 16, 20, 64):
-            more = hidden[pos - new:pos] if new else None
-            if new > fp.max_absorb:
+            if new > min(fp.max_absorb, pos):
                 continue
-            out[f"rows{rows}_w{warps}_greedy_draft_{new}_new_rows"] = _timed(
+            more = hidden[pos - new:pos] if new else None
+            out[f"rows{kernel_rows}_w{warps}_greedy_draft_{new}_new_rows"] = _timed(
                 lambda fp=fp, more=more: fp(x0, keys, values, pos, anchor, more).tokens, iters)
     fp = DraftFusedPass(net, target)
     out["warps"], out["max_rows"] = fp.warps, fp.max_rows
