@@ -356,8 +356,8 @@ class Sequence:
         started = time.perf_counter()
         drafter = self.drafters["dspark"]
         new_rows = len(self.tokens) - 1 - drafter.projected_length  # (projected by this forward)
-        priced_rows = self._dspark_rows()  # (the first forward, over the prompt, as a steady one)
         first = self.dspark_forwards == 0
+        priced_rows = 0 if first else new_rows  # (_dspark_rows: the prompt's forward as a steady one)
         proposal = self._grammar_cut(drafter.propose(ctx, budget))
         self.dspark_forwards += 1
         if "prompt_lookup" in self.drafters and self.request.speculative.min_draft_tokens == 0:

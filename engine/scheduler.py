@@ -324,8 +324,8 @@ class DsparkStats:
     # what a cycle costs while DSpark keeps drafting. Only those set draft_cost. The others
     # (a request's first forward over its prompt, a probe after cycles of other drafters that
     # committed more rows) cost more and say nothing about that: on an H100 every forward the
-    # scheduler timed in a benchmark run was one of them (2.5-2.9 ms), against 1.2-1.3 ms for steady forwards
-    # (docs/benchmarks.md, "Thirty-ninth session"), and DSpark was never chosen.
+    # scheduler timed in a benchmark run was one of them (2.5-2.9 ms), against 1.2-1.3 ms for
+    # steady forwards (docs/benchmarks.md, "Thirty-ninth session"), and DSpark was never chosen.
     STEADY_ROWS = 16
 
     def __init__(self, positions: int = 16, alpha: float = 0.05, steady_cost: float = 0.0,
@@ -453,8 +453,8 @@ class DsparkStats:
         zeroing it; an EMA after). The engine feeds it the unforced forwards of requests that
         also have prompt lookup (auto): how long DSpark runs between other drafters' cycles is
         what the share prices. Requests with DSpark alone, or forcing it (``min_draft_tokens``),
-        run it every cycle they can and would make runs look longer than auto's are. The share is engine-wide: mixed traffic averages the run lengths of
-        all auto requests."""
+        run it every cycle they can and would make runs look longer than auto's are. The share
+        is engine-wide: mixed traffic averages the run lengths of all auto requests."""
         self.shared_forwards += 1
         weight = max(self.alpha, 1.0 / (self.shared_forwards + 1))
         self.catch_up_share += weight * (float(rows > self.steady_rows) - self.catch_up_share)

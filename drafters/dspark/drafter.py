@@ -164,7 +164,7 @@ class DraftStep:
         (its ``max_absorb``, in chunks) or in one compiled padded update (``MAX_PADDED_ROWS``);
         more run as uncompiled MLX ops first (a catch-up)."""
         if self.fused is not None and self.fused.absorbs:
-            return getattr(self.fused, "max_absorb", MAX_PADDED_ROWS)
+            return self.fused.max_absorb
         return MAX_PADDED_ROWS
 
     def absorbs_in_launch(self, rows: int) -> bool:
@@ -279,7 +279,7 @@ class DraftStep:
         errors = []
         # context rows written by the launch: none, a steady cycle's 3, and (where the launch
         # projects more rows than its block's, in chunks) two chunks and a part
-        chunk = getattr(fused, "max_rows", 16)
+        chunk = fused.max_rows
         chunked = (2 * chunk + 3,) if self.steady_rows >= 2 * chunk + 3 and context > 2 * chunk + 3 else ()
         for new in (0, 3, *chunked) if fused.absorbs else (0,):
             errors.append((mx.abs(launch(False, new).logits - want).max() / scale).item())
