@@ -315,6 +315,8 @@ def main(argv=None) -> dict:
                     help="SPECSERVE_EXACT_VERIFY")
     ap.add_argument("--fused", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_FUSED")
     ap.add_argument("--draft-kernel-rows", type=int, default=16, choices=[8, 16], help="SPECSERVE_DRAFT_KERNEL_ROWS")
+    ap.add_argument("--draft-vocab", default="on", choices=["on", "off"],
+                    help="SPECSERVE_DSPARK_DRAFT_VOCAB: the drafter's draft vocabulary, when it has one")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_COMPILE")
     ap.add_argument("--methods", default="off,prompt_lookup",
                     help="comma-separated: off, prompt_lookup, dspark, auto (off first: the baseline); "
@@ -364,6 +366,7 @@ def main(argv=None) -> dict:
                               dspark_drafter=args.dspark_drafter, kernels=args.kernels,
                               exact_verify=args.exact_verify, fused=args.fused,
                               draft_kernel_rows=args.draft_kernel_rows,
+                              dspark_draft_vocab=args.draft_vocab == "on",
                               compile=args.compile, **extra)).start(wait=True)
     tok = eng.loaded.tokenizer
     if args.freeze_cost:

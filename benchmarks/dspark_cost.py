@@ -41,10 +41,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--cycles", type=int, default=60, help="cycles of the eager/compiled comparison")
     ap.add_argument("--drafter", default=None, help="a DSpark drafter directory (default: the shipped one)")
     ap.add_argument("--draft-kernel-rows", type=int, default=16, choices=[8, 16], help="SPECSERVE_DRAFT_KERNEL_ROWS")
+    ap.add_argument("--draft-vocab", default="on", choices=["on", "off"],
+                    help="SPECSERVE_DSPARK_DRAFT_VOCAB: the drafter's draft vocabulary, when it has one")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     eng = Engine(EngineConfig(speculation="dspark", dspark=True, dspark_drafter=args.drafter,
-                              draft_kernel_rows=args.draft_kernel_rows)).start(wait=True)
+                              draft_kernel_rows=args.draft_kernel_rows,
+                              dspark_draft_vocab=args.draft_vocab == "on")).start(wait=True)
     forwards: list[tuple[int, float]] = []  # (context rows absorbed, ms)
     propose = dspark_drafter.DSparkDrafter.propose
 
@@ -95,6 +98,7 @@ def main(argv=None) -> dict:
         "T1_ms": round(t1, 3), "mean_draft_length": round(drafted / drafts, 2) if drafts else 0,
         "accepted_per_cycle": round(accepted / drafts, 3) if drafts else 0,
         "break_even_accepted": round((tl + forward) / t1 - 1, 3),
+        "draft_vocab": eng.draft_vocab.size if eng.draft_vocab is not None else None,
         "eager_vs_compiled": steps,
     }
     print(json.dumps(report, indent=1))
@@ -112,7 +116,8 @@ def compare_steps(eng: Engine, prompt: list[int], cycles: int) -> dict:
     hidden = taps.forward(mx.array(tokens)[None])[1][0]
     mx.eval(hidden)
     drafters = {name: dspark_drafter.DSparkDrafter(net, taps.embed, taps.lm_head,
-                                                   DraftStep(net, taps.embed, taps.lm_head, compiled=name == "compiled"))
+                                                   DraftStep(net, taps.embed, taps.lm_head, compiled=name == "compiled",
+                                                             vocab=eng.draft_vocab))
                 for name in ("eager", "compiled")}
     times: dict[str, list[float]] = {name: [] for name in drafters}
     agree = 0
@@ -132,13 +137,14 @@ def compare_steps(eng: Engine, prompt: list[int], cycles: int) -> dict:
     eager, compiled = (statistics.median(times[n]) for n in ("eager", "compiled"))
     return {"eager_ms": round(eager, 3), "compiled_ms": round(compiled, 3),
             "eager_over_compiled": round(eager / compiled, 2), "same_drafts": f"{agree}/{cycles + 3}",
-            **split_forward(net, taps, tokens, hidden, len(prompt) - 1, cycles)}
+            **split_forward(net, taps, tokens, hidden, len(prompt) - 1, cycles, eng.draft_vocab)}
 
 
-def split_forward(net, taps, tokens: list[int], hidden, pos: int, cycles: int) -> dict:
+def split_forward(net, taps, tokens: list[int], hidden, pos: int, cycles: int, vocab=None) -> dict:
     """The compiled forward in two synchronised halves (context update, then draft), and the
     cost of one host round trip (a trivial graph evaluated and read back), median ms."""
-    d = dspark_drafter.DSparkDrafter(net, taps.embed, taps.lm_head)
+    d = dspark_drafter.DSparkDrafter(net, taps.embed, taps.lm_head,
+                                     DraftStep(net, taps.embed, taps.lm_head, vocab=vocab))
     d._absorb(hidden[:pos])
     d._update_context()
     mx.eval(*d._keys, *d._values)

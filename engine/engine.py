@@ -89,6 +89,7 @@ class EngineConfig:
     draft_kernel_rows: int = 16  # the fused DSpark launch's kernel: 16 rows (8 warps) | 8 (16 warps, chunked updates)
     dspark: bool = False  # load the DSpark drafter
     dspark_drafter: str | None = None  # its directory (default: the one shipped for the default model)
+    dspark_draft_vocab: bool = True  # draft from the checkpoint's draft vocabulary (d2t) when it has one
     prompt_lookup_min_ngram: int = 2
     prompt_lookup_max_ngram: int = 5
     prompt_lookup_max_draft: int = 15
@@ -146,6 +147,7 @@ class Engine:
         self._prefill_row_seconds: float | None = None  # the last prefill step's seconds per row, any sequence
         self.dspark_stats = DsparkStats()
         self.dspark = None  # the shared DSpark network, when loaded
+        self.draft_vocab = None  # its draft vocabulary (drafters.dspark.DraftVocab), when used
         self.prefix_cache: PrefixCache | None = None
         self.batch_rows = 0  # rows of a batched pass (0: sequences step one by one)
         self._batch_start = 0  # round-robin start when more sequences decode than fit a batch
@@ -577,7 +579,7 @@ class Engine:
             raise fused.FusedPassError(f"probe logits differ from mlx-lm's by {err:.3g} (scale {scale:.3g})")
 
     def _load_dspark(self) -> None:
-        from drafters.dspark import DraftStep, DSparkDrafter, TargetTaps, load_dspark
+        from drafters.dspark import DraftStep, DraftVocab, DSparkDrafter, TargetTaps, load_dspark
 
         from .loader import default_dspark_path
 
@@ -597,10 +599,14 @@ class Engine:
             raise ValueError(f"DSpark drafter {path} does not fit the target: {why}")
         self.target_taps = TargetTaps(self.loaded.model, cfg.target_layer_ids)
         self._dspark_drafter = DSparkDrafter
+        if self.dspark.draft_vocab is not None and self.config.dspark_draft_vocab:
+            self.draft_vocab = DraftVocab.build(self.dspark.draft_vocab, self.target_taps.head_module,
+                                                self.target_taps.tied, self.dspark)
         self._dspark_step = DraftStep(self.dspark, self.target_taps.embed, self.target_taps.lm_head,
-                                      fused=self._make_draft_fused())
-        log.info("DSpark drafter loaded from %s: %d layers, block %d, taps %s", path,
-                 cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids)
+                                      fused=self._make_draft_fused(), vocab=self.draft_vocab)
+        log.info("DSpark drafter loaded from %s: %d layers, block %d, taps %s, draft vocabulary %s", path,
+                 cfg.num_hidden_layers, cfg.block_size, cfg.target_layer_ids,
+                 self.draft_vocab.size if self.draft_vocab is not None else f"{cfg.vocab_size} (whole)")
 
     def _time_dspark_forward(self, reps: int = 7) -> float:
         """Seconds of a steady DSpark forward on this machine: the median over ``reps`` timed
@@ -649,8 +655,10 @@ class Engine:
             log.info("fused DSpark drafts off: %s", reason)
             return None
         try:
-            fp = fused.DraftFusedPass(self.dspark, self.loaded.model, rows=self.config.draft_kernel_rows)
-            probe = DraftStep(self.dspark, self.target_taps.embed, self.target_taps.lm_head, compiled=False, fused=fp)
+            fp = fused.DraftFusedPass(self.dspark, self.loaded.model, rows=self.config.draft_kernel_rows,
+                                      vocab=self.draft_vocab)
+            probe = DraftStep(self.dspark, self.target_taps.embed, self.target_taps.lm_head, compiled=False, fused=fp,
+                              vocab=self.draft_vocab)
             err = probe.fused_error(fp.segment + 37)  # two key segments: the cross-segment combine runs
             if not err <= DRAFT_PROBE_TOLERANCE:
                 raise fused.FusedPassError(f"the fused draft differs from the MLX ops' by {err:.3g} (logits: of "

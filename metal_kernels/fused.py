@@ -261,7 +261,8 @@ def writable_cache(cache: list, rows: int, kv_heads: int, head_dim: int) -> None
 def _no_draft_inputs() -> dict[str, mx.array]:
     u32, f32 = mx.zeros((1,), mx.uint32), mx.zeros((1,), mx.float32)
     return {"tok0": mx.zeros((1,), mx.int32), "mw1": u32, "ms1": f32, "mb1": f32, "mw2": u32, "ms2": f32,
-            "mb2": f32, "cw": f32, "cb": f32, "crow": f32, "wfc": u32, "sfc": f32, "bfc": f32, "hnw": f32}
+            "mb2": f32, "cw": f32, "cb": f32, "crow": f32, "wfc": u32, "sfc": f32, "bfc": f32, "hnw": f32,
+            "dvoc": mx.zeros((1,), mx.int32)}
 
 
 @dataclass
@@ -327,6 +328,7 @@ class FusedPass:
         self.qk_norm, self.bidirectional = qk_norm, bidirectional
         # a greedy DSpark draft after the LM head (DraftFusedPass sets these and _draft_inputs)
         self.markov, self.markov_rank, self.markov_bits, self.confidence = False, 0, 4, 0
+        self.draft_vocab = False  # greedy drafts over a draft vocabulary: tokens mapped by dvoc
         self.absorbs, self.taps = False, 1  # (a context update in the launch: DraftFusedPass)
         self._draft_inputs = _no_draft_inputs()
         self.blocks = min(blocks or multiprocessors(), multiprocessors())
@@ -390,7 +392,8 @@ class FusedPass:
 
     # per-launch draft inputs: the anchor, the Markov tables, the confidence head (dummies unless
     # a DraftFusedPass drafts greedily in the launch)
-    _DRAFT_NAMES = ("tok0", "mw1", "ms1", "mb1", "mw2", "ms2", "mb2", "cw", "cb", "crow", "wfc", "sfc", "bfc", "hnw")
+    _DRAFT_NAMES = ("tok0", "mw1", "ms1", "mb1", "mw2", "ms2", "mb2", "cw", "cb", "crow", "wfc", "sfc", "bfc", "hnw",
+                    "dvoc")
     _WEIGHT_NAMES = ("inv_freq", "norms", "fnorm", "qkn", "wqkv", "sqkv", "bqkv", "wo", "so", "bo",
                      "wgu", "sgu", "bgu", "wd", "sd", "bd", "we", "se", "bee")
 
@@ -416,7 +419,7 @@ class FusedPass:
                 ("EPS_BITS", _float_bits(self.eps)), ("SCALE_BITS", _float_bits(self.scale)), ("SKIP", self.skip),
                 ("PROF", int(self.profile)), ("QKN", int(self.qk_norm)), ("BIDIR", int(self.bidirectional)),
                 ("MARKOV", int(markov)), ("MR", self.markov_rank), ("MBITS", self.markov_bits),
-                ("CONF", self.confidence), ("ABS", int(absorb)), ("NT", self.taps)]
+                ("CONF", self.confidence), ("ABS", int(absorb)), ("NT", self.taps), ("DV", int(self.draft_vocab))]
 
     @functools.cached_property
     def _kernel(self):
@@ -586,6 +589,9 @@ class DraftFusedPass(FusedPass):
             (:data:`DRAFT_ROWS`, for a block of at most 8: 16 warps where they fit, up to
             :data:`MAX_ABSORB_ROWS` context rows in the launch, in chunks); a larger block
             always gets 16.
+        vocab: a ``drafters.dspark.vocab.DraftVocab`` built for ``network`` and ``target``'s
+            head: the LM head and the Markov table's ``W2`` run over its ``V'`` rows (logits
+            ``[B, V']``) and greedy tokens come out as target ids; None: the whole vocabulary.
         warps: 8 or 16; default 16 where it fits (the 8-row kernel, head dim 64, the attention
             scratch within shared memory), else 8.
 
@@ -594,7 +600,7 @@ class DraftFusedPass(FusedPass):
     """
 
     def __init__(self, network, target, blocks: int | None = None, warps: int | None = None, skip: int = 0,
-                 profile: bool = False, rows: int = DEFAULT_DRAFT_KERNEL_ROWS):
+                 profile: bool = False, rows: int = DEFAULT_DRAFT_KERNEL_ROWS, vocab=None):
         if rows not in (DRAFT_ROWS, MAX_ROWS):
             raise ValueError(f"the draft kernel's rows must be {DRAFT_ROWS} or {MAX_ROWS}, got {rows}")
         reason = draft_unsupported_reason(network, target)
@@ -607,7 +613,8 @@ class DraftFusedPass(FusedPass):
         # thread did not fit: "too many resources requested" on an H200)
         self.max_rows = DRAFT_ROWS if rows == DRAFT_ROWS and cfg.block_size <= DRAFT_ROWS else MAX_ROWS
         self.max_absorb = MAX_ABSORB_ROWS if self.max_rows == DRAFT_ROWS else MAX_ROWS
-        self._build(network.layers, head_module(target), network.norm.weight, cfg.num_attention_heads,
+        head = vocab.head_module if vocab is not None else head_module(target)
+        self._build(network.layers, head, network.norm.weight, cfg.num_attention_heads,
                     cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, blocks,
                     warps, skip, profile, qk_norm=True, bidirectional=True)
         inputs = _no_draft_inputs()
@@ -619,8 +626,12 @@ class DraftFusedPass(FusedPass):
         if not markov_reason(network) and self._shared_bytes(self.warps) + markov_shared <= 48 * 1024:
             # (else greedy drafts stay MLX ops after the launch)
             self.markov = True
+            if vocab is not None:
+                self.draft_vocab = True
+                inputs["dvoc"] = vocab.ids.astype(mx.int32)
             if network.has_markov:
-                w1, w2 = network.markov_head.markov_w1, network.markov_head.markov_w2
+                w1 = network.markov_head.markov_w1
+                w2 = vocab.markov_w2 if vocab is not None else network.markov_head.markov_w2
                 self.markov_rank, self.markov_bits = cfg.markov_rank, w1.bits
                 inputs.update(mw1=w1.weight, ms1=w1.scales, mb1=w1.biases, mw2=w2.weight, ms2=w2.scales,
                               mb2=w2.biases)

@@ -38,6 +38,15 @@ def train_dspark(argv: list[str]) -> int:
     return train_main(argv, load_target=load)
 
 
+def dspark_vocab(argv: list[str]) -> int:
+    """``specserve dspark-vocab DRAFTER --data ... --size N``: give a DSpark drafter a draft
+    vocabulary (drafters/dspark/vocab.py)."""
+    import engine  # noqa: F401  (OpenBLAS before mlx.core)
+    from drafters.dspark.vocab import main as vocab_main
+
+    return vocab_main(argv)
+
+
 def cuda_graphs_env(settings, environ=os.environ) -> str:
     """The ``MLX_USE_CUDA_GRAPHS`` value for ``settings.cuda_graphs`` (``"0"`` or ``"1"``): ``on``
     and ``off`` say it; ``auto`` keeps a value already in ``environ``, else turns graphs off only
@@ -57,6 +66,8 @@ def main(argv: list[str] | None = None) -> None:
         argv = sys.argv[1:]
     if argv and argv[0] == "train-dspark":
         raise SystemExit(train_dspark(argv[1:]))
+    if argv and argv[0] == "dspark-vocab":
+        raise SystemExit(dspark_vocab(argv[1:]))
     settings = load_settings(argv)
     os.environ["SPECSERVE_BLAS"] = settings.blas
     os.environ["MLX_USE_CUDA_GRAPHS"] = cuda_graphs_env(settings)

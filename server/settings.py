@@ -89,6 +89,14 @@ class Settings(BaseSettings):
         description="DSpark drafter directory (DeepSpec layout: config.json + safetensors); default: "
         "the one in models/ shipped for the default model.",
     )
+    dspark_draft_vocab: bool = Field(
+        True,
+        description="Draft from the drafter's draft vocabulary when its checkpoint has one (`d2t`, "
+        "EAGLE-3's layout; FR-Spec, arXiv 2502.14856): the LM head and Markov head score only the "
+        "target's most frequent tokens (the shipped drafter: 16,384 of 49,152), which cuts the two "
+        "vocabulary-wide phases of a draft forward. Drafts only: the target verifies over its whole "
+        "vocabulary, so output stays exact. Off: the whole vocabulary.",
+    )
     prompt_lookup_min_ngram: int = Field(2, ge=1, le=16, description="Shortest n-gram prompt lookup matches.")
     prompt_lookup_max_ngram: int = Field(5, ge=1, le=32, description="Longest n-gram prompt lookup matches.")
     prompt_lookup_max_draft: int = Field(15, ge=1, le=64, description="Most tokens one prompt-lookup draft may propose.")
@@ -271,6 +279,7 @@ class Settings(BaseSettings):
             draft_kernel_rows=self.draft_kernel_rows,
             dspark=self.dspark,
             dspark_drafter=self.dspark_drafter,
+            dspark_draft_vocab=self.dspark_draft_vocab,
             prompt_lookup_min_ngram=self.prompt_lookup_min_ngram,
             prompt_lookup_max_ngram=max(self.prompt_lookup_max_ngram, self.prompt_lookup_min_ngram),
             prompt_lookup_max_draft=self.prompt_lookup_max_draft,

@@ -4,6 +4,7 @@ runs tests/test_fused.py on machines without the openai client or scipy)."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from drafters.dspark import DSparkModel, init_weights, save_dspark
 from drafters.dspark.config import draft_config_from_target
@@ -24,12 +25,16 @@ def favour(net: DSparkModel, boosts: dict[int, float]) -> None:
     net.markov_head.markov_w2.weight = w2
 
 
-def make_drafter(tiny, path, boosts=None):
+def make_drafter(tiny, path, boosts=None, draft_vocab=None):
+    """A 1-layer random drafter for ``tiny`` saved at ``path``; ``draft_vocab``: token ids of a
+    draft vocabulary to save with it."""
     cfg = draft_config_from_target(tiny.config, num_hidden_layers=1, target_layer_ids=[0], block_size=5,
                                    mask_token_id=0, markov_rank=16)
     net = DSparkModel(cfg)
     init_weights(net, std=0.05, seed=1)
     if boosts:
         favour(net, boosts)
+    if draft_vocab is not None:
+        net.draft_vocab = np.asarray(draft_vocab, dtype=np.int32)
     save_dspark(net, path)
     return path

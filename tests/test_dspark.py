@@ -1049,13 +1049,19 @@ def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target)
     assert latest_checkpoint(tmp_path / "run").name == "step-0000012"
     # Drop the last checkpoint: a rerun resumes at step 6 and ends with the same weights.
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step-0000012")
-    rerun = train_dspark(model, tok, tmp_path / "run", **kw)
+    rerun = train_dspark(model, tok, tmp_path / "run", **kw, draft_vocab_size=50)
     assert rerun.completed and rerun.final_metrics["step"] == 12
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "train_log.jsonl").read_text().splitlines()]
     assert steps[12:] == list(range(7, 13))
     resumed = load_dspark(rerun.drafter_dir)
     for (_, a), (_, b) in zip(tree_flatten(trained.parameters()), tree_flatten(resumed.parameters())):
         assert mx.allclose(a, b, atol=1e-6)
+    # ... and exports a draft vocabulary: the 50 tokens its training responses use most
+    rows = [json.loads(line) for line in (tmp_path / "run" / "data" / "examples.jsonl").read_text().splitlines()]
+    counts = np.bincount([t for r in rows if r["split"] == "train" for t in r["response"]],
+                         minlength=model.args.vocab_size)
+    assert trained.draft_vocab is None and resumed.draft_vocab.size == 50
+    assert set(np.argsort(-counts, kind="stable")[:10].tolist()) <= set(resumed.draft_vocab.tolist())
     # A deadline already past: one more step, a checkpoint, then a clean stop.
     longer = TrainConfig(**{**train.__dict__, "steps": 20})
     net, opt, step = restore(latest_checkpoint(tmp_path / "run"), longer)
@@ -1073,6 +1079,10 @@ def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target)
     assert len(seen) == ev["cycles"] and sum(a + 1 for _, _, a, _ in seen) == ev["tokens"]
     assert all(shape == (n + 1, model.args.vocab_size) and 0 <= a <= n for shape, n, a, _ in seen)
     assert all(len(conf) == n and all(0.0 <= c <= 1.0 for c in conf) for _, n, _, conf in seen)
+    drafted = []  # the evaluation drafts from a drafter's draft vocabulary, as the engine does
+    evaluate_acceptance(taps, resumed, prompts, [2], max_new_tokens=12,
+                        on_cycle=lambda logits, drafts, a, conf: drafted.extend(drafts))
+    assert drafted and set(drafted) <= set(resumed.draft_vocab.tolist())
 
 
 def test_acceptance_by_target_confidence_bins():

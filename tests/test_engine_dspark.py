@@ -51,6 +51,33 @@ def test_greedy_identity_with_dspark_and_auto(dspark_engine):
     assert accepted["dspark"] > 20
 
 
+def test_greedy_identity_with_a_draft_vocabulary(tiny, tmp_path):
+    """A drafter with a draft vocabulary (every third token and 77) drafts from it: greedy output
+    stays identical to plain, and drafts of 77, the target's choice under the bias, get accepted
+    (as target ids: a draft left as its row in the subset would be another token). Turned off
+    (SPECSERVE_DSPARK_DRAFT_VOCAB=0), the engine drafts from the whole vocabulary."""
+    subset = np.union1d(np.arange(1, tiny.config["vocab_size"], 3), [77])
+    path = make_drafter(tiny, tmp_path / "drafter", {77: 12.0}, draft_vocab=subset)
+    bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}
+    for use in (True, False):
+        eng = Engine(EngineConfig(speculation="auto", dspark=True, dspark_drafter=str(path), dspark_draft_vocab=use,
+                                  calibration_contexts=(40,), warmup=False), loaded=tiny).start(wait=True, timeout=300)
+        try:
+            assert (eng.draft_vocab is not None) == use
+            if use:
+                assert eng.draft_vocab.ids.tolist() == subset.tolist()
+            accepted = 0
+            for i, p in enumerate(prompts(8, seed=11)):
+                kw = bias if i % 2 == 0 else {}
+                plain, text, _ = run(eng, p, "off", max_tokens=32, **kw)
+                ids, spec_text, last = run(eng, p, "x", max_tokens=32, speculative=FORCE, **kw)
+                assert ids == plain and spec_text == text
+                accepted += last.stats.by_drafter["dspark"].num_accepted_tokens
+            assert accepted > 20
+        finally:
+            eng.stop()
+
+
 def test_dspark_cut_by_max_tokens_and_stops_inside_accepted_block(dspark_engine):
     """The target agrees with every draft (77), so cycles accept blocks of drafts; max_tokens,
     a stop token and a stop string each end the output inside one, and the accepted drafts after
@@ -82,10 +109,13 @@ def test_sampled_dspark_fixed_seed_is_fixed(dspark_engine):
 
 
 @pytest.mark.slow
-def test_sampled_distribution_with_dspark(tmp_path):
+@pytest.mark.parametrize("vocab", [False, True])
+def test_sampled_distribution_with_dspark(tmp_path, vocab):
     """The first generated token is DSpark's first draft judged by the rejection rule (q: the
     drafter's Markov-corrected, temperature-scaled distribution): its distribution over 20k
-    seeds must equal the target's processed distribution p (chi-square).
+    seeds must equal the target's processed distribution p (chi-square). With a draft vocabulary
+    that leaves out c, one of the two tokens the target favours, q is zero there and c comes
+    from the residual distribution alone.
 
     As in test_engine's sampled test, the target is the tiny model in 4 bits (the CPU's fused
     pass) with 4-token prefill blocks, so the prefix cache holds the whole prompt before the
@@ -93,7 +123,8 @@ def test_sampled_distribution_with_dspark(tmp_path):
     (helpers.pass_logits: the row it samples from, bit for bit)."""
     a, c = 60, 61
     tiny = tiny_loaded(quantize_bits=4)
-    path = make_drafter(tiny, tmp_path / "d", {a: 6.0, c: 5.0})
+    subset = np.setdiff1d(np.arange(tiny.config["vocab_size"]), [c, 62, 90]) if vocab else None
+    path = make_drafter(tiny, tmp_path / "d", {a: 6.0, c: 5.0}, draft_vocab=subset)
     eng = Engine(EngineConfig(speculation="dspark", dspark=True, dspark_drafter=str(path),
                               calibration_contexts=(32,), warmup=False, prefill_step=4),
                  loaded=tiny).start(wait=True)

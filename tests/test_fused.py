@@ -115,6 +115,8 @@ def reference_pass(inputs, template, output_shapes, **_):
                 feats = mx.concatenate([normed[k], w1[0]]) if t["CONF"] == 2 else normed[k]
                 conf.append(mx.sigmoid((feats * w["cw"]).sum() + w["cb"][0]))
             prev = mx.argmax(logits[k] + bias, keepdims=True).astype(mx.int32)
+            if t["DV"]:  # a draft vocabulary's row -> its target id
+                prev = w["dvoc"][prev]
             drafts.append(prev)
         drafts = mx.concatenate(drafts)
         conf = mx.stack(conf) if conf else mx.zeros((m,))
@@ -574,9 +576,10 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
     dp = DraftFusedPass(draft, default_like, rows=8)
     assert dp.markov and dp.absorbs and dp.max_rows == 8  # (a block of 7: the 8-row kernel, 16 warps)
     cases += [(dp, 16, False, False), (dp, 16, True, False), (dp, 16, True, True), (dp, 16, False, True)]
-    # the default, the 16-row kernel, whose registers fit 8 warps only
-    wide = DraftFusedPass(draft, default_like)
-    assert wide.max_rows == 16 and wide.max_absorb == 16
+    # the default, the 16-row kernel, whose registers fit 8 warps only, over a draft vocabulary
+    # (the shipped drafter's launch: its tokens mapped to target ids)
+    wide = DraftFusedPass(draft, default_like, vocab=_vocab(default_like, draft, np.arange(0, 512, 3)))
+    assert wide.max_rows == 16 and wide.max_absorb == 16 and wide.draft_vocab
     cases += [(wide, 8, True, True)]
     src = _NVRTC_PRELUDE + cases[0][0].kernel_source()[0]  # the header, once
     for i, (fp, warps, markov, absorb) in enumerate(cases):
@@ -776,6 +779,19 @@ def _draft_net(loaded, path, bits=4, boosts=None):
     return path, load_dspark(path, dtype="float32")
 
 
+def _vocab(model, net, ids):
+    """A draft vocabulary of token ids ``ids`` for ``net`` over ``model``'s LM head."""
+    from drafters.dspark import DraftVocab, TargetTaps
+
+    taps = TargetTaps(model, net.config.target_layer_ids)
+    return DraftVocab.build(np.asarray(ids), taps.head_module, taps.tied, net)
+
+
+# a draft vocabulary of the tiny target (259 tokens): 77 (which tests make the target's choice)
+# and every third token
+TINY_SUBSET = np.union1d(np.arange(1, 259, 3), [77])
+
+
 def _draft_parts(loaded, net):
     from drafters.dspark import TargetTaps
 
@@ -825,31 +841,36 @@ def test_draft_launch_takes_16_warps_where_its_rows_and_scratch_fit(monkeypatch,
     assert fp._shared_bytes(fp.warps) <= 48 * 1024 and fp.markov and fp.absorbs
 
 
+@pytest.mark.parametrize("vocab", [False, True])
 @pytest.mark.parametrize("context", [4, 40, 300])
-def test_draft_fused_pass_matches_the_mlx_block_forward(stand_in, tmp_path, context):
+def test_draft_fused_pass_matches_the_mlx_block_forward(stand_in, tmp_path, context, vocab):
     """The launch's logits (q/k norms, bidirectional block, context strictly before the anchor,
-    the target's LM head) equal the MLX ops' block forward to rounding."""
+    the target's LM head, or its rows of a draft vocabulary) equal the MLX ops' block forward to
+    rounding, and its greedy draft theirs."""
     from drafters.dspark import DraftStep
     from metal_kernels.fused import DraftFusedPass
 
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     _, net = _draft_net(loaded, tmp_path / "d")
     taps = _draft_parts(loaded, net)
-    fp = DraftFusedPass(net, loaded.model)
+    dv = _vocab(loaded.model, net, TINY_SUBSET) if vocab else None
+    fp = DraftFusedPass(net, loaded.model, vocab=dv)
     assert fp.markov and fp.confidence == 2  # (the quantized Markov head drafts inside the launch)
-    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=fp)
+    assert fp.draft_vocab == vocab and fp.weights["we"].shape[0] == (TINY_SUBSET.size if vocab else 259)
+    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=fp, vocab=dv)
     # (on CUDA the MLX side's float32 matmuls run in TF32: the engine's probe allows DRAFT_PROBE_TOLERANCE)
     assert step.fused_error(context) < (1e-3 if ON_CUDA else 1e-4)
 
 
 @pytest.mark.parametrize("broken", ["context_rows", "later_chunks", "greedy_draft", "later_slots", "logits",
-                                    "nan_confidence", "short_draft"])
+                                    "nan_confidence", "short_draft", "unmapped"])
 def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in, tmp_path, monkeypatch, broken):
     """The engine's probe runs every launch variant: a launch that writes wrong context rows,
     (all of them, or only those past the kernel's first chunk of ``MB`` rows), drafts other
     tokens than the MLX ops' greedy draft (at every slot, or after a right first one), fewer
     tokens than the block, whose logits are 2% off (its tokens still right) or whose confidence
-    is NaN, fails it (the engine then keeps the MLX ops under ``fused=auto``)."""
+    is NaN, or that leaves a draft vocabulary's rows unmapped to target ids, fails it (the engine
+    then keeps the MLX ops under ``fused=auto``)."""
     from drafters.dspark import DraftStep
     from metal_kernels.fused import DraftFusedPass
 
@@ -873,6 +894,8 @@ def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in
             outs[9] = mx.concatenate([flat[:1], later]).reshape(outs[9].shape)
         if broken == "short_draft" and t["MARKOV"]:
             outs[9] = outs[9].reshape(-1)[:1]
+        if broken == "unmapped" and t["DV"]:  # (draft vocabulary rows, not target ids)
+            outs = reference_pass(inputs, [(k, 0 if k == "DV" else v) for k, v in template], output_shapes)
         if broken == "logits":
             outs[0] = outs[0] * 1.02
         if broken == "nan_confidence" and t["MARKOV"] and t["CONF"]:
@@ -882,7 +905,9 @@ def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     _, net = _draft_net(loaded, tmp_path / "d")
     taps = _draft_parts(loaded, net)
-    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=DraftFusedPass(net, loaded.model, rows=8))
+    dv = _vocab(loaded.model, net, TINY_SUBSET) if broken == "unmapped" else None
+    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False,
+                     fused=DraftFusedPass(net, loaded.model, rows=8, vocab=dv), vocab=dv)
     assert step.fused_error(40) < (1e-3 if ON_CUDA else 1e-4)
     monkeypatch.setattr(FusedPass, "_kernel", property(lambda self: bad))
     assert step.fused_error(40) > DRAFT_PROBE_TOLERANCE
@@ -934,9 +959,10 @@ def test_probe_scores_a_greedy_draft_by_its_gaps_after_its_own_tokens(tmp_path):
     assert score(logits, tokens, confidence=conf * 0.5) > 0.05
 
 
-@pytest.mark.parametrize("rows", [16, 8])
+@pytest.mark.parametrize("rows, vocab", [(16, False), (8, False), (16, True)])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stand_in, tmp_path, temperature, rows):
+def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stand_in, tmp_path, temperature, rows,
+                                                                           vocab):
     """Two drafters fed the same committed rows, one through the launch and one through MLX ops,
     propose the same tokens (and draft_probs / confidence to rounding) for 80 cycles that grow
     the draft cache past its first capacity, some after 20 new rows (projected in the launch by
@@ -950,19 +976,23 @@ def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stan
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     _, net = _draft_net(loaded, tmp_path / "d")
     taps = _draft_parts(loaded, net)
-    fp = DraftFusedPass(net, loaded.model, rows=rows)
+    dv = _vocab(loaded.model, net, TINY_SUBSET) if vocab else None  # (drafts from its tokens only)
+    fp = DraftFusedPass(net, loaded.model, rows=rows, vocab=dv)
     assert fp.absorbs and fp.markov  # (new context rows and the greedy draft go into the launch)
     launch, in_launch = fp._launch, []
     fp._launch = lambda *a, **kw: (in_launch.append(0 if a[5] is None else int(a[5].shape[0])), launch(*a, **kw))[1]
     tokens = mx.random.randint(3, 259, (700,), key=mx.random.key(2)).tolist()
     hidden = taps.forward(mx.array(tokens)[None])[1][0]
     mx.eval(hidden)
-    fused_d = DSparkDrafter(net, taps.embed, taps.lm_head, DraftStep(net, taps.embed, taps.lm_head, fused=fp))
-    plain_d = DSparkDrafter(net, taps.embed, taps.lm_head, DraftStep(net, taps.embed, taps.lm_head))
+    fused_d = DSparkDrafter(net, taps.embed, taps.lm_head, DraftStep(net, taps.embed, taps.lm_head, fused=fp,
+                                                                     vocab=dv))
+    plain_d = DSparkDrafter(net, taps.embed, taps.lm_head, DraftStep(net, taps.embed, taps.lm_head, vocab=dv))
     pos, seen, block, differ = 30, 0, net.config.block_size, 0
+    allowed = set(TINY_SUBSET.tolist()) if vocab else set(range(259))
     for cycle in range(80):
         ctx = DraftContext(tokens[: pos + 1], hidden[seen:pos], temperature=temperature, seed=11)
         a, b = fused_d.propose(ctx, block), plain_d.propose(ctx, block)
+        assert set(a.tokens) <= allowed
         if a.tokens != b.tokens:
             differ += 1
         else:  # (to rounding: on CUDA MLX's float32 matmuls round more coarsely than the launch)
@@ -1020,21 +1050,30 @@ def test_failed_draft_launch_falls_back_to_mlx_ops(stand_in, tmp_path, monkeypat
     assert fp.passes == 3
 
 
-@pytest.mark.parametrize("mode", ["on", "on8", "off"])
+@pytest.mark.parametrize("mode", ["on", "on8", "off", "on_vocab", "off_vocab"])
 def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
     """With fused passes on, the engine probes and uses the one-launch block forward for a
-    quantized drafter; greedy output stays identical to plain and DSpark drafts get accepted.
-    With them off it keeps to MLX ops."""
+    quantized drafter, over the drafter's draft vocabulary when its checkpoint has one; greedy
+    output stays identical to plain and DSpark drafts get accepted. With them off it keeps to
+    MLX ops."""
     from dspark_helpers import FORCE
+
+    from drafters.dspark.vocab import write_draft_vocab
 
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     path, _ = _draft_net(loaded, tmp_path / "d", boosts={77: 12.0})
-    eng = _engine(loaded, fused=mode[:3].rstrip("8"), dspark=True, dspark_drafter=str(path), speculation="auto",
-                  draft_kernel_rows=8 if mode == "on8" else 16)
+    if mode.endswith("_vocab"):
+        write_draft_vocab(path, TINY_SUBSET)
+    eng = _engine(loaded, fused=mode.split("_")[0].rstrip("8"), dspark=True, dspark_drafter=str(path),
+                  speculation="auto", draft_kernel_rows=8 if mode == "on8" else 16)
     try:
         fp = eng._dspark_step.fused
-        assert (fp is not None) == (mode != "off")
+        assert (fp is not None) == mode.startswith("on")
         assert fp is None or fp.max_rows == (8 if mode == "on8" else 16)
+        vocab = eng._dspark_step.vocab
+        assert (vocab is not None) == mode.endswith("_vocab") and (fp is None or fp.draft_vocab == (vocab is not None))
+        if vocab is not None:
+            assert vocab.ids.tolist() == TINY_SUBSET.tolist()
         # forwards of up to the launch's own context rows are priced as steady ones
         assert eng.dspark_stats.steady_rows == (fp.max_absorb if fp is not None else MAX_PADDED_ROWS)
         bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}  # the target's argmax is 77: drafts pass
@@ -1054,26 +1093,28 @@ def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("context", [1, 45, 600, 1100])
-@pytest.mark.parametrize("rows", [16, 8])
-def test_kernel_draft_pass_matches_reference(tmp_path, context, rows):
-    """The CUDA kernel's DSpark block forward (q/k norms, bidirectional block) against
-    :func:`reference_pass`, with contexts of 1..3 attention segments; the context rows the
-    launch was handed keep their bits (it writes only past them)."""
+@pytest.mark.parametrize("rows, vocab", [(16, False), (8, False), (16, True)])
+def test_kernel_draft_pass_matches_reference(tmp_path, context, rows, vocab):
+    """The CUDA kernel's DSpark block forward (q/k norms, bidirectional block; over a draft
+    vocabulary's rows, its greedy tokens mapped to target ids) against :func:`reference_pass`,
+    with contexts of 1..3 attention segments; the context rows the launch was handed keep their
+    bits (it writes only past them)."""
     from metal_kernels.fused import DraftFusedPass
 
     loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
     _, net = _draft_net(loaded, tmp_path / "d")
     taps = _draft_parts(loaded, net)
+    dv = _vocab(loaded.model, net, TINY_SUBSET) if vocab else None
     shape = (1, net.config.num_key_value_heads, context + 64, net.config.head_dim)
     keys = [mx.random.normal(shape, key=mx.random.key(i)) for i in range(2)]
     values = [mx.random.normal(shape, key=mx.random.key(10 + i)) for i in range(2)]
     ref_keys, ref_values = [mx.array(np.array(k)) for k in keys], [mx.array(np.array(v)) for v in values]
     x0 = taps.embed(mx.array([5, 0, 0, 0, 0]))
-    fp = DraftFusedPass(net, loaded.model, rows=rows)
+    fp = DraftFusedPass(net, loaded.model, rows=rows, vocab=dv)
     out = fp(x0, keys, values, context)
     mx.eval(out.logits, out.hidden, out.errors)
     fp.check(out)
-    ref = DraftFusedPass(net, loaded.model, rows=rows)
+    ref = DraftFusedPass(net, loaded.model, rows=rows, vocab=dv)
     ref.__dict__["_kernel"] = reference_pass
     want = ref(x0, ref_keys, ref_values, context)
     mx.eval(want.logits, want.hidden)
@@ -1087,6 +1128,7 @@ def test_kernel_draft_pass_matches_reference(tmp_path, context, rows):
     mx.eval(out.tokens, out.confidence, out.errors, want.tokens, want.confidence)
     fp.check(out)
     assert out.tokens.tolist() == want.tokens.tolist()
+    assert not vocab or set(out.tokens.tolist()) <= set(TINY_SUBSET.tolist())
     assert mx.allclose(out.confidence, want.confidence, atol=1e-5).item()
     assert (fp.max_rows, fp.warps) == ((8, 16) if rows == 8 else (16, 8))  # (a block of 5)
     # the last context rows projected into the cache inside the launch: 3 (a steady cycle's),

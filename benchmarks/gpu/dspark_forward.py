@@ -10,7 +10,8 @@ several weight variants side by side, each split into cumulative stages:
 * ``absorb``: the context update of 1-4 new rows (separately).
 
 Variants: the engine's quantized network through MLX ops (``mlx_ops``) or through the one-launch
-block forward (``fused``: ``metal_kernels.fused.DraftFusedPass``, CUDA), and the network
+block forward (``fused``: ``metal_kernels.fused.DraftFusedPass``, CUDA), both over the engine's
+draft vocabulary when the drafter has one (then ``mlx_ops_whole_vocab`` too), and the network
 dequantized to float32 / bfloat16 with a dense dequantized LM head (MLX ops). Medians of wall
 time per call including one host round trip (``mx.eval`` + ``tolist``), the way the engine pays.
 
@@ -57,9 +58,10 @@ def dense_head(lm_head, d: int, dtype):
     return lambda h: h.astype(dtype) @ w
 
 
-def profile(net, embed, lm_head, hidden, tokens, pos: int, iters: int, fused=None) -> dict:
+def profile(net, embed, lm_head, hidden, tokens, pos: int, iters: int, fused=None, vocab=None) -> dict:
     cfg = net.config
-    step = DraftStep(net, embed, lm_head, fused=fused)
+    step = DraftStep(net, embed, lm_head, fused=fused, vocab=vocab)
+    head = vocab.head if vocab is not None else lm_head  # (logits over the draft vocabulary)
     d = DSparkDrafter(net, embed, lm_head, step)
     d.propose(DraftContext(tokens[: pos + 1], hidden[:pos]), 7)  # absorbs the prompt
     keys, values = d._keys, d._values
@@ -77,7 +79,7 @@ def profile(net, embed, lm_head, hidden, tokens, pos: int, iters: int, fused=Non
         if fused is not None:
             x = block_inputs(embed, anchor, cfg.mask_token_id, cfg.block_size)[0, 0]
             return mx.argmax(fused(x, keys, values, pos).logits, axis=-1)
-        return mx.argmax(lm_head(network_fn(*a)).astype(mx.float32), axis=-1)
+        return mx.argmax(head(network_fn(*a)).astype(mx.float32), axis=-1)
 
     net_c = network_fn if fused is not None else mx.compile(network_fn)
     head_c = head_fn if fused is not None else mx.compile(head_fn)
@@ -100,13 +102,15 @@ def profile(net, embed, lm_head, hidden, tokens, pos: int, iters: int, fused=Non
     return out
 
 
-def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int) -> dict:
+def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vocab=None) -> dict:
     """Median ms of one evaluated fused launch with phases left out (``skip``: the layers' five
     phases 1..16, the LM head 32): every phase, no LM head, nothing (launch + barriers), the
     greedy draft inside the launch on top of everything, and that with 3 context rows projected
     into the draft cache first (a steady cycle's update); then the greedy draft of the 16-row
     kernel (8 warps) and the 8-row one (8 and 16 warps) with 0..64 new context rows, as many as
-    each takes (``rows{kernel rows}_w{warps}_greedy_draft_{context rows}_new_rows``)."""
+    each takes (``rows{kernel rows}_w{warps}_greedy_draft_{context rows}_new_rows``); with the
+    drafter's draft ``vocab``, the same kernels over its ``V'`` rows with 0 and 3 new rows
+    (``..._vocab{V'}_greedy_draft_...``), and the cycle profile over both."""
     from metal_kernels.fused import DraftFusedPass
 
     cfg = net.config
@@ -138,6 +142,16 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int) ->
             more = hidden[pos - new:pos] if new else None
             out[f"rows{kernel_rows}_w{warps}_greedy_draft_{new}_new_rows"] = _timed(
                 lambda fp=fp, more=more: fp(x0, keys, values, pos, anchor, more).tokens, iters)
+    if vocab is not None:  # the two vocabulary-wide phases over V' rows instead of V
+        for kernel_rows, warps in ((16, 8), (8, 16)):
+            try:
+                fp = DraftFusedPass(net, target, warps=warps, rows=kernel_rows, vocab=vocab)
+            except ValueError:
+                continue
+            for new in (0, 3):
+                more = hidden[pos - new:pos] if new else None
+                out[f"rows{kernel_rows}_w{warps}_vocab{vocab.size}_greedy_draft_{new}_new_rows"] = _timed(
+                    lambda fp=fp, more=more: fp(x0, keys, values, pos, anchor, more).tokens, iters)
     fp = DraftFusedPass(net, target)
     out["warps"], out["max_rows"] = fp.warps, fp.max_rows
     build, wait = [], []
@@ -153,6 +167,9 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int) ->
     out["greedy_draft_3_new_rows_build"] = round(statistics.median(build), 4)
     out["greedy_draft_3_new_rows_eval"] = round(statistics.median(wait), 4)
     out["profile_cycles"] = draft_profile(DraftFusedPass(net, target, profile=True), x0, keys, values, pos, anchor, rows)
+    if vocab is not None:
+        out[f"profile_cycles_vocab{vocab.size}"] = draft_profile(
+            DraftFusedPass(net, target, profile=True, vocab=vocab), x0, keys, values, pos, anchor, rows)
     return out
 
 
@@ -192,19 +209,23 @@ def main(argv=None) -> dict:
         pos = len(tokens) - 32
         path = eng.config.dspark_drafter or default_dspark_path(eng.loaded)
         d = eng.dspark.config.hidden_size
-        variants = [("mlx_ops", eng.dspark, taps.lm_head, None),
-                    ("fused", eng.dspark, taps.lm_head, eng._dspark_step.fused)]
+        vocab = eng.draft_vocab  # (the engine's: the drafter's draft vocabulary, unless turned off)
+        variants = [("mlx_ops", eng.dspark, taps.lm_head, None, vocab),
+                    ("fused", eng.dspark, taps.lm_head, eng._dspark_step.fused, vocab)]
+        if vocab is not None:
+            variants.append(("mlx_ops_whole_vocab", eng.dspark, taps.lm_head, None, None))
         for name, dtype in () if args.no_dense else (("dense_f32", "float32"), ("dense_bf16", "bfloat16")):
             net = load_dspark(path, dtype=dtype, dequantize=True)
-            variants.append((f"{name}+dense_head", net, dense_head(taps.lm_head, d, net.fc_dtype), None))
+            variants.append((f"{name}+dense_head", net, dense_head(taps.lm_head, d, net.fc_dtype), None, None))
         report = {"T1_ms": round(eng.cost.verify_cost[0] * 1e3, 4), "context": pos, "variants": {}}
         if eng._dspark_step.fused is not None:
-            report["launch"] = launch_breakdown(eng.dspark, eng.loaded.model, taps, hidden, tokens, pos, args.iters)
+            report["launch"] = launch_breakdown(eng.dspark, eng.loaded.model, taps, hidden, tokens, pos, args.iters,
+                                                vocab)
             print("launch", json.dumps(report["launch"]), flush=True)
-        for key, net, head, fused in variants:
+        for key, net, head, fused, dv in variants:
             if key == "fused" and fused is None:
                 continue  # (not on this machine)
-            report["variants"][key] = profile(net, taps.embed, head, hidden, tokens, pos, args.iters, fused)
+            report["variants"][key] = profile(net, taps.embed, head, hidden, tokens, pos, args.iters, fused, dv)
             print(key, json.dumps(report["variants"][key]), flush=True)
     finally:
         eng.stop()

@@ -9,11 +9,13 @@ from .drafter import DraftStep, DSparkDrafter, prefix_survival
 from .loader import load_dspark, save_dspark
 from .model import DSparkModel, init_weights, reference_draft
 from .target import TargetTaps
+from .vocab import DraftVocab
 
 __all__ = [
     "DSparkConfig",
     "DSparkDrafter",
     "DraftStep",
+    "DraftVocab",
     "DSparkModel",
     "TargetTaps",
     "build_target_layer_ids",

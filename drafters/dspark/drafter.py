@@ -63,15 +63,20 @@ class DraftStep:
     Args:
         compiled: ``False`` runs the same functions eagerly (tests compare the two).
         fused: the one-launch block forward, called as ``fused(x0 [B, d], keys, values, start)``
-            and returning ``logits [B, V]``, ``hidden [layers, B, d]`` and ``errors``
-            (``metal_kernels.fused.FusedOutput``), or with ``anchor`` ``[1]`` as a last argument
-            (when ``fused.markov``) also the greedy ``tokens [B]`` and ``confidence [B]``;
-            None: MLX ops only.
+            and returning ``logits [B, V]`` (``[B, V']`` with a draft vocabulary), ``hidden
+            [layers, B, d]`` and ``errors`` (``metal_kernels.fused.FusedOutput``), or with
+            ``anchor`` ``[1]`` as a last argument (when ``fused.markov``) also the greedy
+            ``tokens [B]`` (target ids) and ``confidence [B]``; None: MLX ops only.
+        vocab: a :class:`drafters.dspark.vocab.DraftVocab` built for this network and target
+            head: drafts come from its ``V'`` tokens (the LM head and Markov table restricted
+            to them, FR-Spec); None: the whole vocabulary.
     """
 
     def __init__(self, network: DSparkModel, embed: Embed, lm_head: LMHead, compiled: bool = True,
-                 fused=None):
+                 fused=None, vocab=None):
         self.network, self.embed, self.lm_head = network, embed, lm_head
+        self.vocab = vocab
+        self.head = vocab.head if vocab is not None else lm_head  # final-normed states -> draft logits
         self.config = network.config
         self.compiled = compiled
         self.fused = fused
@@ -185,7 +190,7 @@ class DraftStep:
         Raises:
             ValueError: ``rows`` the fused launch cannot take here.
         """
-        cfg, network, embed, lm_head = self.config, self.network, self.embed, self.lm_head
+        cfg, network, embed, head, vocab = self.config, self.network, self.embed, self.head, self.vocab
         sampled = temperature > 0
         noise = (mx.array(temperature, dtype=mx.float32), 0, draft_keys(seed, anchor_pos, n)) if sampled else ()
         anchor_ids = mx.array([anchor], dtype=mx.int32)
@@ -203,7 +208,7 @@ class DraftStep:
             def build_tail():
                 def tail(logits, hidden, anchor, *noise):
                     h = network.norm(hidden[:n])
-                    tokens, probs, conf = sample_block(network, logits[:n], h, anchor, 0, *noise)
+                    tokens, probs, conf = sample_block(network, logits[:n], h, anchor, 0, *noise, vocab=vocab)
                     return tuple(a for a in (tokens, probs, conf) if a is not None)
                 return tail
 
@@ -216,8 +221,8 @@ class DraftStep:
                     x = block_inputs(embed, anchor, cfg.mask_token_id, cfg.block_size)
                     visible = (mx.arange(keys[0].shape[2]) < pos)[None, None]
                     h = network(x, pos.reshape(1, 1), list(zip(keys, values)), visible, fast=True)[0, 0, :n]
-                    base = lm_head(h).astype(mx.float32)
-                    tokens, probs, conf = sample_block(network, base, h, anchor, 0, *noise)
+                    base = head(h).astype(mx.float32)
+                    tokens, probs, conf = sample_block(network, base, h, anchor, 0, *noise, vocab=vocab)
                     return tuple(a for a in (tokens, probs, conf) if a is not None)
                 return step
 
@@ -263,7 +268,7 @@ class DraftStep:
         keys, values = cache(context)
         visible = (mx.arange(capacity) < context)[None, None]
         h = network(x0, mx.array([[context]], dtype=mx.int32), list(zip(keys, values)), visible, fast=True)[0, 0]
-        want = self.lm_head(h).astype(mx.float32)
+        want = self.head(h).astype(mx.float32)
         mx.eval(want, h)
         scale = mx.abs(want).max()
 
@@ -290,20 +295,23 @@ class DraftStep:
     def _greedy_draft_errors(self, out, logits: mx.array, h: mx.array, anchor: mx.array, scale: mx.array) -> list:
         """A greedy launch's draft against the MLX ops fed the launch's own tokens (each slot's
         Markov bias and confidence follow the launch's token before it; the base ``logits``
-        ``[L, V]`` and states ``h`` ``[L, d]`` do not depend on the draft): over all slots, how
+        ``[L, V]`` (``[L, V']`` over a draft vocabulary, whose tokens the launch maps to target
+        ids) and states ``h`` ``[L, d]`` do not depend on the draft): over all slots, how
         far the launch's token falls below the best Markov-corrected logit, relative to
         ``scale`` (0 where it is the best; a near tie that the MLX ops' TF32 rounding on
         MLX-CUDA breaks the other way costs its small gap, a wrong token ~1), and the largest
         confidence difference (confidences lie in [0, 1]: no scale). Infinity for tokens of
         another shape or outside the vocabulary, or a confidence missing or of another shape."""
-        slots, vocab = logits.shape
+        slots, width = logits.shape
         tokens = out.tokens.reshape(-1).astype(mx.int32)
-        if tokens.shape[0] != slots or not all(0 <= t < vocab for t in tokens.tolist()):
+        index = self.vocab.draft_index() if self.vocab is not None else np.arange(width)
+        if tokens.shape[0] != slots or not all(0 <= t < index.size and index[t] >= 0 for t in tokens.tolist()):
             return [float("inf")]
         prevs = mx.concatenate([anchor, tokens[:-1]])
-        bias = self.network.markov_bias(prevs)
+        bias = self.network.markov_bias(prevs, self.vocab.markov_w2 if self.vocab is not None else None)
         corrected = logits if bias is None else logits + bias.astype(mx.float32)
-        picked = mx.take_along_axis(corrected, tokens[:, None], axis=-1)[:, 0]
+        picked = mx.take_along_axis(corrected, mx.array(index[np.array(tokens)])[:, None].astype(mx.int32),
+                                    axis=-1)[:, 0]
         errors = [((corrected.max(axis=-1) - picked).max() / scale).item()]
         conf = self.network.confidence_logits(h, prevs)
         if conf is not None:

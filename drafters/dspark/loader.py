@@ -11,6 +11,11 @@ A checkpoint directory holds ``config.json`` (see :mod:`drafters.dspark.config`)
 * optional ``embed_tokens.weight`` / ``lm_head.weight`` ``[V, d]``: DeepSpec ships frozen copies
   of the target's; the drafter always uses the target's own, so these are shape-checked and
   dropped (z-lab and our checkpoints omit them).
+* optional ``d2t`` ``[V']`` (and ``t2d`` ``[V]``), with ``config.json["draft_vocab_size"]``: a
+  draft vocabulary as EAGLE-3 / speculators store one (:mod:`drafters.dspark.vocab`); kept as
+  ``DSparkModel.draft_vocab`` (target ids) and drafted from the target's LM head rows. A
+  reduced-vocabulary drafter with an LM head of its own (``lm_head.weight`` ``[V', d]``) is
+  not supported.
 
 Quantized checkpoints (written by :func:`save_dspark` with ``bits``) use MLX's affine
 quantization, stored the way mlx-lm stores quantized models: a quantized matrix ``<name>`` is
@@ -29,16 +34,18 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx.utils import tree_flatten, tree_map
 
 from .config import DSparkConfig
 from .model import DSparkModel
+from .vocab import d2t_from_ids, ids_from_d2t
 
 log = logging.getLogger("specserve.dspark")
 
 _SHARED = ("embed_tokens.", "lm_head.")
 _IGNORED = ("rotary_emb.inv_freq", "mask_embedding")
-_REDUCED_VOCAB = ("d2t", "t2d", "draft_id_to_target_id")
+_REDUCED_VOCAB = ("d2t", "t2d", "draft_id_to_target_id")  # (vLLM renames d2t draft_id_to_target_id)
 
 
 def _read_weights(path: Path) -> dict[str, mx.array]:
@@ -51,14 +58,20 @@ def _read_weights(path: Path) -> dict[str, mx.array]:
     return weights
 
 
-def _normalise(weights: dict[str, mx.array], cfg: DSparkConfig) -> dict[str, mx.array]:
-    """Strip a ``model.`` prefix, check and drop the shared embedding/LM head copies."""
-    out = {}
+def _normalise(weights: dict[str, mx.array], cfg: DSparkConfig) -> tuple[dict[str, mx.array], dict]:
+    """Strip a ``model.`` prefix, check and drop the shared embedding/LM head copies; returns
+    the network's tensors and the draft vocabulary's (``d2t``, ``t2d``) apart."""
+    out, vocab = {}, {}
     for name, value in weights.items():
         key = name[len("model."):] if name.startswith("model.") else name
-        if any(key == r or key.startswith(r + ".") for r in _REDUCED_VOCAB):
-            raise NotImplementedError("reduced-vocabulary drafters (d2t/t2d) are not supported")
+        if key in _REDUCED_VOCAB:
+            vocab["t2d" if key == "t2d" else "d2t"] = value
+            continue
         if key.startswith(_SHARED):
+            if key.startswith("lm_head.") and "d2t" in {k[len("model."):] if k.startswith("model.") else k
+                                                        for k in weights}:
+                raise NotImplementedError("a reduced-vocabulary drafter with an LM head of its own is not "
+                                          "supported (the drafter uses the target's LM head rows)")
             if key.endswith(".weight") and value.dtype != mx.uint32:
                 want = (cfg.vocab_size, cfg.hidden_size)
                 if tuple(value.shape) != want:
@@ -68,7 +81,22 @@ def _normalise(weights: dict[str, mx.array], cfg: DSparkConfig) -> dict[str, mx.
         if key in _IGNORED:
             continue
         out[key] = value
-    return out
+    return out, vocab
+
+
+def _draft_vocab(vocab: dict, cfg: DSparkConfig):
+    """Target ids ``[V']`` of the checkpoint's draft vocabulary, or None (checked against
+    ``draft_vocab_size``)."""
+    size = cfg.extra.get("draft_vocab_size")
+    if "d2t" not in vocab:
+        if "t2d" in vocab or (size is not None and int(size) != cfg.vocab_size):
+            raise ValueError(f"draft_vocab_size {size} or t2d without d2t (the draft-to-target map)")
+        return None
+    t2d = np.array(vocab["t2d"]) if "t2d" in vocab else None
+    ids = ids_from_d2t(np.array(vocab["d2t"]), cfg.vocab_size, t2d)
+    if size is not None and int(size) != ids.size:
+        raise ValueError(f"draft_vocab_size {size} but d2t has {ids.size} entries")
+    return ids
 
 
 def load_dspark(path: str | Path, dtype: str | None = "float32", dequantize: bool = False,
@@ -88,13 +116,17 @@ def load_dspark(path: str | Path, dtype: str | None = "float32", dequantize: boo
 
     Raises:
         FileNotFoundError: missing config.json or weights.
-        ValueError: missing, unexpected or mis-shaped tensors (names are listed).
-        NotImplementedError: unsupported variants (gated/rnn Markov, reduced vocabulary).
+        ValueError: missing, unexpected or mis-shaped tensors (names are listed), or a draft
+            vocabulary (``d2t``, ``t2d``, ``draft_vocab_size``) that disagrees with itself or
+            leaves the target vocabulary.
+        NotImplementedError: unsupported variants (gated/rnn Markov, a reduced vocabulary with
+            an LM head of its own).
     """
     path = Path(path)
     raw = json.loads((path / "config.json").read_text())
     cfg = DSparkConfig.from_dict(raw)
-    weights = _normalise(_read_weights(path), cfg)
+    weights, vocab = _normalise(_read_weights(path), cfg)
+    draft_vocab = _draft_vocab(vocab, cfg)
     if cfg.enable_confidence_head and "confidence_head.proj.weight" not in weights:
         log.warning("%s: config enables the confidence head but it has no weights; disabled", path)
         cfg.enable_confidence_head = False
@@ -124,6 +156,7 @@ def load_dspark(path: str | Path, dtype: str | None = "float32", dequantize: boo
             log.warning("%s: %s multiplies with its dequantized weights: %s", path, name, why)
     mx.eval(model.parameters())
     model.eval()
+    model.draft_vocab = draft_vocab
     return model
 
 
@@ -251,6 +284,11 @@ def save_dspark(model: DSparkModel, out: str | Path, *, bits: int | None = None,
         nn.quantize(copy, group_size=group_size, bits=bits, class_predicate=quantizable(group_size))
         cfg.quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
     weights = dict(tree_flatten(copy.parameters()))
+    if model.draft_vocab is not None:  # (EAGLE-3's offsets; int64 as its checkpoints store them)
+        weights["d2t"] = mx.array(d2t_from_ids(model.draft_vocab))
+        cfg.extra["draft_vocab_size"] = int(model.draft_vocab.size)
+    else:
+        cfg.extra.pop("draft_vocab_size", None)
     mx.eval(weights)
     fmt = "mlx" if cfg.quantization else "pt"
     mx.save_safetensors(str(out / "model.safetensors"), weights, metadata={"format": fmt})

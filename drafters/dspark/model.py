@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.rope_utils import initialize_rope
 
 from .config import DSparkConfig
@@ -185,6 +186,9 @@ class DSparkModel(nn.Module):
         self.norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_taps * d, d, bias=False)
         self.hidden_norm = nn.RMSNorm(d, eps=cfg.rms_norm_eps)
+        # the checkpoint's draft vocabulary (drafters.dspark.vocab): [V'] int32 target ids, a
+        # numpy array (not a parameter), or None
+        self.draft_vocab: np.ndarray | None = None
         if cfg.markov_rank > 0:
             self.markov_head = MarkovHead(cfg.vocab_size, cfg.markov_rank)
         if cfg.enable_confidence_head:
@@ -229,9 +233,14 @@ class DSparkModel(nn.Module):
             h = layer(h, anchors, k_ctx, v_ctx, ctx_mask, fast)
         return self.norm(h)
 
-    def markov_bias(self, prev: mx.array) -> mx.array | None:
-        """``W2(W1[prev])`` ``[..., V]`` for previous tokens ``prev`` ``[...]``; None without a Markov head."""
-        return self.markov_head(prev) if self.has_markov else None
+    def markov_bias(self, prev: mx.array, w2: nn.Module | None = None) -> mx.array | None:
+        """``W2(W1[prev])`` ``[..., V]`` for previous tokens ``prev`` ``[...]`` (target ids); None
+        without a Markov head. ``w2``: score these rows instead of ``W2`` (a draft vocabulary's,
+        :class:`drafters.dspark.vocab.DraftVocab`: ``[..., V']``)."""
+        if not self.has_markov:
+            return None
+        head = self.markov_head
+        return (head.markov_w2 if w2 is None else w2)(head.markov_w1(prev))
 
     def confidence_logits(self, h: mx.array, prev: mx.array) -> mx.array | None:
         """Confidence logits ``[...]`` from states ``h`` ``[..., d]`` and previous tokens ``[...]``."""
@@ -275,28 +284,33 @@ def draft_keys(seed: int, anchor_pos: int, n: int) -> mx.array:
 
 def sample_block(model: DSparkModel, base_logits: mx.array, h: mx.array, anchor: int | mx.array,
                  anchor_pos: int, temperature: float | mx.array = 0.0, seed: int = 0,
-                 keys: mx.array | None = None):
+                 keys: mx.array | None = None, vocab=None):
     """Sequential Markov-corrected sampling of one block (lazy; nothing is evaluated).
 
     Args:
-        base_logits: ``[L, V]`` float32 base logits ``U_1..U_L``.
+        base_logits: ``[L, V]`` float32 base logits ``U_1..U_L`` (``[L, V']`` over ``vocab``).
         h: ``[L, d]`` draft states of the same slots.
         anchor: the anchor token ``x_0`` (an int or an int32 ``[1]`` array); ``anchor_pos`` its
             absolute position.
         temperature: 0 -> ``x_k = argmax(U_k + bias_k)``; else ``x_k ~ softmax((U_k + bias_k)/T)``
             drawn with :func:`draft_keys` ``(seed, anchor_pos, L)``. A float32 array (which
             must be > 0) means sampled with those keys given as ``keys`` (``[L, 2]`` uint32).
+        vocab: a :class:`drafters.dspark.vocab.DraftVocab`: the base logits and the Markov bias
+            cover its ``V'`` tokens only, and drafts are chosen among them (FR-Spec); None: the
+            whole vocabulary.
     Returns:
-        ``(tokens [L] int32, q [L, V] float32 or None (greedy), confidence [L] float32 or None)``.
+        ``(tokens [L] int32 target ids, q [L, V] float32 or None (greedy; zero outside a
+        draft vocabulary), confidence [L] float32 or None)``.
     """
     prev = anchor if isinstance(anchor, mx.array) else mx.array([anchor], dtype=mx.int32)
     sampled = isinstance(temperature, mx.array) or temperature > 0
     if sampled and keys is None:
         keys = draft_keys(seed, anchor_pos, base_logits.shape[0])
+    w2 = vocab.markov_w2 if vocab is not None else None
     tokens, probs, prevs = [], [], [prev]
     for k in range(base_logits.shape[0]):
         logits = base_logits[k : k + 1]
-        bias = model.markov_bias(prev)
+        bias = model.markov_bias(prev, w2)
         if bias is not None:
             logits = logits + bias.astype(mx.float32)
         if sampled:
@@ -306,12 +320,17 @@ def sample_block(model: DSparkModel, base_logits: mx.array, h: mx.array, anchor:
         else:
             prev = mx.argmax(logits, axis=-1)
         prev = prev.astype(mx.int32)
+        if vocab is not None:
+            prev = vocab.to_target(prev)
         tokens.append(prev)
         prevs.append(prev)
     out = mx.concatenate(tokens)
     conf = model.confidence_logits(h, mx.concatenate(prevs[:-1]))
     conf = mx.sigmoid(conf.astype(mx.float32)) if conf is not None else None
-    return out, (mx.concatenate(probs) if probs else None), conf
+    q = mx.concatenate(probs) if probs else None
+    if q is not None and vocab is not None:
+        q = vocab.scatter(q)
+    return out, q, conf
 
 
 def block_inputs(embed: Embed, anchor: int | mx.array, mask_token_id: int, block_size: int) -> mx.array:

@@ -69,6 +69,12 @@ class TargetTaps:
         """Token ids ``[...]`` -> embeddings ``[..., d]`` (the target's frozen table)."""
         return self.inner.embed_tokens(ids)
 
+    @property
+    def head_module(self) -> nn.Module:
+        """The module holding the LM head's rows: the tied embedding (whose ``as_linear`` is the
+        head) or ``lm_head``."""
+        return self.inner.embed_tokens if self.tied else self.model.lm_head
+
     def lm_head(self, h: mx.array) -> mx.array:
         """Final-normed states ``[..., d]`` -> logits ``[..., V]``."""
         if self.tied:

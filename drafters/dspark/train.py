@@ -53,6 +53,7 @@ from .drafter import DraftStep, DSparkDrafter
 from .loader import load_dspark, quantizable, save_dspark
 from .model import DSparkModel, init_weights
 from .target import TargetTaps, model_config_dict
+from .vocab import DraftVocab, count_tokens, frequency_ids
 
 log = logging.getLogger("specserve.dspark.train")
 
@@ -474,8 +475,8 @@ def _generate_batch(model: nn.Module, prompts: list[list[int]], max_new_tokens: 
 
 def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[list[int]],
                         eos_ids, max_new_tokens: int = 128, progress: bool = False,
-                        on_cycle: Callable[[mx.array, list[int], int, list[float] | None], None] | None = None
-                        ) -> dict:
+                        on_cycle: Callable[[mx.array, list[int], int, list[float] | None], None] | None = None,
+                        draft_vocab: bool = True) -> dict:
     """Greedy speculative decoding with the drafter (dspark.md section 5), for diagnostics.
 
     Each cycle drafts a full block, verifies ``[anchor, drafts]`` with the target's own forward
@@ -487,6 +488,8 @@ def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[li
         on_cycle: called after each verify pass with the target's logits ``[L + 1, V]`` of the
             anchor and the ``L`` drafts, the drafts, how many were accepted, and the confidence
             head's ``[c_1..c_L]`` (None without one) (diagnostics).
+        draft_vocab: draft from the network's draft vocabulary (``network.draft_vocab``, as the
+            engine does by default) when it has one; False: the whole vocabulary.
 
     Returns:
         ``mean_acceptance_length`` (committed tokens per verify pass, bonus included),
@@ -500,7 +503,10 @@ def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[li
     eos = set(int(t) for t in eos_ids)
     reached, accepted = np.zeros(b), np.zeros(b)
     lengths = []
-    step = DraftStep(network, taps.embed, taps.lm_head)  # compiled once for all prompts
+    vocab = None
+    if draft_vocab and network.draft_vocab is not None:
+        vocab = DraftVocab.build(network.draft_vocab, taps.head_module, taps.tied, network)
+    step = DraftStep(network, taps.embed, taps.lm_head, vocab=vocab)  # compiled once for all prompts
     for prompt in tqdm(prompts, desc="eval", disable=not progress):
         cache = make_prompt_cache(taps.model)
         drafter = DSparkDrafter(network, taps.embed, taps.lm_head, step)
@@ -1011,7 +1017,12 @@ def _prepare(target, tokenizer, out_dir: Path, arch: DraftArch, data: DataConfig
 
 
 def _finish(model, taps, tokenizer, rows, out_dir: Path, train: TrainConfig, eval_per_source: int,
-            eval_max_new_tokens: int, export_bits: int | None, export_group_size: int, progress: bool):
+            eval_max_new_tokens: int, export_bits: int | None, export_group_size: int, progress: bool,
+            draft_vocab_size: int = 0):
+    vocab_size = model.config.vocab_size
+    if 0 < draft_vocab_size < vocab_size:  # the tokens the training responses use most (FR-Spec)
+        counts = count_tokens((r["response"] for r in rows if r.get("split") == "train"), vocab_size)
+        model.draft_vocab = frequency_ids(counts, draft_vocab_size, vocab_size)
     drafter_dir = save_dspark(model, out_dir / "drafter")
     exported = None
     if export_bits:
@@ -1036,7 +1047,7 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
                  records: list[PromptRecord] | None = None, eval_per_source: int = 20,
                  eval_max_new_tokens: int = 128, export_bits: int | None = 4,
                  export_group_size: int = 64, time_budget_s: float | None = None,
-                 progress: bool = True, generate_only: bool = False) -> RunResult:
+                 progress: bool = True, generate_only: bool = False, draft_vocab_size: int = 0) -> RunResult:
     """Self-distil a DSpark drafter for ``target`` and write it in the DeepSpec layout.
 
     Resumable at every stage: generation shards (``data/shards/``) and the merged
@@ -1057,6 +1068,9 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
             ``EXPORT_GROUP_SIZES``; a matrix whose input width is no multiple stays float16).
         generate_only: stop after the self-distillation data is written (``completed=True``,
             ``steps=0``), e.g. to generate on one machine and train on another.
+        draft_vocab_size: ``V' > 0`` (below the vocabulary): the exports carry a draft
+            vocabulary of the ``V'`` tokens the training responses use most
+            (:mod:`drafters.dspark.vocab`; FR-Spec); 0: none.
 
     Raises:
         ValueError: before any generation, a target DSpark cannot tap (:class:`TargetTaps`), an
@@ -1088,7 +1102,8 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
     if step < train.steps:
         return RunResult(str(out_dir), completed=False, steps=step, final_metrics=logged[-1] if logged else {})
     drafter_dir, exported, evaluation = _finish(model, taps, tokenizer, rows, out_dir, train, eval_per_source,
-                                                eval_max_new_tokens, export_bits, export_group_size, progress)
+                                                eval_max_new_tokens, export_bits, export_group_size, progress,
+                                                draft_vocab_size)
     return RunResult(str(out_dir), True, step, drafter_dir, exported, logged[-1] if logged else {}, evaluation)
 
 
@@ -1171,6 +1186,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--export-group-size", type=int, default=t.qat_group_size, choices=EXPORT_GROUP_SIZES,
                    help="weights per quantization group of the export (a matrix whose input width is no "
                         "multiple stays float16: 128 leaves a 576-wide drafter's layers unquantized)")
+    g.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="give the exports a draft vocabulary of the N tokens the training responses use "
+                        "most (FR-Spec; the shipped drafter has 16384); 0 = the whole vocabulary")
     g.add_argument("--time-budget", type=float, default=None,
                    help="stop cleanly after this many seconds (checkpoint written); rerun to continue")
     g.add_argument("--no-progress", action="store_true")
@@ -1214,7 +1232,7 @@ def main(argv: list[str] | None = None, load_target: TargetLoader | None = None)
     result = train_dspark(model, tokenizer, args.out, arch=arch, data=data, train=train,
                           eval_per_source=args.eval_per_source, eval_max_new_tokens=args.eval_max_new_tokens,
                           export_bits=args.export_bits or None, export_group_size=args.export_group_size,
-                          time_budget_s=args.time_budget,
-                          progress=not args.no_progress, generate_only=args.generate_only)
+                          time_budget_s=args.time_budget, progress=not args.no_progress,
+                          generate_only=args.generate_only, draft_vocab_size=args.draft_vocab_size)
     print(json.dumps(asdict(result), indent=2))
     return 0 if result.completed else 3

@@ -28,7 +28,9 @@
 // bidirectional), else causally. The target's pass has QKN = BIDIR = 0. MARKOV 1 (a greedy
 // DSpark draft, after the LM head): x_k = argmax(logits[k] + W2 W1[x_{k-1}]) left to right from
 // x_0 = tok0[0], with the Markov head's MR-rank quantized tables (mw1/ms1/mb1, mw2/ms2/mb2, MBITS
-// bits) -> dtok; CONF 1 / 2: the confidence head sigmoid(cw . [h_k (; W1[x_{k-1}])] + cb) -> dconf
+// bits) -> dtok; DV 1: the LM head's rows we/se/bee and W2's are a draft vocabulary's V' rows
+// (FR-Spec), and a draft's row index v is the target token dvoc[v] (in dtok, and as the next
+// draft's W1 row); CONF 1 / 2: the confidence head sigmoid(cw . [h_k (; W1[x_{k-1}])] + cb) -> dconf
 // (h_k the final-normed row). One grid barrier per draft (the argmax over all blocks' candidates
 // in `cand`, two sets of 2 NB floats used in turn). ABS 1 (a DSpark draft cache update before
 // the block): the A = crow_shape[0] new context rows crow [A, NT DM] (tapped target states of
@@ -702,10 +704,10 @@ if (MARKOV && ok) {
         }
       }
       if (lane == 0) {
-        dtok[k] = next_s;
+        dtok[k] = DV ? dvoc[next_s] : next_s;
       }
     }
-    prev = next_s;
+    prev = DV ? dvoc[next_s] : next_s;  // (a draft vocabulary's row -> its target id: W1's row)
     __syncthreads();  // (w1s is rewritten next)
   }
 }
