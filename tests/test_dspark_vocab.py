@@ -94,6 +94,35 @@ def test_a_draft_vocabulary_round_trips_through_a_checkpoint(tmp_path):
         (plain / "config.json").read_text())
 
 
+def test_write_draft_vocab_replaces_or_removes_every_earlier_map(tmp_path, monkeypatch):
+    """specserve dspark-vocab's writer: an earlier map under any of its names (prefixed or not,
+    with its t2d) is replaced or removed, the other tensors and the metadata stay bit for bit,
+    and a relative path to the same directory edits it in place."""
+    from safetensors.numpy import save_file
+
+    from drafters.dspark.vocab import write_draft_vocab
+
+    cfg = DSparkConfig.from_dict(qwen3_config_json())
+    base = deepspec_tensors(cfg, np.random.default_rng(6), shared=False)
+    old = np.arange(0, V, 2)
+    t2d = np.zeros(V, bool)
+    t2d[old] = True
+    write_checkpoint(tmp_path / "d", qwen3_config_json(draft_vocab_size=int(old.size)),
+                     base | {"model.d2t": d2t_from_ids(old), "model.t2d": t2d})
+    save_file({"model.draft_id_to_target_id": d2t_from_ids(old)}, str(tmp_path / "d" / "extra.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    write_draft_vocab("d", SUBSET, out=tmp_path / "d")  # (the same directory, named two ways)
+    back = load_dspark(tmp_path / "d")
+    assert back.draft_vocab.tolist() == SUBSET.tolist()
+    stored, meta = mx.load(str(tmp_path / "d" / "model.safetensors"), return_metadata=True)
+    assert meta == {"format": "pt"} and {"model.d2t", "model.t2d"}.isdisjoint(stored)
+    assert np.array_equal(np.array(stored["fc.weight"]), base["fc.weight"])
+    assert mx.load(str(tmp_path / "d" / "extra.safetensors")) == {}
+    write_draft_vocab(tmp_path / "d", None)
+    assert load_dspark(tmp_path / "d").draft_vocab is None
+    assert "draft_vocab_size" not in json.loads((tmp_path / "d" / "config.json").read_text())
+
+
 def test_official_reduced_vocabulary_tensors_load_and_bad_ones_are_refused(tmp_path):
     """``d2t`` (or vLLM's ``draft_id_to_target_id``) and ``t2d`` as EAGLE-3 / speculators
     checkpoints store them, with ``draft_vocab_size``; an inconsistent map or an LM head of the
@@ -114,6 +143,11 @@ def test_official_reduced_vocabulary_tensors_load_and_bad_ones_are_refused(tmp_p
         "no_d2t": (base | {"t2d": t2d}, size, (ValueError, "without d2t")),
         "own_head": (base | {"d2t": d2t, "lm_head.weight": np.zeros((SUBSET.size, D), np.float32)}, size,
                      (NotImplementedError, "LM head of its own")),
+        "own_head_vllm": (base | {"draft_id_to_target_id": d2t, "model.lm_head.weight":
+                                  np.zeros((SUBSET.size, D), np.float32)}, size, (NotImplementedError, "of its own")),
+        "two_maps": (base | {"d2t": d2t, "draft_id_to_target_id": d2t}, size, (ValueError, "two draft vocabulary")),
+        # DeepSpec's frozen copies of the target's embedding and head, [V, d]: dropped as without d2t
+        "frozen_heads": (deepspec_tensors(cfg, np.random.default_rng(4), shared=True) | {"d2t": d2t}, size, None),
     }
     for name, (tensors, extra, error) in cases.items():
         write_checkpoint(tmp_path / name, qwen3_config_json(**extra), tensors)

@@ -63,7 +63,7 @@ def test_greedy_identity_with_a_draft_vocabulary(tiny, tmp_path):
         eng = Engine(EngineConfig(speculation="auto", dspark=True, dspark_drafter=str(path), dspark_draft_vocab=use,
                                   calibration_contexts=(40,), warmup=False), loaded=tiny).start(wait=True, timeout=300)
         try:
-            assert (eng.draft_vocab is not None) == use
+            assert (eng.draft_vocab is not None) == use and eng._dspark_step.vocab is eng.draft_vocab
             if use:
                 assert eng.draft_vocab.ids.tolist() == subset.tolist()
             accepted = 0

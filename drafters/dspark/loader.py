@@ -65,12 +65,16 @@ def _normalise(weights: dict[str, mx.array], cfg: DSparkConfig) -> tuple[dict[st
     for name, value in weights.items():
         key = name[len("model."):] if name.startswith("model.") else name
         if key in _REDUCED_VOCAB:
-            vocab["t2d" if key == "t2d" else "d2t"] = value
+            slot = "t2d" if key == "t2d" else "d2t"
+            if slot in vocab:
+                raise ValueError(f"two draft vocabulary maps ({slot}): {name} and another")
+            vocab[slot] = value
             continue
         if key.startswith(_SHARED):
-            if key.startswith("lm_head.") and "d2t" in {k[len("model."):] if k.startswith("model.") else k
-                                                        for k in weights}:
-                raise NotImplementedError("a reduced-vocabulary drafter with an LM head of its own is not "
+            if key.startswith("lm_head.") and value.shape[0] != cfg.vocab_size:
+                # (an LM head over a reduced vocabulary: EAGLE-3 style, the drafter's own rows)
+                raise NotImplementedError(f"{name} has {value.shape[0]} rows, not the target's {cfg.vocab_size}: "
+                                          "a reduced-vocabulary drafter with an LM head of its own is not "
                                           "supported (the drafter uses the target's LM head rows)")
             if key.endswith(".weight") and value.dtype != mx.uint32:
                 want = (cfg.vocab_size, cfg.hidden_size)
@@ -285,8 +289,9 @@ def save_dspark(model: DSparkModel, out: str | Path, *, bits: int | None = None,
         cfg.quantization = {"group_size": group_size, "bits": bits, "mode": "affine"}
     weights = dict(tree_flatten(copy.parameters()))
     if model.draft_vocab is not None:  # (EAGLE-3's offsets; int64 as its checkpoints store them)
-        weights["d2t"] = mx.array(d2t_from_ids(model.draft_vocab))
-        cfg.extra["draft_vocab_size"] = int(model.draft_vocab.size)
+        ids = np.asarray(model.draft_vocab).reshape(-1)
+        weights["d2t"] = mx.array(d2t_from_ids(ids))
+        cfg.extra["draft_vocab_size"] = int(ids.size)
     else:
         cfg.extra.pop("draft_vocab_size", None)
     mx.eval(weights)

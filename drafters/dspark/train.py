@@ -1020,7 +1020,7 @@ def _finish(model, taps, tokenizer, rows, out_dir: Path, train: TrainConfig, eva
             eval_max_new_tokens: int, export_bits: int | None, export_group_size: int, progress: bool,
             draft_vocab_size: int = 0):
     vocab_size = model.config.vocab_size
-    if 0 < draft_vocab_size < vocab_size:  # the tokens the training responses use most (FR-Spec)
+    if draft_vocab_size:  # the tokens the training responses use most (FR-Spec)
         counts = count_tokens((r["response"] for r in rows if r.get("split") == "train"), vocab_size)
         model.draft_vocab = frequency_ids(counts, draft_vocab_size, vocab_size)
     drafter_dir = save_dspark(model, out_dir / "drafter")
@@ -1073,7 +1073,8 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
             (:mod:`drafters.dspark.vocab`; FR-Spec); 0: none.
 
     Raises:
-        ValueError: before any generation, a target DSpark cannot tap (:class:`TargetTaps`), an
+        ValueError: before any generation, a ``draft_vocab_size`` outside ``0..V-1``, a target
+            DSpark cannot tap (:class:`TargetTaps`), an
             ``arch.init`` that is neither ``random``, ``target`` nor a drafter directory, an
             export grid MLX cannot write, or quantization-aware steps (``train.qat_steps``)
             outside ``0..train.steps``, without an export or on another grid than the export's
@@ -1081,6 +1082,10 @@ def train_dspark(target: nn.Module, tokenizer, out_dir: str | Path, *, arch: Dra
             training examples.
     """
     arch, data, train = arch or DraftArch(), data or DataConfig(), train or TrainConfig()
+    vocab_size = int(target.args.vocab_size)
+    if not 0 <= draft_vocab_size < vocab_size:
+        raise ValueError(f"draft_vocab_size must be 0 (none) or below the target's vocabulary of {vocab_size}, "
+                         f"got {draft_vocab_size}")
     check_init(arch.init)
     check_quantization(train, export_bits, export_group_size)
     out_dir = Path(out_dir)

@@ -196,34 +196,51 @@ def response_counts(paths: Iterable[str], vocab_size: int, split: str | None = "
 
 def write_draft_vocab(path, ids, out=None) -> None:
     """Add (or replace) a draft vocabulary in the checkpoint directory ``path``: ``d2t`` in its
-    ``model.safetensors`` (every other tensor kept as stored) and ``draft_vocab_size`` in its
-    ``config.json``; into a copy of the directory at ``out`` when given. ``ids=None`` removes it.
+    ``model.safetensors`` (or its first ``*.safetensors`` file) and ``draft_vocab_size`` in its
+    ``config.json``, every other tensor kept as stored and any earlier map (``d2t``, ``t2d``,
+    ``draft_id_to_target_id``, with or without a ``model.`` prefix, in any of its files)
+    removed; into a copy of the directory at ``out`` when given. ``ids=None`` removes it. Each
+    file is written to a temporary name first, then moved over the original.
 
     Raises:
+        FileNotFoundError: no ``*.safetensors`` in ``path``.
         ValueError: ids outside the drafter's vocabulary or repeated.
     """
     import json
+    import os
     import shutil
     from pathlib import Path
 
     src = Path(path)
     dst = Path(out) if out is not None else src
-    if dst != src:
+    config = json.loads((src / "config.json").read_text())
+    if ids is not None:
+        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+        ids_from_d2t(d2t_from_ids(ids), int(config["vocab_size"]))  # (range and uniqueness)
+    if dst.resolve() != src.resolve():
         shutil.copytree(src, dst, dirs_exist_ok=True)
-    config = json.loads((dst / "config.json").read_text())
-    file = dst / "model.safetensors"
-    tensors, metadata = mx.load(str(file), return_metadata=True)
-    for name in ("d2t", "t2d", "draft_id_to_target_id"):
-        tensors.pop(name, None)
+    files = sorted(dst.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {dst}")
+    home = dst / "model.safetensors" if (dst / "model.safetensors").exists() else files[0]
+    maps = {prefix + name for prefix in ("", "model.") for name in ("d2t", "t2d", "draft_id_to_target_id")}
+    for file in files:
+        tensors, metadata = mx.load(str(file), return_metadata=True)
+        kept = {k: v for k, v in tensors.items() if k not in maps}
+        if file == home and ids is not None:
+            kept["d2t"] = mx.array(d2t_from_ids(ids))
+        elif len(kept) == len(tensors):
+            continue  # (nothing to change in this file)
+        tmp = file.with_name(file.stem + ".tmp.safetensors")  # (MLX appends .safetensors otherwise)
+        mx.save_safetensors(str(tmp), kept, metadata=metadata)
+        os.replace(tmp, file)
     if ids is None:
         config.pop("draft_vocab_size", None)
     else:
-        ids = np.asarray(ids, dtype=np.int64)
-        ids_from_d2t(d2t_from_ids(ids), int(config["vocab_size"]))  # (range and uniqueness)
-        tensors["d2t"] = mx.array(d2t_from_ids(ids))
         config["draft_vocab_size"] = int(ids.size)
-    mx.save_safetensors(str(file), tensors, metadata=metadata)
-    (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tmp = dst / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, dst / "config.json")
 
 
 def main(argv: list[str] | None = None) -> int:
