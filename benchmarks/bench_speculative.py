@@ -314,7 +314,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--exact-verify", default="auto", choices=["auto", "row", "batched", "kernel"],
                     help="SPECSERVE_EXACT_VERIFY")
     ap.add_argument("--fused", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_FUSED")
-    ap.add_argument("--draft-kernel-rows", type=int, default=16, choices=[8, 16], help="SPECSERVE_DRAFT_KERNEL_ROWS")
+    ap.add_argument("--draft-kernel-rows", type=int, default=8, choices=[8, 16], help="SPECSERVE_DRAFT_KERNEL_ROWS")
     ap.add_argument("--draft-vocab", default="on", choices=["on", "off"],
                     help="SPECSERVE_DSPARK_DRAFT_VOCAB: the drafter's draft vocabulary, when it has one")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="SPECSERVE_COMPILE")

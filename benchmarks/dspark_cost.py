@@ -40,7 +40,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--cycles", type=int, default=60, help="cycles of the eager/compiled comparison")
     ap.add_argument("--drafter", default=None, help="a DSpark drafter directory (default: the shipped one)")
-    ap.add_argument("--draft-kernel-rows", type=int, default=16, choices=[8, 16], help="SPECSERVE_DRAFT_KERNEL_ROWS")
+    ap.add_argument("--draft-kernel-rows", type=int, default=8, choices=[8, 16], help="SPECSERVE_DRAFT_KERNEL_ROWS")
     ap.add_argument("--draft-vocab", default="on", choices=["on", "off"],
                     help="SPECSERVE_DSPARK_DRAFT_VOCAB: the drafter's draft vocabulary, when it has one")
     ap.add_argument("--out", default=None)

@@ -86,7 +86,7 @@ class EngineConfig:
     compile: str = "auto"  # compiled decode/verify over a static KV cache: auto (= off, measured) | on | off
     fused: str = "auto"  # one-call decode/verify passes (metal_kernels.fused / fused_cpu): auto | on | off
     cpu_activations: str = "q16"  # the CPU fused pass's projection inputs: q16 | q8 (integer dot products) | float32
-    draft_kernel_rows: int = 16  # the fused DSpark launch's kernel: 16 rows (8 warps) | 8 (16 warps, chunked updates)
+    draft_kernel_rows: int = 8  # the fused DSpark launch's kernel: 8 rows (16 warps, chunked updates) | 16 (8 warps)
     dspark: bool = False  # load the DSpark drafter
     dspark_drafter: str | None = None  # its directory (default: the one shipped for the default model)
     dspark_draft_vocab: bool = True  # draft from the checkpoint's draft vocabulary (d2t) when it has one

@@ -42,14 +42,16 @@ from metal_kernels.qmv import _minify, backend
 log = logging.getLogger("specserve.fused")
 
 MAX_ROWS = 16
-# DraftFusedPass(rows=8): a DSpark block of at most this many rows runs in a kernel built for
-# it: 8 rows' accumulators leave room for 16 warps (104-110 registers per thread, NVRTC 12.x/13
-# for sm_90) where 16 rows' need 136-150 and fit only 8 warps with the context update; and the
-# launch projects up to MAX_ABSORB_ROWS new context rows itself, in chunks of 8 (else MLX ops
-# first). Not yet measured on a GPU (fiftieth session), so the engine's default stays rows=16:
-# the 16-row kernel, 8 warps, at most 16 context rows in the launch.
+# DraftFusedPass(rows=8), the default since the fifty-first session: a DSpark block of at most
+# this many rows runs in a kernel built for it: 8 rows' accumulators leave room for 16 warps
+# (104-110 registers per thread, NVRTC 12.x/13 for sm_90) where 16 rows' need 136-150 and fit
+# only 8 warps with the context update; and the launch projects up to MAX_ABSORB_ROWS new context
+# rows itself, in chunks of 8 (else MLX ops first). On an H100 (default model, v12 drafter, its
+# draft vocabulary): steady forward 1.14 ms against the 16-row kernel's 1.32, a forward after
+# other drafters' cycles 1.48 ms against 2.53 (docs/kernels.md). rows=16 keeps the 16-row kernel
+# (8 warps, at most 16 context rows in the launch), which larger blocks always get.
 DRAFT_ROWS = 8
-DEFAULT_DRAFT_KERNEL_ROWS = 16
+DEFAULT_DRAFT_KERNEL_ROWS = 8
 MAX_ABSORB_ROWS = 64
 WARPS = (16, 8)  # warps per block, in order of preference (16 measured faster on the H200)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -585,10 +587,10 @@ class DraftFusedPass(FusedPass):
             (4/8-bit affine projections, float32 activations).
         target: the mlx-lm target whose LM head (tied embedding or ``lm_head``) the drafter shares.
         blocks, skip, profile: as for :class:`FusedPass`.
-        rows: the kernel's rows, 16 (default: 8 warps, up to 16 context rows in the launch) or 8
-            (:data:`DRAFT_ROWS`, for a block of at most 8: 16 warps where they fit, up to
-            :data:`MAX_ABSORB_ROWS` context rows in the launch, in chunks); a larger block
-            always gets 16.
+        rows: the kernel's rows, 8 (default, :data:`DRAFT_ROWS`, for a block of at most 8: 16
+            warps where they fit, up to :data:`MAX_ABSORB_ROWS` context rows in the launch, in
+            chunks) or 16 (8 warps, up to 16 context rows in the launch); a larger block always
+            gets 16.
         vocab: a ``drafters.dspark.vocab.DraftVocab`` built for ``network`` and ``target``'s
             head: the LM head and the Markov table's ``W2`` run over its ``V'`` rows (logits
             ``[B, V']``) and greedy tokens come out as target ids; None: the whole vocabulary.

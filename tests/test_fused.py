@@ -576,10 +576,13 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
     dp = DraftFusedPass(draft, default_like, rows=8)
     assert dp.markov and dp.absorbs and dp.max_rows == 8  # (a block of 7: the 8-row kernel, 16 warps)
     cases += [(dp, 16, False, False), (dp, 16, True, False), (dp, 16, True, True), (dp, 16, False, True)]
-    # the default, the 16-row kernel, whose registers fit 8 warps only, over a draft vocabulary
-    # (the shipped drafter's launch: its tokens mapped to target ids)
-    wide = DraftFusedPass(draft, default_like, vocab=_vocab(default_like, draft, np.arange(0, 512, 3)))
-    assert wide.max_rows == 16 and wide.max_absorb == 16 and wide.draft_vocab
+    # the default launch over a draft vocabulary (the shipped drafter's: its tokens mapped to target ids)
+    dv = DraftFusedPass(draft, default_like, vocab=_vocab(default_like, draft, np.arange(0, 512, 3)))
+    assert dv.max_rows == 8 and dv.draft_vocab
+    cases += [(dv, 16, True, True)]
+    # the 16-row kernel, whose registers fit 8 warps only
+    wide = DraftFusedPass(draft, default_like, rows=16)
+    assert wide.max_rows == 16 and wide.max_absorb == 16
     cases += [(wide, 8, True, True)]
     src = _NVRTC_PRELUDE + cases[0][0].kernel_source()[0]  # the header, once
     for i, (fp, warps, markov, absorb) in enumerate(cases):
@@ -822,7 +825,7 @@ def test_draft_launch_takes_16_warps_where_its_rows_and_scratch_fit(monkeypatch,
                                                                    rows, warps):
     """Asked for the 8-row kernel, a block of at most 8 rows gets it, with 16 warps where
     attention's scratch (8 rows of a head, then each warp's values for a KV head's query heads)
-    fits the row buffer, else 8 warps; a block of 16, or the default, the 16-row kernel, whose
+    fits the row buffer, else 8 warps; a block of 16, or rows=16, the 16-row kernel, whose
     registers fit 8 warps only (and 16 context rows in the launch, not 64)."""
     from mlx_lm.models import llama
 
@@ -1050,7 +1053,7 @@ def test_failed_draft_launch_falls_back_to_mlx_ops(stand_in, tmp_path, monkeypat
     assert fp.passes == 3
 
 
-@pytest.mark.parametrize("mode", ["on", "on8", "off", "on_vocab", "off_vocab"])
+@pytest.mark.parametrize("mode", ["on", "on16", "off", "on_vocab", "off_vocab"])
 def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
     """With fused passes on, the engine probes and uses the one-launch block forward for a
     quantized drafter, over the drafter's draft vocabulary when its checkpoint has one; greedy
@@ -1064,12 +1067,13 @@ def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
     path, _ = _draft_net(loaded, tmp_path / "d", boosts={77: 12.0})
     if mode.endswith("_vocab"):
         write_draft_vocab(path, TINY_SUBSET)
-    eng = _engine(loaded, fused=mode.split("_")[0].rstrip("8"), dspark=True, dspark_drafter=str(path),
-                  speculation="auto", draft_kernel_rows=8 if mode == "on8" else 16)
+    kw = {"draft_kernel_rows": 16} if mode == "on16" else {}  # (else the default, 8)
+    eng = _engine(loaded, fused=mode.split("_")[0].removesuffix("16"), dspark=True, dspark_drafter=str(path),
+                  speculation="auto", **kw)
     try:
         fp = eng._dspark_step.fused
         assert (fp is not None) == mode.startswith("on")
-        assert fp is None or fp.max_rows == (8 if mode == "on8" else 16)
+        assert fp is None or fp.max_rows == (16 if mode == "on16" else 8)
         vocab = eng._dspark_step.vocab
         assert (vocab is not None) == mode.endswith("_vocab") and (fp is None or fp.draft_vocab == (vocab is not None))
         if vocab is not None:

@@ -35,7 +35,7 @@
 #                            # fresh H100 NVRTC compiles made 14 of its 22 tests take 240 s, the
 #                            # 22 took 60 s in the next call)
 #   kernels_h200.sh draftcost # benchmarks/gpu/dspark_forward.py, then benchmarks/dspark_cost.py
-#                            # (DRAFTER=; ROWS_AB=1: dspark_cost again with the opt-in 8-row draft
+#                            # (DRAFTER=; ROWS_AB=1: dspark_cost again with the 16-row draft
 #                            # kernel; VOCAB_AB=1: again over the whole vocabulary instead of the
 #                            # drafter's draft vocabulary; GRAPHS_AB=1: dspark_forward again with
 #                            # MLX_USE_CUDA_GRAPHS=1, MLX's default; engine/mlx_env.py turns CUDA
@@ -139,15 +139,15 @@ EOF
         --iters "${ITERS:-100}" --out "$out/dspark_forward_h200_graphs.json" 2>&1 | grep -v "^INFO" | tail -4 || true
     fi
     # (the engine's start-up calibration alone took over 85 s on a fresh H100)
-    # ROWS_AB=1: the same forced cycles with the opt-in 8-row draft kernel after the default 16-row
-    # one (SPECSERVE_DRAFT_KERNEL_ROWS; docs/kernels.md, "Fused DSpark draft")
+    # ROWS_AB=1: the same forced cycles with the 16-row draft kernel after the default 8-row one
+    # (SPECSERVE_DRAFT_KERNEL_ROWS; docs/kernels.md, "Fused DSpark draft")
     # VOCAB_AB=1: again with the whole vocabulary (SPECSERVE_DSPARK_DRAFT_VOCAB=0) instead of the
     # drafter's draft vocabulary
-    for run in 16:on $([ "${VOCAB_AB:-0}" = 1 ] && echo 16:off) $([ "${ROWS_AB:-0}" = 1 ] && echo 8:on); do
+    for run in 8:on $([ "${VOCAB_AB:-0}" = 1 ] && echo 8:off) $([ "${ROWS_AB:-0}" = 1 ] && echo 16:on); do
       rows=${run%%:*}; vocab=${run##*:}
       timeout -k 5 "${COST_LIMIT:-250}" python3 -m benchmarks.dspark_cost --workloads novel_code,novel_chat --cycles 30 \
         --draft-kernel-rows "$rows" --draft-vocab "$vocab" ${DRAFTER:+--drafter "$DRAFTER"} \
-        --out "$out/dspark_cost_h200$([ "$rows" = 8 ] && echo _rows8)$([ "$vocab" = off ] && echo _whole).json" \
+        --out "$out/dspark_cost_h200$([ "$rows" = 16 ] && echo _rows16)$([ "$vocab" = off ] && echo _whole).json" \
         2>&1 | grep -v "^INFO" | tail -12 || true
     done ;;
   mma)
