@@ -17,7 +17,10 @@ the interval says whether a gap is larger than that.
 A scheduler change is best judged the same way: ``--variant NAME:module.Owner.ATTR=VALUE`` and a
 method ``auto+NAME`` run ``auto`` with that class-level knob set for each of its requests,
 beside plain ``auto`` in the same engine (both variants share the engine-wide state, as two
-versions of a request would).
+versions of a request would). A method ``METHOD@N`` runs ``METHOD`` with ``min_draft_tokens=N``
+(the request's ``speculative.min_draft_tokens``): the drafter drafts at least ``N`` tokens every
+cycle it can, whatever the cost model says, e.g. ``dspark@1`` to measure what DSpark drafting
+every cycle delivers beside the scheduler's own ``dspark``.
 
     python -m benchmarks.bench_speculative --repeats 3 --out benchmarks/results/spec_cpu.json \
         --plot benchmarks/results/spec_cpu.png
@@ -108,6 +111,7 @@ def method_variant(method: str):
         ValueError: an unknown method or variant name.
     """
     base, plus, name = method.partition("+")
+    base, _ = forced(base)
     if base not in SPECULATION_METHODS:
         raise ValueError(f"method {method!r}: not one of {', '.join(SPECULATION_METHODS)}")
     if plus and name not in VARIANTS:
@@ -124,6 +128,21 @@ def method_variant(method: str):
                 setattr(owner, attr, value)
             else:
                 delattr(owner, attr)
+
+
+def forced(method: str) -> tuple[str, int]:
+    """``METHOD@N`` -> ``(METHOD, N)`` (drafts of at least ``N`` tokens every cycle); else
+    ``(method, 0)``.
+
+    Raises:
+        ValueError: ``N`` not a positive integer.
+    """
+    base, at, count = method.partition("@")
+    if not at:
+        return method, 0
+    if not count.isdigit() or int(count) < 1:
+        raise ValueError(f"method {method!r}: @N needs a positive integer N")
+    return base, int(count)
 
 
 def load_workloads(names: list[str] | None) -> list[dict]:
@@ -150,7 +169,9 @@ def run_once(eng: Engine, tokens: list[int], method: str, max_tokens: int, gramm
     with method_variant(method) as base:
         req = GenerationRequest(prompt_tokens=tokens, max_tokens=max_tokens,
                                 sampling=SamplingParams(temperature=0.0),
-                                speculative=SpeculativeParams(method=base), grammar=grammar)
+                                speculative=SpeculativeParams(method=base,
+                                                              min_draft_tokens=forced(method.partition("+")[0])[1]),
+                                grammar=grammar)
         start = time.perf_counter()
         first = None
         ids = []
@@ -358,7 +379,7 @@ def main(argv=None) -> dict:
     USE_SCHEMAS = args.schemas == "on"
     workloads = load_workloads(args.workloads.split(",") if args.workloads else None)
     use_dspark = bool(args.dspark or args.dspark_drafter
-                      or {"dspark", "auto"} & {m.partition("+")[0] for m in methods})
+                      or {"dspark", "auto"} & {forced(m.partition("+")[0])[0] for m in methods})
     extra = {} if args.prompt_lookup_min_ngram is None else {
         "prompt_lookup_min_ngram": args.prompt_lookup_min_ngram,
         "prompt_lookup_max_ngram": max(args.prompt_lookup_min_ngram, EngineConfig.prompt_lookup_max_ngram)}

@@ -114,6 +114,26 @@ def test_the_command_line_refuses_bad_variants_before_loading_a_model():
             bench.main(argv)
 
 
+def test_a_forced_method_asks_for_drafts_every_cycle():
+    """``METHOD@N`` runs METHOD with ``min_draft_tokens=N``; the plain name asks for none; a bad
+    N is refused before a model loads."""
+    from types import SimpleNamespace
+
+    seen = []
+
+    class Eng:
+        def generate(self, req, timeout=None):
+            seen.append(req.speculative)
+            yield SimpleNamespace(error=None, token_ids=[5], stats=None)
+
+    for method in ("dspark@3", "dspark", "auto@1"):
+        bench.run_once(Eng(), [1, 2], method, 4)
+    assert [(p.method, p.min_draft_tokens) for p in seen] == [("dspark", 3), ("dspark", 0), ("auto", 1)]
+    for bad in ("off,dspark@0", "off,dspark@x", "off,nope@2"):
+        with pytest.raises(SystemExit):
+            bench.main(["--methods", bad])
+
+
 @pytest.mark.parametrize("repeats", [1, 2, 3])
 def test_method_order_gives_every_method_every_position_equally_often(repeats):
     methods = ["off", "prompt_lookup", "dspark", "auto"]
