@@ -17,10 +17,12 @@ the interval says whether a gap is larger than that.
 A scheduler change is best judged the same way: ``--variant NAME:module.Owner.ATTR=VALUE`` and a
 method ``auto+NAME`` run ``auto`` with that class-level knob set for each of its requests,
 beside plain ``auto`` in the same engine (both variants share the engine-wide state, as two
-versions of a request would). A method ``METHOD@N`` runs ``METHOD`` with ``min_draft_tokens=N``
-(the request's ``speculative.min_draft_tokens``): the drafter drafts at least ``N`` tokens every
-cycle it can, whatever the cost model says, e.g. ``dspark@1`` to measure what DSpark drafting
-every cycle delivers beside the scheduler's own ``dspark``.
+versions of a request would). A method ``METHOD@N[+NAME]`` runs ``METHOD`` with
+``min_draft_tokens=N`` (the request's ``speculative.min_draft_tokens``): the drafter drafts at
+least ``N`` tokens every cycle it can, whatever the cost model says, e.g. ``dspark@1`` to measure
+what DSpark drafting every cycle delivers beside the scheduler's own ``dspark``. Its forwards
+and verified drafts feed the engine-wide DSpark evidence that the other methods' requests read
+too, as any request's would.
 
     python -m benchmarks.bench_speculative --repeats 3 --out benchmarks/results/spec_cpu.json \
         --plot benchmarks/results/spec_cpu.png
@@ -112,6 +114,8 @@ def method_variant(method: str):
     """
     base, plus, name = method.partition("+")
     base, _ = forced(base)
+    if "@" in name:
+        raise ValueError(f"method {method!r}: write @N before the variant (METHOD@N+VARIANT)")
     if base not in SPECULATION_METHODS:
         raise ValueError(f"method {method!r}: not one of {', '.join(SPECULATION_METHODS)}")
     if plus and name not in VARIANTS:
@@ -140,8 +144,10 @@ def forced(method: str) -> tuple[str, int]:
     base, at, count = method.partition("@")
     if not at:
         return method, 0
-    if not count.isdigit() or int(count) < 1:
-        raise ValueError(f"method {method!r}: @N needs a positive integer N")
+    if not (count.isascii() and count.isdigit()) or int(count) < 1:
+        raise ValueError(f"method {method!r}: @N needs a positive integer N (METHOD@N[+VARIANT])")
+    if base == "off":
+        raise ValueError(f"method {method!r}: plain decoding drafts nothing to force")
     return base, int(count)
 
 
@@ -400,6 +406,11 @@ def main(argv=None) -> dict:
                     "mlx": mx.__version__, "blas": engine.BLAS.status},
         "model": eng.info(), "methods": methods, "variants": args.variant, "repeats": args.repeats, "workloads": {},
         "freeze_cost": args.freeze_cost, "schemas": args.schemas,
+        # the DSpark launch's kernel and drafts' vocabulary (the engine's, not the flags': a launch
+        # the machine cannot run leaves these None)
+        "dspark": {"draft_kernel_rows": (eng._dspark_step.fused.max_rows
+                                         if eng.dspark is not None and eng._dspark_step.fused is not None else None),
+                   "draft_vocab": eng.draft_vocab.size if eng.draft_vocab is not None else None},
         # the scheduler's T(k) (ms) when the benchmark starts (after the engine's warm-up passes)
         "verify_cost_ms_at_start": [round(t * 1e3, 4) for t in eng.cost.verify_cost],
     }

@@ -79,6 +79,7 @@ def main(argv=None) -> dict:
                     drafted += counts.num_draft_tokens
                     accepted += counts.num_accepted_tokens
         curve, info = eng.cost.verify_cost, eng.info()
+        fused_rows = eng._dspark_step.fused.max_rows if eng._dspark_step.fused is not None else None
         dspark_drafter.DSparkDrafter.propose = propose  # (the comparison's forwards are its own)
         first_prompt = next(p for w in load_workloads(args.workloads.split(",")) for p in w["prompts"]
                             if p.get("kind") != "session")
@@ -99,6 +100,7 @@ def main(argv=None) -> dict:
         "accepted_per_cycle": round(accepted / drafts, 3) if drafts else 0,
         "break_even_accepted": round((tl + forward) / t1 - 1, 3),
         "draft_vocab": eng.draft_vocab.size if eng.draft_vocab is not None else None,
+        "draft_kernel_rows": fused_rows,
         "eager_vs_compiled": steps,
     }
     print(json.dumps(report, indent=1))

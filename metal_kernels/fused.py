@@ -47,9 +47,9 @@ MAX_ROWS = 16
 # (104-110 registers per thread, NVRTC 12.x/13 for sm_90) where 16 rows' need 136-150 and fit
 # only 8 warps with the context update; and the launch projects up to MAX_ABSORB_ROWS new context
 # rows itself, in chunks of 8 (else MLX ops first). On an H100 (default model, v12 drafter, its
-# draft vocabulary): steady forward 1.14 ms against the 16-row kernel's 1.32, a forward after
-# other drafters' cycles 1.48 ms against 2.53 (docs/kernels.md). rows=16 keeps the 16-row kernel
-# (8 warps, at most 16 context rows in the launch), which larger blocks always get.
+# draft vocabulary): steady forward 1.14 ms against the 16-row kernel's 1.32, a forward that
+# projects 17-64 new context rows 1.48 ms against 2.53 (docs/kernels.md). rows=16 keeps the
+# 16-row kernel (8 warps, at most 16 context rows in the launch), which larger blocks always get.
 DRAFT_ROWS = 8
 DEFAULT_DRAFT_KERNEL_ROWS = 8
 MAX_ABSORB_ROWS = 64
@@ -330,7 +330,8 @@ class FusedPass:
         self.qk_norm, self.bidirectional = qk_norm, bidirectional
         # a greedy DSpark draft after the LM head (DraftFusedPass sets these and _draft_inputs)
         self.markov, self.markov_rank, self.markov_bits, self.confidence = False, 0, 4, 0
-        self.draft_vocab = False  # greedy drafts over a draft vocabulary: tokens mapped by dvoc
+        self.draft_vocab = False  # greedy drafts over a draft vocabulary: tokens mapped by dvoc (DV)
+        self.vocab = None  # the DraftVocab whose rows the LM head covers (DraftFusedPass), else the whole
         self.absorbs, self.taps = False, 1  # (a context update in the launch: DraftFusedPass)
         self._draft_inputs = _no_draft_inputs()
         self.blocks = min(blocks or multiprocessors(), multiprocessors())
@@ -619,6 +620,7 @@ class DraftFusedPass(FusedPass):
         self._build(network.layers, head, network.norm.weight, cfg.num_attention_heads,
                     cfg.num_key_value_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, blocks,
                     warps, skip, profile, qk_norm=True, bidirectional=True)
+        self.vocab = vocab  # (the launch's logits cover its rows, greedy draft in the launch or not)
         inputs = _no_draft_inputs()
         if not absorb_reason(network, self.bits):
             self.absorbs, self.taps = True, cfg.num_taps

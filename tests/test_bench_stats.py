@@ -129,7 +129,7 @@ def test_a_forced_method_asks_for_drafts_every_cycle():
     for method in ("dspark@3", "dspark", "auto@1"):
         bench.run_once(Eng(), [1, 2], method, 4)
     assert [(p.method, p.min_draft_tokens) for p in seen] == [("dspark", 3), ("dspark", 0), ("auto", 1)]
-    for bad in ("off,dspark@0", "off,dspark@x", "off,nope@2"):
+    for bad in ("off,dspark@0", "off,dspark@x", "off,nope@2", "off,off@1", "off,dspark@\uff11", "off,auto+v@2"):
         with pytest.raises(SystemExit):
             bench.main(["--methods", bad])
 

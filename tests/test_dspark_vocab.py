@@ -111,7 +111,10 @@ def test_write_draft_vocab_replaces_or_removes_every_earlier_map(tmp_path, monke
                      base | {"model.d2t": d2t_from_ids(old), "model.t2d": t2d})
     save_file({"model.draft_id_to_target_id": d2t_from_ids(old)}, str(tmp_path / "d" / "extra.safetensors"))
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "d" / ".draft_vocab_tmp").mkdir()  # an interrupted run's leftover
+    (tmp_path / "d" / ".draft_vocab_tmp" / "model.safetensors").write_bytes(b"partial")
     write_draft_vocab("d", SUBSET, out=tmp_path / "d")  # (the same directory, named two ways)
+    assert not (tmp_path / "d" / ".draft_vocab_tmp").exists()
     back = load_dspark(tmp_path / "d")
     assert back.draft_vocab.tolist() == SUBSET.tolist()
     stored, meta = mx.load(str(tmp_path / "d" / "model.safetensors"), return_metadata=True)

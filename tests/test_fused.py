@@ -865,6 +865,29 @@ def test_draft_fused_pass_matches_the_mlx_block_forward(stand_in, tmp_path, cont
     assert step.fused_error(context) < (1e-3 if ON_CUDA else 1e-4)
 
 
+def test_draft_step_and_launch_must_share_one_draft_vocabulary(stand_in, tmp_path, monkeypatch):
+    """A launch over a draft vocabulary's rows goes with a step over the same vocabulary: also
+    where its greedy draft cannot run in the launch (the Markov loop then runs as MLX ops on its
+    V'-row logits, and the probe passes); a step without it, or with another, is refused."""
+    from drafters.dspark import DraftStep
+    from metal_kernels.fused import DraftFusedPass
+
+    loaded = tiny_loaded(seed=4, head_dim=64, quantize_bits=4)
+    _, net = _draft_net(loaded, tmp_path / "d")
+    taps = _draft_parts(loaded, net)
+    dv, other = _vocab(loaded.model, net, TINY_SUBSET), _vocab(loaded.model, net, TINY_SUBSET)
+    monkeypatch.setattr(fused, "markov_reason", lambda network: "not in the launch")
+    fp = DraftFusedPass(net, loaded.model, vocab=dv)
+    assert not fp.markov and not fp.draft_vocab and fp.vocab is dv
+    step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=fp, vocab=dv)
+    assert step.fused_error(40) < 1e-4
+    for wrong in (None, other):
+        with pytest.raises(ValueError, match="same draft vocabulary"):
+            DraftStep(net, taps.embed, taps.lm_head, fused=fp, vocab=wrong)
+    with pytest.raises(ValueError, match="same draft vocabulary"):
+        DraftStep(net, taps.embed, taps.lm_head, fused=DraftFusedPass(net, loaded.model), vocab=dv)
+
+
 @pytest.mark.parametrize("broken", ["context_rows", "later_chunks", "greedy_draft", "later_slots", "logits",
                                     "nan_confidence", "short_draft", "unmapped"])
 def test_start_up_probe_catches_a_broken_context_update_or_greedy_draft(stand_in, tmp_path, monkeypatch, broken):
@@ -962,7 +985,7 @@ def test_probe_scores_a_greedy_draft_by_its_gaps_after_its_own_tokens(tmp_path):
     assert score(logits, tokens, confidence=conf * 0.5) > 0.05
 
 
-@pytest.mark.parametrize("rows, vocab", [(16, False), (8, False), (16, True)])
+@pytest.mark.parametrize("rows, vocab", [(16, False), (8, False), (16, True), (8, True)])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_drafter_with_the_fused_step_drafts_as_the_mlx_ops_over_many_cycles(stand_in, tmp_path, temperature, rows,
                                                                            vocab):
@@ -1097,7 +1120,7 @@ def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("context", [1, 45, 600, 1100])
-@pytest.mark.parametrize("rows, vocab", [(16, False), (8, False), (16, True)])
+@pytest.mark.parametrize("rows, vocab", [(16, False), (8, False), (16, True), (8, True)])
 def test_kernel_draft_pass_matches_reference(tmp_path, context, rows, vocab):
     """The CUDA kernel's DSpark block forward (q/k norms, bidirectional block; over a draft
     vocabulary's rows, its greedy tokens mapped to target ids) against :func:`reference_pass`,

@@ -103,7 +103,8 @@ def profile(net, embed, lm_head, hidden, tokens, pos: int, iters: int, fused=Non
 
 
 def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vocab=None) -> dict:
-    """Median ms of one evaluated fused launch with phases left out (``skip``: the layers' five
+    """Median ms of one evaluated fused launch of the default kernel (``max_rows``/``warps`` in
+    the result: 8 rows since the fifty-first session, 16 before) with phases left out (``skip``: the layers' five
     phases 1..16, the LM head 32): every phase, no LM head, nothing (launch + barriers), the
     greedy draft inside the launch on top of everything, and that with 3 context rows projected
     into the draft cache first (a steady cycle's update); then the greedy draft of the 16-row

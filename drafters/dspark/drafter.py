@@ -74,7 +74,7 @@ class DraftStep:
 
     def __init__(self, network: DSparkModel, embed: Embed, lm_head: LMHead, compiled: bool = True,
                  fused=None, vocab=None):
-        if fused is not None and bool(getattr(fused, "draft_vocab", False)) != (vocab is not None):
+        if fused is not None and getattr(fused, "vocab", None) is not vocab:
             raise ValueError("the fused launch and the draft step must use the same draft vocabulary (or none)")
         self.network, self.embed, self.lm_head = network, embed, lm_head
         self.vocab = vocab

@@ -200,7 +200,7 @@ def write_draft_vocab(path, ids, out=None) -> None:
     ``config.json``, every other tensor kept as stored and any earlier map (``d2t``, ``t2d``,
     ``draft_id_to_target_id``, with or without a ``model.`` prefix, in any of its files)
     removed; into a copy of the directory at ``out`` when given. ``ids=None`` removes it. Each
-    file is written to a temporary name first, then moved over the original.
+    file is written into a scratch subdirectory first, then moved over the original.
 
     Raises:
         FileNotFoundError: no ``*.safetensors`` in ``path``.
@@ -224,23 +224,30 @@ def write_draft_vocab(path, ids, out=None) -> None:
         raise FileNotFoundError(f"no *.safetensors in {dst}")
     home = dst / "model.safetensors" if (dst / "model.safetensors").exists() else files[0]
     maps = {prefix + name for prefix in ("", "model.") for name in ("d2t", "t2d", "draft_id_to_target_id")}
-    for file in files:
-        tensors, metadata = mx.load(str(file), return_metadata=True)
-        kept = {k: v for k, v in tensors.items() if k not in maps}
-        if file == home and ids is not None:
-            kept["d2t"] = mx.array(d2t_from_ids(ids))
-        elif len(kept) == len(tensors):
-            continue  # (nothing to change in this file)
-        tmp = file.with_name(file.stem + ".tmp.safetensors")  # (MLX appends .safetensors otherwise)
-        mx.save_safetensors(str(tmp), kept, metadata=metadata)
-        os.replace(tmp, file)
-    if ids is None:
-        config.pop("draft_vocab_size", None)
-    else:
-        config["draft_vocab_size"] = int(ids.size)
-    tmp = dst / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, dst / "config.json")
+    # (new files are written in a subdirectory, where neither this glob nor the loader's sees a
+    # leftover, then moved over the originals)
+    scratch = dst / ".draft_vocab_tmp"
+    scratch.mkdir(exist_ok=True)
+    try:
+        for file in files:
+            tensors, metadata = mx.load(str(file), return_metadata=True)
+            kept = {k: v for k, v in tensors.items() if k not in maps}
+            if file == home and ids is not None:
+                kept["d2t"] = mx.array(d2t_from_ids(ids))
+            elif len(kept) == len(tensors):
+                continue  # (nothing to change in this file)
+            tmp = scratch / file.name
+            mx.save_safetensors(str(tmp), kept, metadata=metadata)
+            os.replace(tmp, file)
+        if ids is None:
+            config.pop("draft_vocab_size", None)
+        else:
+            config["draft_vocab_size"] = int(ids.size)
+        tmp = scratch / "config.json"
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, dst / "config.json")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
