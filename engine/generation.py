@@ -99,6 +99,8 @@ class Sequence:
         self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
         self.dspark_probe_every = DSPARK_PROBE_EVERY
         self.dspark_forwards = 0  # DSpark forwards this request ran
+        self.dspark_cycles = 0  # ... whose drafts were verified (or cut to none), and
+        self.dspark_accepted = 0  # ... the drafts accepted in them (DsparkStats.request_accepted)
         self.dspark_bar: tuple[float, float] | None = None  # (rate to beat, seconds) of the DSpark draft in flight
         self.max_draft = max_draft
         self.stats = SpecStats()
@@ -255,7 +257,8 @@ class Sequence:
         dspark = self.drafters.get("dspark")
         if (dspark is not None and self.request.speculative.min_draft_tokens == 0
                 and not self.dspark_stats.worth_tapping(cost, min(budget, dspark.config.block_size),
-                                                        len(self.tokens), self._dspark_rows())):
+                                                        len(self.tokens), self._dspark_rows(),
+                                                        self._dspark_accepted())):
             self._drop_dspark()  # not chosen, and no probe before the budget refills: no more taps
         if budget == 0 or not self.speculative:
             return Draft()
@@ -289,7 +292,8 @@ class Sequence:
         if dspark is not None:
             best_so_far = max([1.0 / cost.T(1, len(self.tokens))] + [o[0] for o in options])
             rows = self._dspark_rows()  # (after other cycles, a catch-up: priced as one)
-            wins = forced or self.dspark_stats.expected_rate(cost, len(self.tokens), rows) > best_so_far
+            wins = forced or self.dspark_stats.expected_rate(cost, len(self.tokens), rows,
+                                                             self._dspark_accepted()) > best_so_far
             # a probe that could not win even with every draft accepted is not run
             probe = (not wins and self.cycles_since_dspark >= self.dspark_probe_every
                      and self.dspark_stats.best_case_rate(cost, min(budget, dspark.config.block_size),
@@ -311,6 +315,7 @@ class Sequence:
                 dspark_ran = True
                 if option[1] == 0 and not forced:  # paid for, drafted nothing
                     self.dspark_stats.observe([], 0, 0)
+                    self.dspark_cycles += 1
                 else:
                     options.append(option)
         if not options:
@@ -327,6 +332,11 @@ class Sequence:
             # what its verify pass must yield to beat the other options (observe() judges it)
             self.dspark_bar = (best_so_far, cost.T(length + 1, len(self.tokens)) + self.dspark_stats.forward_cost(rows))
         return proposal, dspark_ran
+
+    def _dspark_accepted(self) -> float | None:
+        """This request's estimate of accepted drafts per DSpark cycle (None: the engine-wide
+        one; ``DsparkStats.request_accepted``)."""
+        return self.dspark_stats.request_accepted(self.dspark_accepted, self.dspark_cycles)
 
     def _dspark_rows(self) -> int:
         """New context rows to price the next DSpark forward at (``DsparkStats.forward_cost``):
@@ -413,6 +423,8 @@ class Sequence:
         elif name == "dspark":
             raw = draft.confidence[: len(draft.tokens)] if draft.confidence else [0.5] * len(draft.tokens)
             self.dspark_stats.observe(raw, len(draft.tokens), num_accepted)
+            self.dspark_cycles += 1
+            self.dspark_accepted += num_accepted
             if self.dspark_bar is not None:
                 rate_to_beat, seconds = self.dspark_bar
                 if (1 + num_accepted) / seconds > rate_to_beat:  # this cycle DSpark paid its way

@@ -318,6 +318,11 @@ class DsparkStats:
     # still read 147 ms after 45 forwards of ~2 ms, docs/benchmarks.md "Thirty-fourth session")
     # is ignored from the third forward on, and a lasting change is followed within five
     COST_WINDOW = 9
+    # Per-request acceptance evidence (:meth:`request_accepted`): the engine-wide EMA weighs as
+    # this many of the request's own DSpark cycles in its running mean; 0 (default) keeps the
+    # engine-wide EMA alone. Opt-in until a GPU run compares the two (bench_speculative
+    # --variant req:engine.scheduler.DsparkStats.REQUEST_PRIOR=2 --methods off,auto,auto+req).
+    REQUEST_PRIOR = 0
     # A forward that projects at most this many new context rows (the rows committed since the
     # request's last DSpark forward) is a steady one, unless the engine says otherwise
     # (``steady_rows``: ``DraftStep.steady_rows``, up to 64 with the fused launch's 8-row kernel):
@@ -505,7 +510,7 @@ class DsparkStats:
         return self.best_case_rate(cost, max_draft, context) > 1.0 / cost.T(1, context)
 
     def worth_tapping(self, cost: CostModel, max_draft: int, context: int | None = None,
-                      rows: int = 1) -> bool:
+                      rows: int = 1, accepted: float | None = None) -> bool:
         """Whether a request should carry DSpark now, tapping the target's hidden rows for it:
         DSpark :meth:`can_win` at ``context`` tokens with ``max_draft`` drafts (the request's
         room this cycle; 0: never), and either it has recently delivered more than plain
@@ -520,19 +525,37 @@ class DsparkStats:
         A request that carries DSpark drops it on the first cycle where this is False (it still
         taps its prefill, so the prefix cache's taps namespace stays warm). The budget is earned
         by every pass of every request that may run DSpark, carrying it or not
-        (:meth:`observe_cycle`), so it refills, and a later request probes again."""
+        (:meth:`observe_cycle`), so it refills, and a later request probes again. ``accepted``:
+        the request's own estimate of accepted drafts per DSpark cycle (:meth:`request_accepted`),
+        instead of the engine-wide :attr:`accepted_ema`."""
         if not self.can_win(cost, max_draft, context):
             return False
         if self.TAP_WHILE_IDLE or self.may_probe():
             return True
-        return self.expected_rate(cost, context, rows) > 1.0 / cost.T(1, context)
+        return self.expected_rate(cost, context, rows, accepted) > 1.0 / cost.T(1, context)
 
-    def expected_rate(self, cost: CostModel, context: int | None = None, rows: int = 1) -> float:
+    def expected_rate(self, cost: CostModel, context: int | None = None, rows: int = 1,
+                      accepted: float | None = None) -> float:
         """Tokens per second DSpark has recently delivered, at ``context``, with a forward that
         projects ``rows`` new context rows (:meth:`forward_cost`; the default 1 prices a steady
-        one, what a cycle costs while DSpark keeps drafting)."""
+        one, what a cycle costs while DSpark keeps drafting); ``accepted`` drafts per cycle
+        (default: the engine-wide :attr:`accepted_ema`)."""
         length = max(1, min(round(self.length_ema), cost.max_rows - 1))
-        return (1.0 + self.accepted_ema) / (cost.T(length + 1, context) + self.forward_cost(rows))
+        accepted = self.accepted_ema if accepted is None else accepted
+        return (1.0 + accepted) / (cost.T(length + 1, context) + self.forward_cost(rows))
+
+    def request_accepted(self, accepted_sum: float, cycles: int) -> float | None:
+        """A request's estimate of accepted drafts per DSpark cycle: the running mean of its own
+        ``cycles`` DSpark cycles (``accepted_sum`` drafts accepted in them) with the engine-wide
+        :attr:`accepted_ema` counted as :attr:`REQUEST_PRIOR` cycles; None (the engine-wide
+        value) while :attr:`REQUEST_PRIOR` is 0 or the request has run none. DSpark's yield
+        differs from request to request (novel text against adversarial or copied text), and
+        an engine-wide value set by other requests' cycles can keep a request from drafting
+        where its own cycles win (docs/benchmarks.md, fifty-first session: 0.39 after
+        agent_session kept DSpark off novel_code, where forced cycles accept 1.16)."""
+        if not self.REQUEST_PRIOR or not cycles:
+            return None
+        return (self.REQUEST_PRIOR * self.accepted_ema + accepted_sum) / (self.REQUEST_PRIOR + cycles)
 
 
 def choose_length(conditional: list[float], cost: CostModel, extra_cost: float = 0.0,

@@ -197,6 +197,54 @@ def test_losing_dspark_is_probed_not_run_every_cycle(tiny, tmp_path, monkeypatch
         eng.stop()
 
 
+def test_a_request_whose_own_dspark_cycles_win_keeps_drafting_with_per_request_evidence(tiny, tmp_path,
+                                                                                       monkeypatch):
+    """The engine-wide evidence says DSpark yields nothing (other requests' cycles), but this
+    request's drafts pass: with ``DsparkStats.REQUEST_PRIOR`` 0 (the default) it runs DSpark only
+    on probes; with 2, its own first probe lifts its estimate above plain decoding and it drafts
+    with DSpark every cycle after. Output stays plain greedy either way."""
+    from engine.scheduler import DsparkStats
+
+    path = make_drafter(tiny, tmp_path / "drafter", {77: 12.0})
+    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40,),
+                              warmup=False), loaded=tiny).start(wait=True, timeout=300)
+    # a fixed, slow curve (T(k) = 30 + 2 (k - 1) ms): the verdicts must not hang on this
+    # machine's timing of the tiny drafter's forward (a few ms)
+    monkeypatch.setattr(eng.cost, "alpha", 0.0)
+    monkeypatch.setattr(eng.cost, "_curve", [0.03 + 0.002 * k for k in range(eng.cost.max_rows)])
+    bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}  # the target's argmax is 77: drafts pass
+    try:
+        prompt = prompts(1, seed=5)[0]
+        plain, _, _ = run(eng, prompt, "off", max_tokens=100, ignore_eos=True, **bias)
+        drafts = {}
+        for prior in (0, 2):
+            monkeypatch.setattr(DsparkStats, "REQUEST_PRIOR", prior)
+            stats = eng.dspark_stats
+            stats.decode_seconds = 1e6  # (probes always fit the budget here)
+            stats.accepted_ema, stats.cycles, stats.alpha = 0.0, 10**6, 1e-4  # other requests' verdict, pinned
+            ids, _, last = run(eng, prompt, "dspark", max_tokens=100, ignore_eos=True, **bias)
+            assert ids == plain
+            counts = last.stats.by_drafter["dspark"]
+            assert counts.num_accepted_tokens >= counts.num_drafts  # (its drafts do pass)
+            drafts[prior] = counts.num_drafts
+        assert drafts[0] <= 3 and drafts[2] >= 10, drafts
+    finally:
+        eng.stop()
+
+
+def test_request_accepted_blends_the_engine_wide_estimate_as_prior_cycles(monkeypatch):
+    from engine.scheduler import CostModel, DsparkStats
+
+    stats = DsparkStats()
+    stats.accepted_ema = 0.4
+    assert stats.request_accepted(9.0, 3) is None  # (REQUEST_PRIOR 0: the engine-wide value)
+    monkeypatch.setattr(DsparkStats, "REQUEST_PRIOR", 2)
+    assert stats.request_accepted(0.0, 0) is None
+    assert stats.request_accepted(9.0, 3) == pytest.approx((2 * 0.4 + 9.0) / 5)
+    cost = CostModel([0.01 * (1 + 0.1 * k) for k in range(8)])
+    assert stats.expected_rate(cost, accepted=2.0) > stats.expected_rate(cost)
+
+
 def slow_losing_dspark(tiny, tmp_path, monkeypatch, delay: float = 0.05) -> tuple[Engine, list]:
     """A started engine whose DSpark drafts are never accepted (its Markov bias pushes a token
     the target never picks) and whose every forward takes ``delay`` seconds more (by default
