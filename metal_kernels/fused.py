@@ -330,8 +330,9 @@ class FusedPass:
         self.qk_norm, self.bidirectional = qk_norm, bidirectional
         # a greedy DSpark draft after the LM head (DraftFusedPass sets these and _draft_inputs)
         self.markov, self.markov_rank, self.markov_bits, self.confidence = False, 0, 4, 0
-        self.draft_vocab = False  # greedy drafts over a draft vocabulary: tokens mapped by dvoc (DV)
-        self.vocab = None  # the DraftVocab whose rows the LM head covers (DraftFusedPass), else the whole
+        # the DraftVocab whose rows the LM head (and W2) cover, a greedy draft's rows mapped to
+        # target ids by dvoc (DV; DraftFusedPass), else None: the whole vocabulary
+        self.vocab = None
         self.absorbs, self.taps = False, 1  # (a context update in the launch: DraftFusedPass)
         self._draft_inputs = _no_draft_inputs()
         self.blocks = min(blocks or multiprocessors(), multiprocessors())
@@ -422,7 +423,7 @@ class FusedPass:
                 ("EPS_BITS", _float_bits(self.eps)), ("SCALE_BITS", _float_bits(self.scale)), ("SKIP", self.skip),
                 ("PROF", int(self.profile)), ("QKN", int(self.qk_norm)), ("BIDIR", int(self.bidirectional)),
                 ("MARKOV", int(markov)), ("MR", self.markov_rank), ("MBITS", self.markov_bits),
-                ("CONF", self.confidence), ("ABS", int(absorb)), ("NT", self.taps), ("DV", int(self.draft_vocab))]
+                ("CONF", self.confidence), ("ABS", int(absorb)), ("NT", self.taps), ("DV", int(self.vocab is not None))]
 
     @functools.cached_property
     def _kernel(self):
@@ -622,6 +623,8 @@ class DraftFusedPass(FusedPass):
                     warps, skip, profile, qk_norm=True, bidirectional=True)
         self.vocab = vocab  # (the launch's logits cover its rows, greedy draft in the launch or not)
         inputs = _no_draft_inputs()
+        if vocab is not None:
+            inputs["dvoc"] = vocab.ids.astype(mx.int32)
         if not absorb_reason(network, self.bits):
             self.absorbs, self.taps = True, cfg.num_taps
             fc = network.fc
@@ -630,9 +633,6 @@ class DraftFusedPass(FusedPass):
         if not markov_reason(network) and self._shared_bytes(self.warps) + markov_shared <= 48 * 1024:
             # (else greedy drafts stay MLX ops after the launch)
             self.markov = True
-            if vocab is not None:
-                self.draft_vocab = True
-                inputs["dvoc"] = vocab.ids.astype(mx.int32)
             if network.has_markov:
                 w1 = network.markov_head.markov_w1
                 w2 = vocab.markov_w2 if vocab is not None else network.markov_head.markov_w2

@@ -578,7 +578,7 @@ def test_fused_kernel_compiles_for_sm90_without_spills(stand_in):
     cases += [(dp, 16, False, False), (dp, 16, True, False), (dp, 16, True, True), (dp, 16, False, True)]
     # the default launch over a draft vocabulary (the shipped drafter's: its tokens mapped to target ids)
     dv = DraftFusedPass(draft, default_like, vocab=_vocab(default_like, draft, np.arange(0, 512, 3)))
-    assert dv.max_rows == 8 and dv.draft_vocab
+    assert dv.max_rows == 8 and dv.vocab is not None
     cases += [(dv, 16, True, True)]
     # the 16-row kernel, whose registers fit 8 warps only
     wide = DraftFusedPass(draft, default_like, rows=16)
@@ -859,7 +859,7 @@ def test_draft_fused_pass_matches_the_mlx_block_forward(stand_in, tmp_path, cont
     dv = _vocab(loaded.model, net, TINY_SUBSET) if vocab else None
     fp = DraftFusedPass(net, loaded.model, vocab=dv)
     assert fp.markov and fp.confidence == 2  # (the quantized Markov head drafts inside the launch)
-    assert fp.draft_vocab == vocab and fp.weights["we"].shape[0] == (TINY_SUBSET.size if vocab else 259)
+    assert (fp.vocab is dv) and fp.weights["we"].shape[0] == (TINY_SUBSET.size if vocab else 259)
     step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=fp, vocab=dv)
     # (on CUDA the MLX side's float32 matmuls run in TF32: the engine's probe allows DRAFT_PROBE_TOLERANCE)
     assert step.fused_error(context) < (1e-3 if ON_CUDA else 1e-4)
@@ -878,7 +878,7 @@ def test_draft_step_and_launch_must_share_one_draft_vocabulary(stand_in, tmp_pat
     dv, other = _vocab(loaded.model, net, TINY_SUBSET), _vocab(loaded.model, net, TINY_SUBSET)
     monkeypatch.setattr(fused, "markov_reason", lambda network: "not in the launch")
     fp = DraftFusedPass(net, loaded.model, vocab=dv)
-    assert not fp.markov and not fp.draft_vocab and fp.vocab is dv
+    assert not fp.markov and fp.vocab is dv
     step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=fp, vocab=dv)
     assert step.fused_error(40) < 1e-4
     for wrong in (None, other):
@@ -1098,7 +1098,7 @@ def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
         assert (fp is not None) == mode.startswith("on")
         assert fp is None or fp.max_rows == (16 if mode == "on16" else 8)
         vocab = eng._dspark_step.vocab
-        assert (vocab is not None) == mode.endswith("_vocab") and (fp is None or fp.draft_vocab == (vocab is not None))
+        assert (vocab is not None) == mode.endswith("_vocab") and (fp is None or fp.vocab is vocab)
         if vocab is not None:
             assert vocab.ids.tolist() == TINY_SUBSET.tolist()
         # forwards of up to the launch's own context rows are priced as steady ones

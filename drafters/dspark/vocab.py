@@ -19,7 +19,7 @@ draft is the anchor, any target token.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -30,12 +30,12 @@ from mlx.utils import tree_flatten
 _ROW_PARAMS = ("weight", "scales", "biases", "bias")  # a head's arrays indexed by vocabulary row
 
 
-def frequency_ids(counts: Mapping[int, int] | np.ndarray, size: int, vocab_size: int) -> np.ndarray:
+def frequency_ids(counts: np.ndarray, size: int, vocab_size: int) -> np.ndarray:
     """The ``size`` most frequent token ids, ascending (FR-Spec's frequency ranking).
 
     Args:
-        counts: occurrences per token id (a mapping, or an array ``[V]``), e.g. over the
-            target's own responses (the tokens a drafter has to propose).
+        counts: ``[V]`` occurrences per token id (:func:`count_tokens`), e.g. over the target's
+            own responses (the tokens a drafter has to propose).
         size: ``V'``, ``1 <= size <= vocab_size``; ids never seen fill the end of the ranking
             in id order, so a subset larger than the seen tokens is still well defined.
         vocab_size: ``V``, the target's vocabulary.
@@ -45,22 +45,14 @@ def frequency_ids(counts: Mapping[int, int] | np.ndarray, size: int, vocab_size:
         ``mx.argmax`` does over the whole vocabulary). Ties in count: the smaller id ranks first.
 
     Raises:
-        ValueError: ``size`` out of range or a counted id outside ``0..V-1``.
+        ValueError: ``size`` out of range, or ``counts`` not of shape ``[V]``.
     """
     if not 1 <= size <= vocab_size:
         raise ValueError(f"draft vocabulary size must be in 1..{vocab_size}, got {size}")
-    dense = np.zeros(vocab_size, dtype=np.int64)
-    if isinstance(counts, Mapping):
-        for tok, n in counts.items():
-            if not 0 <= int(tok) < vocab_size:
-                raise ValueError(f"token id {tok} outside the vocabulary of {vocab_size}")
-            dense[int(tok)] += int(n)
-    else:
-        arr = np.asarray(counts, dtype=np.int64)
-        if arr.shape != (vocab_size,):
-            raise ValueError(f"counts must have shape ({vocab_size},), got {arr.shape}")
-        dense += arr
-    order = np.lexsort((np.arange(vocab_size), -dense))  # by count descending, then by id
+    counts = np.asarray(counts, dtype=np.int64)
+    if counts.shape != (vocab_size,):
+        raise ValueError(f"counts must have shape ({vocab_size},), got {counts.shape}")
+    order = np.lexsort((np.arange(vocab_size), -counts))  # by count descending, then by id
     return np.sort(order[:size]).astype(np.int32)
 
 
@@ -101,6 +93,14 @@ def ids_from_d2t(d2t, vocab_size: int, t2d=None) -> np.ndarray:
         if t2d.size != vocab_size or not np.array_equal(np.flatnonzero(t2d), np.sort(ids)):
             raise ValueError("t2d does not mark exactly d2t's target ids")
     return ids.astype(np.int32)
+
+
+def check_ids(ids, vocab_size: int) -> np.ndarray:
+    """``ids`` as ``[V']`` int64 target ids, checked: inside ``0..V-1`` and unique (else
+    ``ValueError``)."""
+    ids = np.asarray(ids, dtype=np.int64).reshape(-1)
+    ids_from_d2t(d2t_from_ids(ids), vocab_size)
+    return ids
 
 
 def _gather_rows(module: nn.Module, ids: mx.array) -> nn.Module:
@@ -144,9 +144,7 @@ class DraftVocab:
             ValueError: ids outside the head's vocabulary or repeated.
         """
         vocab_size = int(head_module.weight.shape[0])
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        ids_from_d2t(d2t_from_ids(ids), vocab_size)  # (range and uniqueness)
-        index = mx.array(ids.astype(np.int32))
+        index = mx.array(check_ids(ids, vocab_size).astype(np.int32))
         rows = _gather_rows(head_module, index)
         w2 = _gather_rows(network.markov_head.markov_w2, index) if network.has_markov else None
         mx.eval([v for m in (rows, w2) if m is not None for _, v in tree_flatten(m.parameters())])
@@ -215,8 +213,7 @@ def write_draft_vocab(path, ids, out=None) -> None:
     dst = Path(out) if out is not None else src
     config = json.loads((src / "config.json").read_text())
     if ids is not None:
-        ids = np.asarray(ids, dtype=np.int64).reshape(-1)
-        ids_from_d2t(d2t_from_ids(ids), int(config["vocab_size"]))  # (range and uniqueness)
+        ids = check_ids(ids, int(config["vocab_size"]))
     if dst.resolve() != src.resolve():
         shutil.copytree(src, dst, dirs_exist_ok=True)
     files = sorted(dst.glob("*.safetensors"))
