@@ -880,7 +880,7 @@ def test_draft_step_and_launch_must_share_one_draft_vocabulary(stand_in, tmp_pat
     fp = DraftFusedPass(net, loaded.model, vocab=dv)
     assert not fp.markov and fp.vocab is dv
     step = DraftStep(net, taps.embed, taps.lm_head, compiled=False, fused=fp, vocab=dv)
-    assert step.fused_error(40) < 1e-4
+    assert step.fused_error(40) < (1e-3 if ON_CUDA else 1e-4)  # (TF32 on CUDA: 4.4e-4 on an H200)
     for wrong in (None, other):
         with pytest.raises(ValueError, match="same draft vocabulary"):
             DraftStep(net, taps.embed, taps.lm_head, fused=fp, vocab=wrong)
