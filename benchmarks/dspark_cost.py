@@ -9,7 +9,9 @@ break-even next to the accepted drafts per forced cycle measured.
 
 It then times the same draft forwards through an eager and a compiled
 :class:`~drafters.dspark.DraftStep` side by side (alternating, same context rows, 1-4 new rows
-per cycle), which is what ``mx.compile`` of the drafter is worth on this machine.
+per cycle), which is what ``mx.compile`` of the drafter is worth on this machine, and the
+engine's own forward by the number of new context rows it projects first (``rows_sweep``: what a
+catch-up after other drafters' cycles costs, in the fused launch and as MLX ops before it).
 
     python -m benchmarks.dspark_cost --workloads novel_code,novel_chat --out dspark_cost.json
 """
@@ -43,6 +45,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--draft-kernel-rows", type=int, default=8, choices=[8, 16], help="SPECSERVE_DRAFT_KERNEL_ROWS")
     ap.add_argument("--draft-vocab", default="on", choices=["on", "off"],
                     help="SPECSERVE_DSPARK_DRAFT_VOCAB: the drafter's draft vocabulary, when it has one")
+    ap.add_argument("--sweep-contexts", default="256,2048",
+                    help="context lengths of the forward-by-new-rows sweep (comma-separated; empty: none)")
+    ap.add_argument("--sweep-rows", default="1,4,8,9,16,17,32,48,64,65,128")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     eng = Engine(EngineConfig(speculation="dspark", dspark=True, dspark_drafter=args.drafter,
@@ -84,6 +89,9 @@ def main(argv=None) -> dict:
         first_prompt = next(p for w in load_workloads(args.workloads.split(",")) for p in w["prompts"]
                             if p.get("kind") != "session")
         steps = compare_steps(eng, prompt_tokens(tok, first_prompt), args.cycles)
+        contexts = [int(c) for c in args.sweep_contexts.split(",") if c]
+        sweep = rows_sweep(eng, prompt_tokens(tok, first_prompt), contexts,
+                           [int(r) for r in args.sweep_rows.split(",")]) if contexts else {}
     finally:
         dspark_drafter.DSparkDrafter.propose = propose
         eng.stop()
@@ -102,6 +110,7 @@ def main(argv=None) -> dict:
         "draft_vocab": eng.draft_vocab.size if eng.draft_vocab is not None else None,
         "draft_kernel_rows": fused_rows,
         "eager_vs_compiled": steps,
+        "forward_ms_by_new_rows": sweep,
     }
     print(json.dumps(report, indent=1))
     if args.out:
@@ -140,6 +149,50 @@ def compare_steps(eng: Engine, prompt: list[int], cycles: int) -> dict:
     return {"eager_ms": round(eager, 3), "compiled_ms": round(compiled, 3),
             "eager_over_compiled": round(eager / compiled, 2), "same_drafts": f"{agree}/{cycles + 3}",
             **split_forward(net, taps, tokens, hidden, len(prompt) - 1, cycles, eng.draft_vocab)}
+
+
+def rows_sweep(eng: Engine, prompt: list[int], contexts: list[int], sizes: list[int],
+               iters: int = 15) -> dict:
+    """Median ms of the engine's draft forward (:meth:`DSparkDrafter.propose`, 7 greedy drafts, the
+    engine's :class:`DraftStep`) that first projects ``N`` new context rows, for each ``N`` in
+    ``sizes``, at each context length in ``contexts``: ``launch`` the way the engine runs it (in
+    the fused launch up to ``DraftStep.steady_rows``, else as MLX ops first), ``ops`` with the
+    rows always projected as MLX ops before the launch (a compiled padded update up to
+    ``MAX_PADDED_ROWS``; without a fused launch the two are the same path). The same rows are
+    projected again each time (the drafter's length is set back), so the context stays put.
+    Returns ``{context: {N: {"launch": ms, "ops": ms}}}``."""
+    taps, net, step = eng.target_taps, eng.dspark, eng._dspark_step
+    longest = max(contexts) + 1
+    tokens = (prompt * (1 + longest // max(1, len(prompt))))[:longest]
+    hidden = taps.forward(mx.array(tokens)[None])[1][0]
+    mx.eval(hidden)
+    out: dict = {}
+    for context in contexts:
+        d = dspark_drafter.DSparkDrafter(net, taps.embed, taps.lm_head, step)
+        d.propose(DraftContext(tokens[: context + 1], hidden[:context]), 7)  # the prompt's forward
+        row: dict = {}
+        for n in (n for n in sizes if n <= context):
+            row[n] = {}
+            for mode in ("launch", "ops"):
+                times = []
+                for i in range(iters + 2):
+                    d._length, d._pending = context - n, []
+                    if mode == "ops":  # (an instance attribute over the method, deleted after)
+                        step.absorbs_in_launch = lambda rows: False
+                    try:
+                        started = time.perf_counter()
+                        d.propose(DraftContext(tokens[: context + 1], hidden[context - n:context]), 7)
+                        elapsed = time.perf_counter() - started
+                    finally:
+                        if mode == "ops":
+                            del step.absorbs_in_launch
+                    if i >= 2 and not d.traced:  # (the first ones compile)
+                        times.append(1e3 * elapsed)
+                row[n][mode] = round(statistics.median(times), 3) if times else None
+        out[context] = row
+        print(f"forward ms by new rows at context {context}:",
+              {n: (v["launch"], v["ops"]) for n, v in row.items()}, flush=True)
+    return out
 
 
 def split_forward(net, taps, tokens: list[int], hidden, pos: int, cycles: int, vocab=None) -> dict:

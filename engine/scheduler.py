@@ -319,26 +319,32 @@ class DsparkStats:
     # is ignored from the third forward on, and a lasting change is followed within five
     COST_WINDOW = 9
     # Per-request acceptance evidence (:meth:`request_accepted`): the engine-wide EMA weighs as
-    # this many of the request's own DSpark cycles in its running mean; 0 (default) keeps the
-    # engine-wide EMA alone. Opt-in until a GPU run compares the two (bench_speculative
-    # --variant req:engine.scheduler.DsparkStats.REQUEST_PRIOR=2 --methods off,auto,auto+req).
-    REQUEST_PRIOR = 0
+    # this many of the request's own DSpark cycles in its running mean; 0 keeps the engine-wide
+    # EMA alone. H200, nine workloads side by side (docs/benchmarks.md, fifty-second session):
+    # auto with 2 against 0 +0.8% on average over 18 workload runs (-2.0% to +4.4%, within noise
+    # run to run), and it rescues a request whose own drafts pass from other requests' verdict.
+    REQUEST_PRIOR = 2
     # A forward that projects at most this many new context rows (the rows committed since the
     # request's last DSpark forward) is a steady one, unless the engine says otherwise
-    # (``steady_rows``: ``DraftStep.steady_rows``, up to 64 with the fused launch's 8-row kernel):
-    # what a cycle costs while DSpark keeps drafting. Only those set draft_cost. The others
-    # (a request's first forward over its prompt, a probe after cycles of other drafters that
-    # committed more rows) cost more and say nothing about that: on an H100 every forward the
-    # scheduler timed in a benchmark run was one of them (2.5-2.9 ms), against 1.2-1.3 ms for
-    # steady forwards (docs/benchmarks.md, "Thirty-ninth session"), and DSpark was never chosen.
+    # (``steady_rows``: the drafter's block rows, ``block_size + 1``): what a cycle costs while
+    # DSpark keeps drafting. Only those set draft_cost. The others (a request's first forward
+    # over its prompt, a probe after cycles of other drafters that committed more rows) cost
+    # more and say nothing about that: on an H100 every forward the scheduler timed in a
+    # benchmark run was one of them (2.5-2.9 ms), against 1.2-1.3 ms for steady forwards
+    # (docs/benchmarks.md, "Thirty-ninth session"), and DSpark was never chosen.
     STEADY_ROWS = 16
+    # False: forwards of up to ``launch_rows`` new rows (``DraftStep.steady_rows``: 64 with the
+    # fused launch's 8-row kernel, which projects them itself in chunks) count as steady too, as
+    # before the fifty-second session (a knob for side-by-side benchmarks)
+    STEADY_BLOCK_ONLY = True
 
     def __init__(self, positions: int = 16, alpha: float = 0.05, steady_cost: float = 0.0,
-                 steady_rows: int = STEADY_ROWS):
+                 steady_rows: int = STEADY_ROWS, launch_rows: int = 0):
         self.alpha = alpha
-        # forwards of at most this many new rows are steady ones: the engine's drafter projects
-        # them at its steady cost (the fused launch takes 16, or 64 with its 8-row kernel, on CUDA)
-        self.steady_rows = steady_rows
+        # forwards of at most this many new rows are steady ones (``launch_rows``: see
+        # STEADY_BLOCK_ONLY)
+        self.block_rows = steady_rows
+        self.launch_rows = launch_rows
         # measured target-pass time of every cycle of a request that may run DSpark (earns probes)
         self.decode_seconds = 0.0
         self.probe_seconds = 0.0  # time spent on DSpark forwards that ran as probes
@@ -364,6 +370,11 @@ class DsparkStats:
         # a catch-up starts, over which its extra cost is spread (:meth:`forward_cost`)
         self.catch_up_share = 1.0
         self.shared_forwards = 0
+
+    @property
+    def steady_rows(self) -> int:
+        """The most new context rows a steady forward projects (:attr:`STEADY_BLOCK_ONLY`)."""
+        return self.block_rows if self.STEADY_BLOCK_ONLY else max(self.block_rows, self.launch_rows)
 
     def calibrated(self, conditional: list[float]) -> list[float]:
         survival, acc = [], 1.0
@@ -428,15 +439,21 @@ class DsparkStats:
     def observe_cost(self, seconds: float, *, rows: int, first: bool = False) -> None:
         """A timed DSpark forward (propose) that projected ``rows`` new context rows took
         ``seconds``; ``first``: a request's first forward (over its prompt). :attr:`draft_cost`
-        is the median of the last :attr:`COST_WINDOW` steady forwards (``rows <= steady_rows``);
-        before any, :attr:`steady_cost` if it was timed, else the median of the last others.
-        :attr:`catch_up_cost` is the median of the later forwards of more rows: a prompt's
-        projection (hundreds of rows for an agent's prompt) says little about a catch-up after a
-        few cycles of other drafters (tens of rows)."""
-        if rows <= self.steady_rows:
+        is the median of the last :attr:`COST_WINDOW` steady forwards (later ones of ``rows <=
+        steady_rows``); before any, :attr:`steady_cost` if it was timed, else the median of the
+        last others. :attr:`catch_up_cost` is the median of the later forwards of more rows: a
+        prompt's projection (hundreds of rows for an agent's prompt) says little about a
+        catch-up after a few cycles of other drafters (tens of rows). A first forward is never a
+        steady one, however short its prompt: it also sets up the request's draft cache. Counted
+        as steady, the first forwards of short prompts were most of the forwards auto timed on an
+        H200 (probes are rare) and set the draft cost to 1.8-2.5 ms against 1.3 ms for steady
+        forwards (docs/benchmarks.md, fifty-second session)."""
+        if first:
+            self.prompt_costs.append(seconds)
+        elif rows <= self.steady_rows:
             self.recent_costs.append(seconds)
         else:
-            (self.prompt_costs if first else self.catch_up_costs).append(seconds)
+            self.catch_up_costs.append(seconds)
         if self.recent_costs:
             self.draft_cost = statistics.median(self.recent_costs)
         elif not self.steady_cost:
@@ -548,7 +565,7 @@ class DsparkStats:
         """A request's estimate of accepted drafts per DSpark cycle: the running mean of its own
         ``cycles`` DSpark cycles (``accepted_sum`` drafts accepted in them) with the engine-wide
         :attr:`accepted_ema` counted as :attr:`REQUEST_PRIOR` cycles; None (the engine-wide
-        value) while :attr:`REQUEST_PRIOR` is 0 or the request has run none. DSpark's yield
+        value) where :attr:`REQUEST_PRIOR` is 0 or the request has run none. DSpark's yield
         differs from request to request (novel text against adversarial or copied text), and
         an engine-wide value set by other requests' cycles can keep a request from drafting
         where its own cycles win (docs/benchmarks.md, fifty-first session: 0.39 after

@@ -200,8 +200,8 @@ def test_losing_dspark_is_probed_not_run_every_cycle(tiny, tmp_path, monkeypatch
 def test_a_request_whose_own_dspark_cycles_win_keeps_drafting_with_per_request_evidence(tiny, tmp_path,
                                                                                        monkeypatch):
     """The engine-wide evidence says DSpark yields nothing (other requests' cycles), but this
-    request's drafts pass: with ``DsparkStats.REQUEST_PRIOR`` 0 (the default) it runs DSpark only
-    on probes; with 2, its own first probe lifts its estimate above plain decoding and it drafts
+    request's drafts pass: with ``DsparkStats.REQUEST_PRIOR`` 0 it runs DSpark only on probes;
+    with 2 (the default), its own first probe lifts its estimate above plain decoding and it drafts
     with DSpark every cycle after. Output stays plain greedy either way."""
     from engine.scheduler import DsparkStats
 
@@ -237,9 +237,12 @@ def test_request_accepted_blends_the_engine_wide_estimate_as_prior_cycles(monkey
 
     stats = DsparkStats()
     stats.accepted_ema = 0.4
-    assert stats.request_accepted(9.0, 3) is None  # (REQUEST_PRIOR 0: the engine-wide value)
+    assert DsparkStats.REQUEST_PRIOR == 2  # (the default)
+    assert stats.request_accepted(0.0, 0) is None  # (no cycle of its own: the engine-wide value)
+    assert stats.request_accepted(9.0, 3) == pytest.approx((2 * 0.4 + 9.0) / 5)
+    monkeypatch.setattr(DsparkStats, "REQUEST_PRIOR", 0)
+    assert stats.request_accepted(9.0, 3) is None  # (0: the engine-wide value)
     monkeypatch.setattr(DsparkStats, "REQUEST_PRIOR", 2)
-    assert stats.request_accepted(0.0, 0) is None
     assert stats.request_accepted(9.0, 3) == pytest.approx((2 * 0.4 + 9.0) / 5)
     cost = CostModel([0.01 * (1 + 0.1 * k) for k in range(8)])
     assert stats.expected_rate(cost, accepted=2.0) > stats.expected_rate(cost)
@@ -740,19 +743,41 @@ def test_only_requests_with_another_drafter_measure_how_long_dspark_runs(dspark_
     assert fed[:1] == [0]  # the first forward, over the prompt, counts as a steady one
 
 
-def test_forwards_within_the_drafters_steady_rows_are_steady_ones():
-    """With the fused launch's 8-row kernel projecting up to 64 new rows itself (``DraftStep.steady_rows``), a
-    forward after a few cycles of other drafters costs what a steady one does: priced, timed and
-    counted as one."""
+def test_only_forwards_within_the_drafters_block_rows_are_steady_ones(monkeypatch):
+    """A steady forward projects what one DSpark cycle commits (``steady_rows``: the block's
+    rows); more rows make a catch-up even where the fused launch projects them itself
+    (``launch_rows``: up to 64 with its 8-row kernel): on an H200 such forwards, timed as steady
+    ones, set the draft cost to 1.8-2.5 ms against 1.3 ms. ``STEADY_BLOCK_ONLY = False`` (a
+    benchmark knob) counts the launch's rows as steady again."""
     from engine.scheduler import DsparkStats
 
-    ds = DsparkStats(steady_cost=0.001, steady_rows=64)
-    ds.observe_cost(0.003, rows=65)
-    assert ds.forward_cost(40) == ds.forward_cost(64) == 0.001 and ds.forward_cost(65) > 0.001
-    ds.observe_cost(0.0012, rows=40)
-    assert ds.draft_cost == 0.0012 and ds.catch_up_cost == 0.003
+    ds = DsparkStats(steady_cost=0.001, steady_rows=8, launch_rows=64)
+    ds.observe_cost(0.0025, rows=40)
+    assert ds.draft_cost == 0.001 and ds.catch_up_cost == 0.0025
+    assert ds.forward_cost(8) == 0.001 and ds.forward_cost(9) == pytest.approx(0.0025)  # (share 1 before any)
+    ds.observe_cost(0.0012, rows=8)
+    assert ds.draft_cost == 0.0012
     ds.observe_forward(40)
-    assert ds.catch_up_share == pytest.approx(0.5)  # (the prior and one steady forward)
+    assert ds.catch_up_share == 1.0
+    monkeypatch.setattr(DsparkStats, "STEADY_BLOCK_ONLY", False)
+    assert ds.steady_rows == 64 and ds.forward_cost(40) == 0.0012 and ds.forward_cost(65) > 0.0012
+    ds.observe_cost(0.0014, rows=40)
+    assert ds.draft_cost == pytest.approx(0.0013)
+
+
+def test_a_requests_first_forward_is_never_a_steady_one():
+    """A request's first forward projects its prompt and sets up its draft cache: kept out of the
+    draft cost however short the prompt (the first forwards of short prompts were most of what
+    auto timed on an H200, probes being rare)."""
+    from engine.scheduler import DsparkStats
+
+    ds = DsparkStats(steady_cost=0.0013, steady_rows=8)
+    ds.observe_cost(0.0024, rows=5, first=True)
+    assert ds.draft_cost == 0.0013 and list(ds.prompt_costs) == [0.0024] and not ds.recent_costs
+    assert ds.fastest_forward == 0.0024 and ds.timed_forwards == 1
+    untimed = DsparkStats(steady_rows=8)  # nothing timed at start-up: it is all there is
+    untimed.observe_cost(0.0024, rows=5, first=True)
+    assert untimed.draft_cost == 0.0024
 
 
 def test_a_catch_up_is_charged_by_the_share_of_forwards_that_are_catch_ups():
