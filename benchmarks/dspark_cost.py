@@ -2,8 +2,8 @@
 
 Runs benchmark workloads with DSpark forced to draft every cycle (``min_draft_tokens = 1``: the
 gate is off) and times each draft forward (``DSparkDrafter.propose``), split into the first
-forward of a request (it projects the whole prompt's tapped hidden states) and the steady ones
-(a few new rows each). With the engine's start-up curve ``T(k)``, a DSpark cycle of ``L`` drafts
+forward of a request (it projects the whole prompt's tapped hidden states and sets up the
+request's draft cache) and the steady ones (the last cycle's committed rows each). With the engine's start-up curve ``T(k)``, a DSpark cycle of ``L`` drafts
 beats plain decoding only if ``1 + accepted > (T(L + 1) + forward) / T(1)``; the report gives that
 break-even next to the accepted drafts per forced cycle measured.
 
@@ -53,16 +53,16 @@ def main(argv=None) -> dict:
     eng = Engine(EngineConfig(speculation="dspark", dspark=True, dspark_drafter=args.drafter,
                               draft_kernel_rows=args.draft_kernel_rows,
                               dspark_draft_vocab=args.draft_vocab == "on")).start(wait=True)
-    forwards: list[tuple[int, float]] = []  # (context rows absorbed, ms)
+    forwards: list[tuple[bool, float]] = []  # (a request's first forward, ms)
     propose = dspark_drafter.DSparkDrafter.propose
 
     def timed(self, ctx, max_len):
-        rows = 0 if ctx.hidden is None else int(ctx.hidden.shape[0])
+        first = self.projected_length == 0
         started = time.perf_counter()
         try:
             return propose(self, ctx, max_len)
         finally:
-            forwards.append((rows, 1e3 * (time.perf_counter() - started)))
+            forwards.append((first, 1e3 * (time.perf_counter() - started)))
 
     dspark_drafter.DSparkDrafter.propose = timed
     try:
@@ -95,8 +95,10 @@ def main(argv=None) -> dict:
     finally:
         dspark_drafter.DSparkDrafter.propose = propose
         eng.stop()
-    steady = [ms for rows, ms in forwards if rows <= 16]
-    first = [ms for rows, ms in forwards if rows > 16]
+    # (forced every cycle, a request's later forwards each project the last cycle's committed
+    # rows, at most the block's: steady ones; its first projects the prompt)
+    steady = [ms for first, ms in forwards if not first]
+    first = [ms for first, ms in forwards if first]
     forward = statistics.median(steady) if steady else float("nan")
     length = round(drafted / drafts) if drafts else 1
     t1, tl = curve[0] * 1e3, curve[min(length, len(curve) - 1)] * 1e3
