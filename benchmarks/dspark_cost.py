@@ -166,7 +166,7 @@ def rows_sweep(eng: Engine, prompt: list[int], contexts: list[int], sizes: list[
     taps, net, step = eng.target_taps, eng.dspark, eng._dspark_step
     longest = max(contexts) + 1
     tokens = (prompt * (1 + longest // max(1, len(prompt))))[:longest]
-    hidden = taps.forward(mx.array(tokens)[None])[1][0]
+    hidden = taps.forward(mx.array(tokens)[None])[1][0].astype(mx.float32)  # (as requests pass them)
     mx.eval(hidden)
     out: dict = {}
     for context in contexts:

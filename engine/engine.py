@@ -494,8 +494,9 @@ class Engine:
             except Exception:  # (only a first estimate: requests time their own forwards)
                 log.warning("DSpark forward not timed at start-up", exc_info=True)
                 steady = 0.0
-            self.dspark_stats = DsparkStats(steady_cost=steady, steady_rows=self.dspark.config.block_size + 1,
-                                            launch_rows=self._dspark_step.steady_rows)
+            # (steady: what one DSpark cycle commits, within what the drafter projects steadily)
+            rows = min(self.dspark.config.block_size + 1, self._dspark_step.steady_rows)
+            self.dspark_stats = DsparkStats(steady_cost=steady, steady_rows=rows)
             self._stop_point()
         if cfg.prefix_cache_bytes > 0:  # after the warm-up, which must not count in its metrics
             if PrefixCache.supports(self.runner.make_cache()):

@@ -341,7 +341,8 @@ class Sequence:
     def _dspark_rows(self) -> int:
         """New context rows to price the next DSpark forward at (``DsparkStats.forward_cost``):
         the rows committed since this request's last DSpark forward. A request's first forward,
-        over its prompt, counts as a steady one: every use of DSpark in the request pays it, so
+        over its prompt, is priced as a steady one (though never timed as one:
+        ``DsparkStats.observe_cost``): every use of DSpark in the request pays it, so
         it prices the request's DSpark, not this cycle's (charged as a catch-up, a request would
         drop DSpark on its first cycle whenever the probe budget is spent, before it could
         win)."""
@@ -367,7 +368,7 @@ class Sequence:
         drafter = self.drafters["dspark"]
         new_rows = len(self.tokens) - 1 - drafter.projected_length  # (projected by this forward)
         first = self.dspark_forwards == 0
-        priced_rows = 0 if first else new_rows  # (_dspark_rows: the prompt's forward as a steady one)
+        priced_rows = 0 if first else new_rows  # (_dspark_rows: the prompt's forward priced as a steady one)
         proposal = self._grammar_cut(drafter.propose(ctx, budget))
         self.dspark_forwards += 1
         if "prompt_lookup" in self.drafters and self.request.speculative.min_draft_tokens == 0:

@@ -304,8 +304,8 @@ class DsparkStats:
     PROBE_SHARE_MIN = 0.0025  # ... halved by every probe (after BOUND_AFTER timed) down to this, until a win
     BOUND_AFTER = 3  # timed forwards before best_case_rate may keep probes from running
     # what the forwards timed while DSpark loses cost over a steady one: they project a prompt's
-    # rows or the 32+ cycles' rows queued since the last probe, where those are more than the
-    # drafter's steady rows (tiny model on the CPU: +40-50% at 65-100 rows; H200, the default
+    # rows or the 32+ cycles' rows queued since the last probe, where those are more than
+    # :attr:`steady_rows` (tiny model on the CPU: +40-50% at 65-100 rows; H200, the default
     # model: 2.86 against 2.27 ms for a request's first forward)
     ABSORB_MARGIN = 1.5
     # whether requests keep DSpark (its taps and queued rows) while it neither delivers more than
@@ -326,25 +326,24 @@ class DsparkStats:
     REQUEST_PRIOR = 2
     # A forward that projects at most this many new context rows (the rows committed since the
     # request's last DSpark forward) is a steady one, unless the engine says otherwise
-    # (``steady_rows``: the drafter's block rows, ``block_size + 1``): what a cycle costs while
-    # DSpark keeps drafting. Only those set draft_cost. The others (a request's first forward
-    # over its prompt, a probe after cycles of other drafters that committed more rows) cost
-    # more and say nothing about that: on an H100 every forward the scheduler timed in a
-    # benchmark run was one of them (2.5-2.9 ms), against 1.2-1.3 ms for steady forwards
-    # (docs/benchmarks.md, "Thirty-ninth session"), and DSpark was never chosen.
+    # (``steady_rows``: what one DSpark cycle commits, ``block_size + 1``, capped by what the
+    # drafter projects in its steady path): what a cycle costs while DSpark keeps drafting.
+    # Only those set draft_cost. The others (a request's first forward over its prompt, a probe
+    # after cycles of other drafters that committed more rows) cost more and say nothing about
+    # that: on an H100 every forward the scheduler timed in a benchmark run was one of them
+    # (2.5-2.9 ms), against 1.2-1.3 ms for steady forwards (docs/benchmarks.md, "Thirty-ninth
+    # session"), and DSpark was never chosen. Until the fifty-second session the engine passed
+    # the fused launch's capacity (64 rows with its 8-row kernel, projected in the launch in
+    # chunks): on an H200, the forwards of up to 64 rows auto timed (probes, short prompts'
+    # first forwards) set the draft cost to 1.8-2.5 ms against 1.1-1.4 ms for forwards of one
+    # cycle's rows.
     STEADY_ROWS = 16
-    # False: forwards of up to ``launch_rows`` new rows (``DraftStep.steady_rows``: 64 with the
-    # fused launch's 8-row kernel, which projects them itself in chunks) count as steady too, as
-    # before the fifty-second session (a knob for side-by-side benchmarks)
-    STEADY_BLOCK_ONLY = True
 
     def __init__(self, positions: int = 16, alpha: float = 0.05, steady_cost: float = 0.0,
-                 steady_rows: int = STEADY_ROWS, launch_rows: int = 0):
+                 steady_rows: int = STEADY_ROWS):
         self.alpha = alpha
-        # forwards of at most this many new rows are steady ones (``launch_rows``: see
-        # STEADY_BLOCK_ONLY)
-        self.block_rows = steady_rows
-        self.launch_rows = launch_rows
+        # forwards of at most this many new rows (and not a request's first) are steady ones
+        self.steady_rows = steady_rows
         # measured target-pass time of every cycle of a request that may run DSpark (earns probes)
         self.decode_seconds = 0.0
         self.probe_seconds = 0.0  # time spent on DSpark forwards that ran as probes
@@ -370,11 +369,6 @@ class DsparkStats:
         # a catch-up starts, over which its extra cost is spread (:meth:`forward_cost`)
         self.catch_up_share = 1.0
         self.shared_forwards = 0
-
-    @property
-    def steady_rows(self) -> int:
-        """The most new context rows a steady forward projects (:attr:`STEADY_BLOCK_ONLY`)."""
-        return self.block_rows if self.STEADY_BLOCK_ONLY else max(self.block_rows, self.launch_rows)
 
     def calibrated(self, conditional: list[float]) -> list[float]:
         survival, acc = [], 1.0
@@ -444,10 +438,8 @@ class DsparkStats:
         last others. :attr:`catch_up_cost` is the median of the later forwards of more rows: a
         prompt's projection (hundreds of rows for an agent's prompt) says little about a
         catch-up after a few cycles of other drafters (tens of rows). A first forward is never a
-        steady one, however short its prompt: it also sets up the request's draft cache. Counted
-        as steady, the first forwards of short prompts were most of the forwards auto timed on an
-        H200 (probes are rare) and set the draft cost to 1.8-2.5 ms against 1.3 ms for steady
-        forwards (docs/benchmarks.md, fifty-second session)."""
+        steady one, however short its prompt: it projects the prompt and sets up the request's
+        draft cache (a prompt of up to ``steady_rows`` tokens used to count as steady)."""
         if first:
             self.prompt_costs.append(seconds)
         elif rows <= self.steady_rows:

@@ -245,12 +245,11 @@ class Settings(BaseSettings):
         8,
         description="The fused DSpark draft launch's kernel (CUDA, `fused` auto/on). `8`: for blocks of "
         "at most 8 rows (the shipped drafter's 7), 16 warps per block, up to 64 new context rows "
-        "projected in the launch in chunks of 8, so a DSpark forward after several prompt-lookup "
-        "cycles costs about a steady one. `16`: built for up to 16 block rows, 8 warps per block, up "
-        "to 16 new context rows in the launch (more run as MLX ops first). H100, default model, the "
-        "shipped drafter: steady forward 1.14 ms (`8`) against 1.32 ms (`16`), a forward projecting 17-64 "
-        "new context rows 1.48 against 2.53 ms. Larger blocks always get `16`. Drafts only: output stays exact "
-        "either way.",
+        "projected in the launch in chunks of 8. `16`: built for up to 16 block rows, 8 warps per block, "
+        "up to 16 new context rows in the launch (more run as MLX ops first). H100, default model, the "
+        "shipped drafter: steady forward 1.14 ms (`8`) against 1.32 ms (`16`), a request's first forward "
+        "over a prompt of 17-64 tokens 1.48 against 2.53 ms. Larger blocks always get `16`. Drafts only: "
+        "output stays exact either way.",
     )
 
     cuda_graphs: Literal["auto", "on", "off"] = Field(

@@ -604,8 +604,8 @@ def test_engine_starts_when_the_start_up_timing_fails(tiny, tmp_path, monkeypatc
 
 
 def test_draft_cost_is_the_steady_forwards_cost():
-    """Forwards that project more than ``STEADY_ROWS`` new context rows (a request's first, over
-    its prompt; a probe after 32+ cycles of other drafters) leave the draft cost at the steady
+    """Forwards that project more than ``STEADY_ROWS`` new context rows (a probe after 32+ cycles
+    of other drafters) and a request's first (over its prompt) leave the draft cost at the steady
     forwards' (timed at start-up until requests time their own); without either, they set it."""
     from engine.scheduler import CostModel, DsparkStats
 
@@ -638,7 +638,7 @@ def test_draft_cost_is_the_steady_forwards_cost():
 @pytest.mark.parametrize("prompt", [list(range(10, 50)), [10]], ids=["40 tokens", "1 token"])
 def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, monkeypatch, prompt):
     """A DSpark forward projects every row committed since the request's last one: after cycles
-    without DSpark, more than ``STEADY_ROWS`` rows make it a catch-up, which costs more (2.33 ms
+    without DSpark, more than ``steady_rows`` rows make it a catch-up, which costs more (2.33 ms
     against 1.23 ms steady on an H100, where auto, pricing such forwards as steady ones, ran
     code_edit at 0.973x prompt lookup alone); the extra is charged times the share of forwards
     that are catch-ups. Here DSpark wins the first cycle, loses the next 20 (no probe is due and
@@ -654,7 +654,6 @@ def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, mon
 
     from drafters.dspark import DSparkDrafter
     from engine import generation
-    from engine.scheduler import DsparkStats
 
     ds, cost = dspark_engine.dspark_stats, dspark_engine.cost
     monkeypatch.setattr(cost, "alpha", 0.0)
@@ -708,7 +707,7 @@ def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, mon
         seen[catch_up, share, idle_taps] = (len(calls), list(drops))
         assert bars[0] == (0, pytest.approx(0.001))  # the first forward: priced as a steady one
         for rows, seconds in bars[1:]:  # the catch-up after the flip, then steady ones
-            steady = rows <= DsparkStats.STEADY_ROWS
+            steady = rows <= ds.steady_rows
             assert seconds == pytest.approx(0.001 if steady else 0.001 + share * (catch_up - 0.001)), bars
     # the first forward (over the prompt) ran; the catch-up never did; no drop before the end
     assert seen[0.02, 1.0, True][0] == 1 and min(seen[0.02, 1.0, True][1], default=40) > 30, seen
@@ -716,7 +715,7 @@ def test_a_dspark_forward_that_must_catch_up_is_priced_as_one(dspark_engine, mon
     assert seen[0.02, 1.0, False][0] == 1 and 18 <= seen[0.02, 1.0, False][1][0] <= 24, seen
     for key in ((0.02, 0.05, False), (0.001, 1.0, False)):
         assert seen[key][0] >= 3 and min(seen[key][1], default=40) > 30, seen
-    assert any(rows > DsparkStats.STEADY_ROWS for rows, _ in bars), bars  # (the last case's catch-up)
+    assert any(rows > ds.steady_rows for rows, _ in bars), bars  # (the last case's catch-up)
 
 
 def test_only_requests_with_another_drafter_measure_how_long_dspark_runs(dspark_engine, monkeypatch):
@@ -743,26 +742,34 @@ def test_only_requests_with_another_drafter_measure_how_long_dspark_runs(dspark_
     assert fed[:1] == [0]  # the first forward, over the prompt, counts as a steady one
 
 
-def test_only_forwards_within_the_drafters_block_rows_are_steady_ones(monkeypatch):
-    """A steady forward projects what one DSpark cycle commits (``steady_rows``: the block's
-    rows); more rows make a catch-up even where the fused launch projects them itself
-    (``launch_rows``: up to 64 with its 8-row kernel): on an H200 such forwards, timed as steady
-    ones, set the draft cost to 1.8-2.5 ms against 1.3 ms. ``STEADY_BLOCK_ONLY = False`` (a
-    benchmark knob) counts the launch's rows as steady again."""
+def test_a_forward_of_more_rows_than_a_cycle_commits_is_a_catch_up():
+    """A steady forward projects what one DSpark cycle commits (``steady_rows``: the block's rows,
+    which the engine passes); more rows make a catch-up even where the fused launch projects them
+    itself (up to 64 with its 8-row kernel): on an H200 the forwards of up to 64 rows auto timed,
+    counted as steady ones, set the draft cost to 1.8-2.5 ms against 1.1-1.4 ms."""
     from engine.scheduler import DsparkStats
 
-    ds = DsparkStats(steady_cost=0.001, steady_rows=8, launch_rows=64)
+    ds = DsparkStats(steady_cost=0.001, steady_rows=8)
     ds.observe_cost(0.0025, rows=40)
     assert ds.draft_cost == 0.001 and ds.catch_up_cost == 0.0025
     assert ds.forward_cost(8) == 0.001 and ds.forward_cost(9) == pytest.approx(0.0025)  # (share 1 before any)
     ds.observe_cost(0.0012, rows=8)
     assert ds.draft_cost == 0.0012
-    ds.observe_forward(40)
+    ds.observe_forward(9)
     assert ds.catch_up_share == 1.0
-    monkeypatch.setattr(DsparkStats, "STEADY_BLOCK_ONLY", False)
-    assert ds.steady_rows == 64 and ds.forward_cost(40) == 0.0012 and ds.forward_cost(65) > 0.0012
-    ds.observe_cost(0.0014, rows=40)
-    assert ds.draft_cost == pytest.approx(0.0013)
+
+
+def test_the_engine_counts_one_cycles_rows_as_steady(tiny, tmp_path):
+    """The engine's steady rows are what one DSpark cycle commits (``block_size + 1``), within
+    what the drafter projects in its steady path (``DraftStep.steady_rows``)."""
+    path = make_drafter(tiny, tmp_path / "drafter")
+    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40,),
+                              warmup=False), loaded=tiny).start(wait=True, timeout=300)
+    try:
+        block = eng.dspark.config.block_size
+        assert eng.dspark_stats.steady_rows == min(block + 1, eng._dspark_step.steady_rows) == block + 1
+    finally:
+        eng.stop()
 
 
 def test_a_requests_first_forward_is_never_a_steady_one():

@@ -1101,11 +1101,10 @@ def test_engine_drafts_dspark_blocks_in_one_launch(stand_in, tmp_path, mode):
         assert (vocab is not None) == mode.endswith("_vocab") and (fp is None or fp.vocab is vocab)
         if vocab is not None:
             assert vocab.ids.tolist() == TINY_SUBSET.tolist()
-        # forwards of up to a cycle's committed rows (the block's) are priced as steady ones; the
-        # launch's own capacity is the knob's other choice
-        ds = eng._dspark_step
-        assert eng.dspark_stats.block_rows == eng.dspark.config.block_size + 1
-        assert eng.dspark_stats.launch_rows == ds.steady_rows == (fp.max_absorb if fp is not None else MAX_PADDED_ROWS)
+        # the launch projects up to its capacity of new context rows itself, but only forwards of
+        # one cycle's rows (the block's) are priced as steady ones
+        assert eng._dspark_step.steady_rows == (fp.max_absorb if fp is not None else MAX_PADDED_ROWS)
+        assert eng.dspark_stats.steady_rows == eng.dspark.config.block_size + 1
         bias = {"sampling_kw": {"logit_bias": ((77, 30.0),)}}  # the target's argmax is 77: drafts pass
         accepted, before = 0, fp.passes if fp else 0
         for prompt in ([5, 6, 7, 8] * 6, list(range(30, 70))):
