@@ -15,6 +15,7 @@
 #   h200_session.sh merge            # add a staged earlier run's data (files/base_examples.jsonl.gz,
 #                                    # files/base_prompts.jsonl.gz) to this run's (after `gen` with
 #                                    # another SEED): benchmarks/gpu/merge_dspark_data.py
+#   h200_session.sh cost             # a DSpark forward's cost: forced cycles, by new context rows
 #   h200_session.sh bench            # plain / prompt lookup / DSpark / auto on every workload
 # Results go to $OUT (JSON, the exported drafter, logs).
 # Staging (forty-first session): PART_MB=36 ../shared/tools/stage-for-gpu.sh --pip mlx-lm==0.32.2
@@ -154,6 +155,12 @@ print('seconds per step (after the first):', (b['elapsed_s']-a['elapsed_s'])/(b[
       --base-prompts "$stage/files/base_prompts.jsonl.gz" --into "$run/data" --suffix "s${SEED:-0}" \
       --summary "$out/merge_summary.json"
     gzip -c "$run/data/prompts.jsonl" > "$out/prompts.jsonl.gz"
+    ;;
+  cost)
+    # what a DSpark forward costs: forced every cycle (steady and first forwards, break-even
+    # acceptance), eager vs compiled, and by new context rows (rows_sweep)
+    python3 -m benchmarks.dspark_cost --workloads "${COST_WORKLOADS:-novel_code,novel_chat,agent_session}" \
+      --cycles 30 --drafter "${DRAFTER:-$run/drafter-q4}" ${COST_ARGS:-} --out "$out/dspark_cost_h200.json"
     ;;
   bench)
     python3 -m benchmarks.bench_speculative --methods off,prompt_lookup,dspark,auto \
