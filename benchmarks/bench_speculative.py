@@ -446,11 +446,14 @@ def main(argv=None) -> dict:
                 "timed_forwards": ds.timed_forwards, "fastest_forward_ms": round(ds.fastest_forward * 1e3, 3),
                 "draft_cost_ms": round(ds.draft_cost * 1e3, 3),
                 "steady_cost_at_start_ms": round(ds.steady_cost * 1e3, 3),
+                # (the counts are of the recent forwards each median is over: at most COST_WINDOW)
+                "steady_rows": ds.steady_rows,
                 "steady_forwards": len(ds.recent_costs), "catch_up_cost_ms": round(ds.catch_up_cost * 1e3, 3),
                 "catch_ups": len(ds.catch_up_costs), "prompt_forwards": len(ds.prompt_costs),
                 "prompt_cost_ms": round(statistics.median(ds.prompt_costs) * 1e3, 3) if ds.prompt_costs else None,
                 "catch_up_share": round(ds.catch_up_share, 3), "shared_forwards": ds.shared_forwards,
-                "accepted_ema": round(ds.accepted_ema, 3), "probe_s": round(ds.probe_seconds, 4),
+                "accepted_ema": round(ds.accepted_ema, 3), "length_ema": round(ds.length_ema, 2),
+                "probe_s": round(ds.probe_seconds, 4),
                 "decode_s": round(ds.decode_seconds, 3), "cycles": ds.cycles,
                 "can_win": ds.can_win(eng.cost, eng.dspark.config.block_size)}
         line = "  ".join(f"{m}: {s['decode_tokens_per_s']:.1f} tok/s x{s['speedup']:.2f}"
