@@ -320,9 +320,10 @@ class DsparkStats:
     COST_WINDOW = 9
     # Per-request acceptance evidence (:meth:`request_accepted`): the engine-wide EMA weighs as
     # this many of the request's own DSpark cycles in its running mean; 0 keeps the engine-wide
-    # EMA alone. H200, nine workloads side by side (docs/benchmarks.md, fifty-second session):
-    # auto with 2 against 0 +0.8% on average over 18 workload runs (-2.0% to +4.4%, within noise
-    # run to run), and it rescues a request whose own drafts pass from other requests' verdict.
+    # EMA alone. H200, side by side (docs/benchmarks.md, fifty-second session): auto with 2
+    # against 0 +0.7% on average over 17 workload runs of nine workloads (-1.9% to +4.3%, within
+    # noise run to run), and it rescues a request whose own drafts pass from other requests'
+    # verdict.
     REQUEST_PRIOR = 2
     # A forward that projects at most this many new context rows (the rows committed since the
     # request's last DSpark forward) is a steady one, unless the engine says otherwise
