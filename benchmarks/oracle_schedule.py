@@ -17,9 +17,12 @@ Per workload, decode time over plain decoding's (``n T(1)`` for ``n`` tokens) fo
 
 * ``oracle_pl`` / ``oracle_dspark`` / ``oracle_both``: the fastest schedule using prompt lookup
   only, DSpark only, or both (dynamic programming over positions and DSpark's pending rows; a
-  cycle verifies exactly the drafts that will be accepted, the bonus token follows). Bounds: no
+  cycle verifies only drafts that will be accepted, all of them or fewer, and the bonus token
+  follows). Bounds: no
   scheduler can beat them with these drafters and costs; ``oracle_both / oracle_pl`` is the
-  most that adding DSpark to prompt lookup can give, what issue #6's mixed-session clause needs.
+  most that adding DSpark to prompt lookup can give under these costs, what issue #6's
+  mixed-session clause needs. ``*_launch``: the same with forwards of up to ``--launch-rows``
+  new rows at the steady price (the 8-row launch projects up to 64 itself).
 * ``dspark_forced``: DSpark every cycle, each block cut to the length its raw confidence makes
   best (``engine.scheduler.choose_length``), as the engine's ``min_draft_tokens=1`` runs it
   without calibration: a check of the cost profile against ``bench_speculative``'s ``dspark@1``.
@@ -78,12 +81,12 @@ def best_times(pl: list[int], ds: list[int], n: int, T: list[float], steady: flo
     best = {(n, r): (0.0, None) for r in states}
     for i in range(n - 1, -1, -1):
         for r in states:
+            # (a cycle may verify fewer drafts than would be accepted: the next cycle then starts
+            # elsewhere, maybe on a better proposal)
             options = [(T[0] + best[i + 1, after(r, 1)][0], ("plain", 1, after(r, 1)))]
-            if use_pl and pl[i]:
-                a = pl[i]
+            for a in range(1, pl[i] + 1) if use_pl else ():
                 options.append((T[a] + best[i + a + 1, after(r, a + 1)][0], ("prompt_lookup", a + 1, after(r, a + 1))))
-            if use_ds:
-                a = ds[i]
+            for a in range(ds[i] + 1) if use_ds else ():
                 rows = min(a + 1, stale)
                 options.append((forward(r) + T[a] + best[i + a + 1, rows][0], ("dspark", a + 1, rows)))
             best[i, r] = min(options, key=lambda o: o[0])
@@ -100,23 +103,25 @@ def forced_time(ds_blocks: list[tuple[list[int], list[float]]], output: list[int
                 catch_up: float, prompt: float, steady_rows: int) -> tuple[float, float]:
     """Decode seconds and mean accepted drafts per cycle of DSpark drafting every cycle, each
     block cut to the length its raw confidence makes best (at least 1, as the engine's
-    ``min_draft_tokens=1``)."""
-    from drafters.dspark.drafter import prefix_survival
-    from engine.scheduler import CostModel, choose_length, prefix_to_conditional
+    ``min_draft_tokens=1``; the engine rescales the confidence by its online calibration
+    first, ``DsparkStats.calibrated``, which this leaves out). A cycle with no room to draft
+    (the output's last token) runs no forward."""
+    from engine.scheduler import CostModel, choose_length
 
     cost, n = CostModel(list(T)), len(output)
-    i, spent, first, cycles, accepted_total = 0, 0.0, True, 0, 0
+    i, spent, rows, cycles, accepted_total = 0, 0.0, None, 0, 0
     while i < n:
         tokens, confidence = ds_blocks[i]
         room = min(len(tokens), n - i - 1)
-        length = 0
-        if room:
-            conditional = prefix_to_conditional(prefix_survival(confidence[:room]))
-            length = max(1, choose_length(conditional, cost)[0])
+        if not room:  # (Sequence.draft_budget 0: plain decoding)
+            spent += T[0]
+            i += 1
+            continue
+        length = max(1, choose_length(confidence[:room], cost)[0])
         a = accepted(tokens[:length], output, i)
-        rows = a + 1
-        spent += (prompt if first else steady if rows <= steady_rows else catch_up) + T[length]
-        first, cycles, accepted_total = False, cycles + 1, accepted_total + a
+        # (the forward projects the rows the previous cycle committed; the first, the prompt)
+        spent += (prompt if rows is None else steady if rows <= steady_rows else catch_up) + T[length]
+        rows, cycles, accepted_total = a + 1, cycles + 1, accepted_total + a
         i += a + 1
     return spent, accepted_total / max(1, cycles)
 
@@ -167,6 +172,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--cycle-ms", type=float, default=0.1,
                     help="host time every cycle adds to its verify pass (H200, plain decoding in the "
                          "fifty-second session's benchmark: 1.94 ms per token against T(1) 1.85 ms)")
+    ap.add_argument("--launch-rows", type=int, default=64,
+                    help="a second profile, *_launch: forwards of up to this many new rows at the steady "
+                         "price (the 8-row launch projects up to 64 itself; what they really cost is "
+                         "between the two profiles until dspark_cost's sweep runs on the GPU)")
     ap.add_argument("--drafter", default=None, help="DSpark drafter directory (default: the shipped one)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -179,13 +188,14 @@ def main(argv=None) -> dict:
     outputs = json.loads(Path(args.outputs).read_text())
     eng = Engine(EngineConfig(speculation="auto", dspark=True, dspark_drafter=args.drafter, warmup=False))
     eng.start(wait=True)
-    report = {"curve_ms": [round(t * 1e3, 4) for t in T], "cycle_ms": args.cycle_ms, "forward_ms": {k: v * 1e3 for k, v in costs.items()},
+    report = {"curve_ms": [round(t * 1e3, 4) for t in T], "cycle_ms": args.cycle_ms,
+              "forward_ms": {k: v * 1e3 for k, v in costs.items()}, "launch_rows": args.launch_rows,
               "workloads": {}}
     try:
         steady_rows = eng.dspark_stats.steady_rows
         for name in args.workloads.split(","):
             totals = {"tokens": 0, "plain": 0.0, "oracle_pl": 0.0, "oracle_dspark": 0.0, "oracle_both": 0.0,
-                      "dspark_forced": 0.0}
+                      "oracle_dspark_launch": 0.0, "oracle_both_launch": 0.0, "dspark_forced": 0.0}
             mix = {"plain": 0, "prompt_lookup": 0, "dspark": 0}
             forced_acc = []
             for prompt, output in outputs[name]:
@@ -197,9 +207,12 @@ def main(argv=None) -> dict:
                 pl = [min(a, n - i - 1) for i, a in enumerate(pl)]
                 totals["tokens"] += n
                 totals["plain"] += n * T[0]
-                for key, use_pl, use_ds in (("oracle_pl", True, False), ("oracle_dspark", False, True),
-                                            ("oracle_both", True, True)):
-                    seconds, cycles = best_times(pl, ds, n, T, steady_rows=steady_rows, use_pl=use_pl,
+                for key, use_pl, use_ds, rows in (
+                        ("oracle_pl", True, False, steady_rows), ("oracle_dspark", False, True, steady_rows),
+                        ("oracle_both", True, True, steady_rows),
+                        ("oracle_dspark_launch", False, True, max(steady_rows, args.launch_rows)),
+                        ("oracle_both_launch", True, True, max(steady_rows, args.launch_rows))):
+                    seconds, cycles = best_times(pl, ds, n, T, steady_rows=rows, use_pl=use_pl,
                                                  use_ds=use_ds, **costs)
                     totals[key] += seconds
                     if key == "oracle_both":
@@ -210,6 +223,7 @@ def main(argv=None) -> dict:
                 forced_acc.append(acc)
             row = {k: round(totals["plain"] / v, 3) for k, v in totals.items() if k not in ("tokens", "plain")}
             row["both_over_pl"] = round(totals["oracle_pl"] / totals["oracle_both"], 3)
+            row["both_launch_over_pl"] = round(totals["oracle_pl"] / totals["oracle_both_launch"], 3)
             row["oracle_both_cycles"] = mix
             row["forced_accepted_per_cycle"] = round(sum(forced_acc) / len(forced_acc), 3)
             row["requests"], row["tokens"] = len(outputs[name]), totals["tokens"]

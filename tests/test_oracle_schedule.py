@@ -16,11 +16,12 @@ def brute_force(pl, ds, n, T, steady, catch_up, prompt, steady_rows, use_pl=True
             return 0.0
         bump = (lambda c: NEVER if r == NEVER else r + c)
         best = T[0] + go(i + 1, bump(1))
-        if use_pl and pl[i]:
-            best = min(best, T[pl[i]] + go(i + pl[i] + 1, bump(pl[i] + 1)))
+        for a in range(1, pl[i] + 1) if use_pl else ():  # (verifying fewer than would be accepted)
+            best = min(best, T[a] + go(i + a + 1, bump(a + 1)))
         if use_ds:
             forward = prompt if r == NEVER else steady if r <= steady_rows else catch_up
-            best = min(best, forward + T[ds[i]] + go(i + ds[i] + 1, ds[i] + 1))
+            for a in range(ds[i] + 1):
+                best = min(best, forward + T[a] + go(i + a + 1, a + 1))
         return best
     return go(0, NEVER)
 
@@ -40,6 +41,32 @@ def test_the_programme_finds_the_fastest_schedule(seed):
         assert seconds <= n * T[0] + 1e-12  # (plain decoding is always a schedule)
         assert (use_pl or not cycles["prompt_lookup"]) and (use_ds or not cycles["dspark"])
         assert sum(cycles.values()) >= 1
+
+
+def test_verifying_fewer_drafts_can_be_faster():
+    """Prompt lookup alone: at 0 two drafts pass, but stopping after one lands the next cycle on
+    index 2's proposal of four, which beats the two-draft cycle followed by plain decoding."""
+    n, T = 7, [1.0, 1.01, 1.3, 1.3, 1.3, 1.3, 1.3]
+    pl = [2, 0, 4, 0, 0, 0, 0]
+    seconds, cycles = best_times(pl, [0] * n, n, T, steady=1.0, catch_up=1.0, prompt=1.0, steady_rows=2,
+                                 use_ds=False)
+    assert seconds == pytest.approx(T[1] + T[4])  # 2 + 5 tokens (against T[2] + 4 T[0])
+    assert cycles == {"plain": 0, "prompt_lookup": 2, "dspark": 0}
+
+
+def test_forced_dspark_drafts_every_cycle_but_the_last():
+    """DSpark forced: a forward every cycle with room to draft (the prompt's first, then the
+    previous cycle's rows priced as steady or catch-up), none on the output's last token."""
+    from benchmarks.oracle_schedule import forced_time
+
+    output = [1, 2, 3, 4, 5]
+    blocks = [([1, 2, 9], [0.99, 0.99, 0.99]), ([2], [0.9]), ([3, 4], [0.99, 0.99]), ([4], [0.9]), ([5], [0.9])]
+    T = [1.0, 1.0, 1.0, 1.0]
+    seconds, acc = forced_time(blocks, output, T, steady=0.5, catch_up=2.0, prompt=3.0, steady_rows=2)
+    # cycle 1: prompt forward, 2 of 3 drafts pass (3 rows committed); cycle 2 at index 3: one
+    # draft (room 1) passes, priced as a catch-up (3 rows > 2); no cycle left after index 5
+    assert seconds == pytest.approx(3.0 + T[2] + 2.0 + T[1])
+    assert acc == pytest.approx(1.5)
 
 
 def test_a_drafter_that_is_always_right_is_used_every_cycle():
