@@ -23,6 +23,10 @@ Per workload, decode time over plain decoding's (``n T(1)`` for ``n`` tokens) fo
   most that adding DSpark to prompt lookup can give under these costs, what issue #6's
   mixed-session clause needs. ``*_launch``: the same with forwards of up to ``--launch-rows``
   new rows at the steady price (the 8-row launch projects up to 64 itself).
+* ``pl_whole`` / ``pl_whole_dspark_gaps``: rules that guess: prompt lookup's whole proposal
+  whenever it has one, else plain decoding, or else a DSpark forward paid before its block is
+  seen (cut by raw confidence): ``gaps_over_pl_whole`` is what filling prompt lookup's gaps with
+  DSpark is worth without foresight.
 * ``dspark_forced``: DSpark every cycle, each block cut to the length its raw confidence makes
   best (``engine.scheduler.choose_length``), as the engine's ``min_draft_tokens=1`` runs it
   without calibration: a check of the cost profile against ``bench_speculative``'s ``dspark@1``.
@@ -32,7 +36,7 @@ costs, sampling; DSpark's drafts here come from one batched pass of the target o
 recorded tokens (the engine taps them cycle by cycle; rows agree to rounding).
 
     python -m benchmarks.oracle_schedule --workloads agent_session,novel_code,novel_chat \\
-        --out benchmarks/results/oracle_schedule.json
+        --tables drafts.json --out benchmarks/results/oracle_schedule.json
 """
 
 from __future__ import annotations
@@ -126,6 +130,38 @@ def forced_time(ds_blocks: list[tuple[list[int], list[float]]], output: list[int
     return spent, accepted_total / max(1, cycles)
 
 
+def gap_fill_time(pl_blocks: list[list[int]], ds_blocks: list[tuple[list[int], list[float]]], output: list[int],
+                  T: list[float], steady: float, catch_up: float, prompt: float, steady_rows: int,
+                  use_ds: bool = True) -> float:
+    """Decode seconds of a rule that guesses: prompt lookup's whole proposal whenever it has one,
+    else (``use_ds``) a DSpark forward whose block is cut by its raw confidence
+    (``choose_length``, possibly to nothing), else plain decoding. With and without DSpark,
+    the ratio is what filling prompt lookup's gaps with DSpark is worth when every DSpark
+    forward is paid before its block is seen."""
+    from engine.scheduler import CostModel, choose_length
+
+    cost, n = CostModel(list(T)), len(output)
+    i, spent, rows = 0, 0.0, None  # rows: committed since DSpark's last forward (None: never ran)
+    while i < n:
+        room = n - i - 1
+        proposal = pl_blocks[i][:room]
+        if proposal:
+            a = accepted(proposal, output, i)
+            spent += T[len(proposal)]
+        elif use_ds and room:
+            tokens, confidence = ds_blocks[i]
+            length = choose_length(confidence[:room], cost)[0]
+            a = accepted(tokens[:length], output, i)
+            spent += (prompt if rows is None else steady if rows <= steady_rows else catch_up) + T[length]
+            rows = 0
+        else:
+            a = 0
+            spent += T[0]
+        rows = None if rows is None else rows + a + 1
+        i += a + 1
+    return spent
+
+
 def draft_tables(eng, prompt: list[int], output: list[int], max_draft: int):
     """Per output index ``i``: prompt lookup's proposal and DSpark's block ``(tokens,
     confidence)`` for the cycle whose first new token is ``output[i]``."""
@@ -177,6 +213,9 @@ def main(argv=None) -> dict:
                          "price (the 8-row launch projects up to 64 itself; what they really cost is "
                          "between the two profiles until dspark_cost's sweep runs on the GPU)")
     ap.add_argument("--drafter", default=None, help="DSpark drafter directory (default: the shipped one)")
+    ap.add_argument("--tables", default=None,
+                    help="JSON cache of the drafts at every position (written when absent, read when "
+                         "present: other costs then need no model)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
 
@@ -186,51 +225,63 @@ def main(argv=None) -> dict:
     T = [(ms + args.cycle_ms) / 1e3 for ms in json.loads(Path(args.curve).read_text())["verify_cost_ms_at_start"]]
     costs = dict(steady=args.steady_ms / 1e3, catch_up=args.catch_up_ms / 1e3, prompt=args.prompt_ms / 1e3)
     outputs = json.loads(Path(args.outputs).read_text())
-    eng = Engine(EngineConfig(speculation="auto", dspark=True, dspark_drafter=args.drafter, warmup=False))
-    eng.start(wait=True)
+    names = args.workloads.split(",")
+    cache = Path(args.tables) if args.tables else None
+    if cache is not None and cache.exists():
+        tables = json.loads(cache.read_text())
+    else:
+        eng = Engine(EngineConfig(speculation="auto", dspark=True, dspark_drafter=args.drafter, warmup=False))
+        eng.start(wait=True)
+        try:
+            tables = {"steady_rows": eng.dspark_stats.steady_rows, "workloads": {
+                name: [draft_tables(eng, prompt, output[: args.max_tokens], len(T) - 1) for prompt, output in outputs[name]]
+                for name in names}}
+        finally:
+            eng.stop()
+        if cache is not None:
+            cache.write_text(json.dumps(tables))
     report = {"curve_ms": [round(t * 1e3, 4) for t in T], "cycle_ms": args.cycle_ms,
               "forward_ms": {k: v * 1e3 for k, v in costs.items()}, "launch_rows": args.launch_rows,
               "workloads": {}}
-    try:
-        steady_rows = eng.dspark_stats.steady_rows
-        for name in args.workloads.split(","):
-            totals = {"tokens": 0, "plain": 0.0, "oracle_pl": 0.0, "oracle_dspark": 0.0, "oracle_both": 0.0,
-                      "oracle_dspark_launch": 0.0, "oracle_both_launch": 0.0, "dspark_forced": 0.0}
-            mix = {"plain": 0, "prompt_lookup": 0, "dspark": 0}
-            forced_acc = []
-            for prompt, output in outputs[name]:
-                output = output[: args.max_tokens]
-                n = len(output)
-                pl_blocks, ds_blocks = draft_tables(eng, prompt, output, len(T) - 1)
-                pl = [accepted(d, output, i) for i, d in enumerate(pl_blocks)]
-                ds = [min(accepted(t, output, i), n - i - 1) for i, (t, _) in enumerate(ds_blocks)]
-                pl = [min(a, n - i - 1) for i, a in enumerate(pl)]
-                totals["tokens"] += n
-                totals["plain"] += n * T[0]
-                for key, use_pl, use_ds, rows in (
-                        ("oracle_pl", True, False, steady_rows), ("oracle_dspark", False, True, steady_rows),
-                        ("oracle_both", True, True, steady_rows),
-                        ("oracle_dspark_launch", False, True, max(steady_rows, args.launch_rows)),
-                        ("oracle_both_launch", True, True, max(steady_rows, args.launch_rows))):
-                    seconds, cycles = best_times(pl, ds, n, T, steady_rows=rows, use_pl=use_pl,
-                                                 use_ds=use_ds, **costs)
-                    totals[key] += seconds
-                    if key == "oracle_both":
-                        for k, v in cycles.items():
-                            mix[k] += v
-                seconds, acc = forced_time(ds_blocks, output, T, steady_rows=steady_rows, **costs)
-                totals["dspark_forced"] += seconds
-                forced_acc.append(acc)
-            row = {k: round(totals["plain"] / v, 3) for k, v in totals.items() if k not in ("tokens", "plain")}
-            row["both_over_pl"] = round(totals["oracle_pl"] / totals["oracle_both"], 3)
-            row["both_launch_over_pl"] = round(totals["oracle_pl"] / totals["oracle_both_launch"], 3)
-            row["oracle_both_cycles"] = mix
-            row["forced_accepted_per_cycle"] = round(sum(forced_acc) / len(forced_acc), 3)
-            row["requests"], row["tokens"] = len(outputs[name]), totals["tokens"]
-            report["workloads"][name] = row
-            print(name, row, flush=True)
-    finally:
-        eng.stop()
+    steady_rows = tables["steady_rows"]
+    for name in names:
+        totals = {"tokens": 0, "plain": 0.0, "oracle_pl": 0.0, "oracle_dspark": 0.0, "oracle_both": 0.0,
+                  "oracle_dspark_launch": 0.0, "oracle_both_launch": 0.0, "dspark_forced": 0.0,
+                  "pl_whole": 0.0, "pl_whole_dspark_gaps": 0.0}
+        mix = {"plain": 0, "prompt_lookup": 0, "dspark": 0}
+        forced_acc = []
+        for (_prompt, output), (pl_blocks, ds_blocks) in zip(outputs[name], tables["workloads"][name]):
+            output = output[: args.max_tokens]
+            n = len(output)
+            pl = [min(accepted(d, output, i), n - i - 1) for i, d in enumerate(pl_blocks)]
+            ds = [min(accepted(t, output, i), n - i - 1) for i, (t, _) in enumerate(ds_blocks)]
+            totals["tokens"] += n
+            totals["plain"] += n * T[0]
+            for key, use_pl, use_ds, rows in (
+                    ("oracle_pl", True, False, steady_rows), ("oracle_dspark", False, True, steady_rows),
+                    ("oracle_both", True, True, steady_rows),
+                    ("oracle_dspark_launch", False, True, max(steady_rows, args.launch_rows)),
+                    ("oracle_both_launch", True, True, max(steady_rows, args.launch_rows))):
+                seconds, cycles = best_times(pl, ds, n, T, steady_rows=rows, use_pl=use_pl, use_ds=use_ds, **costs)
+                totals[key] += seconds
+                if key == "oracle_both":
+                    for k, v in cycles.items():
+                        mix[k] += v
+            seconds, acc = forced_time(ds_blocks, output, T, steady_rows=steady_rows, **costs)
+            totals["dspark_forced"] += seconds
+            forced_acc.append(acc)
+            for key, use_ds in (("pl_whole", False), ("pl_whole_dspark_gaps", True)):
+                totals[key] += gap_fill_time(pl_blocks, ds_blocks, output, T, steady_rows=steady_rows,
+                                             use_ds=use_ds, **costs)
+        row = {k: round(totals["plain"] / v, 3) for k, v in totals.items() if k not in ("tokens", "plain")}
+        row["both_over_pl"] = round(totals["oracle_pl"] / totals["oracle_both"], 3)
+        row["both_launch_over_pl"] = round(totals["oracle_pl"] / totals["oracle_both_launch"], 3)
+        row["gaps_over_pl_whole"] = round(totals["pl_whole"] / totals["pl_whole_dspark_gaps"], 3)
+        row["oracle_both_cycles"] = mix
+        row["forced_accepted_per_cycle"] = round(sum(forced_acc) / len(forced_acc), 3)
+        row["requests"], row["tokens"] = len(outputs[name]), totals["tokens"]
+        report["workloads"][name] = row
+        print(name, row, flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
     return report

@@ -76,3 +76,21 @@ def test_a_drafter_that_is_always_right_is_used_every_cycle():
     assert cycles == {"plain": 0, "prompt_lookup": 0, "dspark": 2}  # (4 tokens a cycle)
     assert seconds == pytest.approx(0.5 + T[3] + 0.2 + T[3])
     assert accepted([5, 6, 9], [1, 5, 6, 7], 1) == 2 and accepted([5], [5], 1) == 0
+
+
+def test_filling_prompt_lookups_gaps_pays_for_each_dspark_forward():
+    """The guessing rule: prompt lookup's whole proposal when it has one, else a DSpark forward
+    (always paid, its block cut by its confidence), else plain decoding."""
+    from benchmarks.oracle_schedule import gap_fill_time
+
+    output = [1, 2, 3, 4, 5, 6]
+    pl_blocks = [[], [], [3, 4, 9], [], [], []]
+    ds_blocks = [([1, 2], [0.99, 0.99]), ([7], [0.99]), ([3], [0.99]), ([4], [0.99]), ([9], [0.99]),
+                 ([6], [0.99])]
+    T = [1.0, 1.0, 1.0, 1.0, 1.0]
+    costs = dict(steady=0.25, catch_up=0.5, prompt=0.75, steady_rows=2)
+    # plain, plain, PL 3 drafts (2 pass: to index 5), plain
+    assert gap_fill_time(pl_blocks, ds_blocks, output, T, use_ds=False, **costs) == pytest.approx(1 + 1 + T[3] + 1)
+    # DSpark at 0 (prompt price; 2 pass: to index 3), DSpark at 3 (3 rows: a catch-up; 1 passes:
+    # to index 5), last token plain (no room)
+    assert gap_fill_time(pl_blocks, ds_blocks, output, T, **costs) == pytest.approx(0.75 + T[2] + 0.5 + T[1] + T[0])
