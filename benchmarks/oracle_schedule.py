@@ -26,7 +26,8 @@ Per workload, decode time over plain decoding's (``n T(1)`` for ``n`` tokens) fo
 * ``pl_whole`` / ``pl_whole_dspark_gaps``: rules that guess: prompt lookup's whole proposal
   whenever it has one, else plain decoding, or else a DSpark forward paid before its block is
   seen (cut by raw confidence): ``gaps_over_pl_whole`` is what filling prompt lookup's gaps with
-  DSpark is worth without foresight.
+  DSpark is worth without foresight; ``streak_over_pl_whole`` the same while DSpark's last
+  cycle accepted a draft, with a probe after 32 plain gaps.
 * ``dspark_forced``: DSpark every cycle, each block cut to the length its raw confidence makes
   best (``engine.scheduler.choose_length``), as the engine's ``min_draft_tokens=1`` runs it
   without calibration: a check of the cost profile against ``bench_speculative``'s ``dspark@1``.
@@ -132,31 +133,35 @@ def forced_time(ds_blocks: list[tuple[list[int], list[float]]], output: list[int
 
 def gap_fill_time(pl_blocks: list[list[int]], ds_blocks: list[tuple[list[int], list[float]]], output: list[int],
                   T: list[float], steady: float, catch_up: float, prompt: float, steady_rows: int,
-                  use_ds: bool = True) -> float:
+                  use_ds: bool = True, keep_if: int = 0, probe_every: int = 0) -> float:
     """Decode seconds of a rule that guesses: prompt lookup's whole proposal whenever it has one,
     else (``use_ds``) a DSpark forward whose block is cut by its raw confidence
     (``choose_length``, possibly to nothing), else plain decoding. With and without DSpark,
     the ratio is what filling prompt lookup's gaps with DSpark is worth when every DSpark
-    forward is paid before its block is seen."""
+    forward is paid before its block is seen. ``keep_if > 0``: DSpark runs in a gap only while
+    its last cycle accepted at least that many drafts, else after ``probe_every`` gaps of plain
+    decoding (a streak rule)."""
     from engine.scheduler import CostModel, choose_length
 
     cost, n = CostModel(list(T)), len(output)
     i, spent, rows = 0, 0.0, None  # rows: committed since DSpark's last forward (None: never ran)
+    winning, idle = True, 0  # (the streak rule: the last DSpark cycle's verdict, plain gaps since)
     while i < n:
         room = n - i - 1
         proposal = pl_blocks[i][:room]
         if proposal:
             a = accepted(proposal, output, i)
             spent += T[len(proposal)]
-        elif use_ds and room:
+        elif use_ds and room and (not keep_if or winning or idle >= probe_every):
             tokens, confidence = ds_blocks[i]
             length = choose_length(confidence[:room], cost)[0]
             a = accepted(tokens[:length], output, i)
             spent += (prompt if rows is None else steady if rows <= steady_rows else catch_up) + T[length]
-            rows = 0
+            rows, winning, idle = 0, a >= keep_if, 0
         else:
             a = 0
             spent += T[0]
+            idle += 1
         rows = None if rows is None else rows + a + 1
         i += a + 1
     return spent
@@ -247,7 +252,7 @@ def main(argv=None) -> dict:
     for name in names:
         totals = {"tokens": 0, "plain": 0.0, "oracle_pl": 0.0, "oracle_dspark": 0.0, "oracle_both": 0.0,
                   "oracle_dspark_launch": 0.0, "oracle_both_launch": 0.0, "dspark_forced": 0.0,
-                  "pl_whole": 0.0, "pl_whole_dspark_gaps": 0.0}
+                  "pl_whole": 0.0, "pl_whole_dspark_gaps": 0.0, "pl_whole_dspark_streak": 0.0}
         mix = {"plain": 0, "prompt_lookup": 0, "dspark": 0}
         forced_acc = []
         for (_prompt, output), (pl_blocks, ds_blocks) in zip(outputs[name], tables["workloads"][name]):
@@ -270,13 +275,15 @@ def main(argv=None) -> dict:
             seconds, acc = forced_time(ds_blocks, output, T, steady_rows=steady_rows, **costs)
             totals["dspark_forced"] += seconds
             forced_acc.append(acc)
-            for key, use_ds in (("pl_whole", False), ("pl_whole_dspark_gaps", True)):
+            for key, use_ds, keep_if in (("pl_whole", False, 0), ("pl_whole_dspark_gaps", True, 0),
+                                         ("pl_whole_dspark_streak", True, 1)):
                 totals[key] += gap_fill_time(pl_blocks, ds_blocks, output, T, steady_rows=steady_rows,
-                                             use_ds=use_ds, **costs)
+                                             use_ds=use_ds, keep_if=keep_if, probe_every=32, **costs)
         row = {k: round(totals["plain"] / v, 3) for k, v in totals.items() if k not in ("tokens", "plain")}
         row["both_over_pl"] = round(totals["oracle_pl"] / totals["oracle_both"], 3)
         row["both_launch_over_pl"] = round(totals["oracle_pl"] / totals["oracle_both_launch"], 3)
         row["gaps_over_pl_whole"] = round(totals["pl_whole"] / totals["pl_whole_dspark_gaps"], 3)
+        row["streak_over_pl_whole"] = round(totals["pl_whole"] / totals["pl_whole_dspark_streak"], 3)
         row["oracle_both_cycles"] = mix
         row["forced_accepted_per_cycle"] = round(sum(forced_acc) / len(forced_acc), 3)
         row["requests"], row["tokens"] = len(outputs[name]), totals["tokens"]

@@ -94,3 +94,18 @@ def test_filling_prompt_lookups_gaps_pays_for_each_dspark_forward():
     # DSpark at 0 (prompt price; 2 pass: to index 3), DSpark at 3 (3 rows: a catch-up; 1 passes:
     # to index 5), last token plain (no room)
     assert gap_fill_time(pl_blocks, ds_blocks, output, T, **costs) == pytest.approx(0.75 + T[2] + 0.5 + T[1] + T[0])
+
+
+def test_the_streak_rule_stops_drafting_after_a_miss_until_a_probe():
+    from benchmarks.oracle_schedule import gap_fill_time
+
+    output = [1, 2, 3, 4, 5]
+    pl_blocks = [[]] * 5
+    ds_blocks = [([9], [0.99])] * 5  # (never right)
+    T = [1.0, 1.0]
+    costs = dict(steady=0.25, catch_up=0.5, prompt=0.75, steady_rows=2)
+    # every gap: a forward (the prompt's, then steady ones), one draft that fails, 4 cycles + a last plain one
+    assert gap_fill_time(pl_blocks, ds_blocks, output, T, **costs) == pytest.approx(0.75 + 3 * 0.25 + 4 * T[1] + T[0])
+    # streak: one miss, then plain until a probe after 2 plain gaps (index 3), which misses too
+    assert gap_fill_time(pl_blocks, ds_blocks, output, T, keep_if=1, probe_every=2, **costs) == pytest.approx(
+        0.75 + T[1] + T[0] + T[0] + 0.5 + T[1] + T[0])
