@@ -47,8 +47,8 @@ MAX_ROWS = 16
 # (104-110 registers per thread, NVRTC 12.x/13 for sm_90) where 16 rows' need 136-150 and fit
 # only 8 warps with the context update; and the launch projects up to MAX_ABSORB_ROWS new context
 # rows itself, in chunks of 8 (else MLX ops first). On an H100 (default model, v12 drafter, its
-# draft vocabulary): steady forward 1.14 ms against the 16-row kernel's 1.32, a forward that
-# projects 17-64 new context rows 1.48 ms against 2.53 (docs/kernels.md). rows=16 keeps the
+# draft vocabulary): steady forward 1.14 ms against the 16-row kernel's 1.32, a request's first
+# forward over a prompt of 17-64 tokens 1.48 ms against 2.53 (docs/kernels.md). rows=16 keeps the
 # 16-row kernel (8 warps, at most 16 context rows in the launch), which larger blocks always get.
 DRAFT_ROWS = 8
 DEFAULT_DRAFT_KERNEL_ROWS = 8
