@@ -58,6 +58,12 @@ def accepted(draft: list[int], output: list[int], start: int) -> int:
     return n
 
 
+def forward_seconds(rows: int | None, steady: float, catch_up: float, prompt: float, steady_rows: int) -> float:
+    """A DSpark forward's price after ``rows`` committed rows since its last one (None: it has
+    not run in this request, so it projects the prompt)."""
+    return prompt if rows is None else steady if rows <= steady_rows else catch_up
+
+
 def best_times(pl: list[int], ds: list[int], n: int, T: list[float], steady: float, catch_up: float,
                prompt: float, steady_rows: int, use_pl: bool = True, use_ds: bool = True) -> tuple[float, dict]:
     """The fastest schedule for ``n`` output tokens.
@@ -81,7 +87,7 @@ def best_times(pl: list[int], ds: list[int], n: int, T: list[float], steady: flo
         return NEVER if r == NEVER else min(r + committed, stale)
 
     def forward(r: int) -> float:
-        return prompt if r == NEVER else steady if r <= steady_rows else catch_up
+        return forward_seconds(None if r == NEVER else r, steady, catch_up, prompt, steady_rows)
 
     best = {(n, r): (0.0, None) for r in states}
     for i in range(n - 1, -1, -1):
@@ -125,7 +131,7 @@ def forced_time(ds_blocks: list[tuple[list[int], list[float]]], output: list[int
         length = max(1, choose_length(confidence[:room], cost)[0])
         a = accepted(tokens[:length], output, i)
         # (the forward projects the rows the previous cycle committed; the first, the prompt)
-        spent += (prompt if rows is None else steady if rows <= steady_rows else catch_up) + T[length]
+        spent += forward_seconds(rows, steady, catch_up, prompt, steady_rows) + T[length]
         rows, cycles, accepted_total = a + 1, cycles + 1, accepted_total + a
         i += a + 1
     return spent, accepted_total / max(1, cycles)
@@ -156,7 +162,7 @@ def gap_fill_time(pl_blocks: list[list[int]], ds_blocks: list[tuple[list[int], l
             tokens, confidence = ds_blocks[i]
             length = choose_length(confidence[:room], cost)[0]
             a = accepted(tokens[:length], output, i)
-            spent += (prompt if rows is None else steady if rows <= steady_rows else catch_up) + T[length]
+            spent += forward_seconds(rows, steady, catch_up, prompt, steady_rows) + T[length]
             rows, winning, idle = 0, a >= keep_if, 0
         else:
             a = 0
