@@ -22,6 +22,7 @@ import argparse
 import json
 import statistics
 import time
+import weakref
 from pathlib import Path
 
 import engine  # noqa: F401  (OpenBLAS before mlx.core)
@@ -56,8 +57,11 @@ def main(argv=None) -> dict:
     forwards: list[tuple[bool, float]] = []  # (a request's first forward, ms)
     propose = dspark_drafter.DSparkDrafter.propose
 
+    seen = weakref.WeakSet()  # the requests' drafters that have run a forward
+
     def timed(self, ctx, max_len):
-        first = self.projected_length == 0
+        first = self not in seen  # (not projected_length == 0: a 1-token prompt's first leaves it at 0)
+        seen.add(self)
         started = time.perf_counter()
         try:
             return propose(self, ctx, max_len)
