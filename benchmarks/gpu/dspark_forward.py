@@ -102,7 +102,8 @@ def profile(net, embed, lm_head, hidden, tokens, pos: int, iters: int, fused=Non
     return out
 
 
-def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vocab=None) -> dict:
+def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vocab=None,
+                     block_counts: tuple[int, ...] = ()) -> dict:
     """Median ms of one evaluated fused launch of the default kernel (``max_rows``/``warps`` in
     the result: 8 rows since the fifty-first session, 16 before) with phases left out (``skip``: the layers' five
     phases 1..16, the LM head 32): every phase, no LM head, nothing (launch + barriers), the
@@ -111,7 +112,10 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vo
     kernel (8 warps) and the 8-row one (8 and 16 warps) with 0..64 new context rows, as many as
     each takes (``rows{kernel rows}_w{warps}_greedy_draft_{context rows}_new_rows``); with the
     drafter's draft ``vocab``, the same kernels over its ``V'`` rows with 0 and 3 new rows
-    (``..._vocab{V'}_greedy_draft_...``), and the cycle profile over both."""
+    (``..._vocab{V'}_greedy_draft_...``), and the cycle profile over both; for each of
+    ``block_counts``, the engine's kernel (its rows and warps, over ``vocab``) launched on that
+    many blocks instead of one per multiprocessor (``blocks{n}_greedy_draft_3_new_rows``: fewer
+    blocks wait less at each grid barrier and each does more of every phase's work)."""
     from metal_kernels.fused import DraftFusedPass
 
     cfg = net.config
@@ -153,8 +157,12 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vo
                 more = hidden[pos - new:pos] if new else None
                 out[f"rows{kernel_rows}_w{warps}_vocab{vocab.size}_greedy_draft_{new}_new_rows"] = _timed(
                     lambda fp=fp, more=more: fp(x0, keys, values, pos, anchor, more).tokens, iters)
+    for blocks in block_counts:
+        fp = DraftFusedPass(net, target, blocks=blocks, vocab=vocab)
+        out[f"blocks{fp.blocks}_greedy_draft_3_new_rows"] = _timed(
+            lambda fp=fp: fp(x0, keys, values, pos, anchor, rows).tokens, iters)
     fp = DraftFusedPass(net, target)
-    out["warps"], out["max_rows"] = fp.warps, fp.max_rows
+    out["warps"], out["max_rows"], out["blocks"] = fp.warps, fp.max_rows, fp.blocks
     build, wait = [], []
     for i in range(iters + 5):  # host time to build the launch vs its evaluation (device + sync)
         started = time.perf_counter()
@@ -197,6 +205,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-dense", action="store_true", help="skip the dense-weight variants")
+    ap.add_argument("--blocks", default="",
+                    help="comma-separated block counts to launch the draft kernel on (empty: none)")
+    ap.add_argument("--launch-only", action="store_true", help="only the launch breakdown (no variants)")
     args = ap.parse_args(argv)
     eng = Engine(EngineConfig(speculation="dspark", dspark=True)).start(wait=True)
     try:
@@ -221,9 +232,9 @@ def main(argv=None) -> dict:
         report = {"T1_ms": round(eng.cost.verify_cost[0] * 1e3, 4), "context": pos, "variants": {}}
         if eng._dspark_step.fused is not None:
             report["launch"] = launch_breakdown(eng.dspark, eng.loaded.model, taps, hidden, tokens, pos, args.iters,
-                                                vocab)
+                                                vocab, tuple(int(b) for b in args.blocks.split(",") if b))
             print("launch", json.dumps(report["launch"]), flush=True)
-        for key, net, head, fused, dv in variants:
+        for key, net, head, fused, dv in () if args.launch_only else variants:
             if key == "fused" and fused is None:
                 continue  # (not on this machine)
             report["variants"][key] = profile(net, taps.embed, head, hidden, tokens, pos, args.iters, fused, dv)
