@@ -775,10 +775,10 @@ class LegacyLogprobs:
     them start at ``prompt_length``, counted through a fresh decoder as the engine decodes
     them (a prompt ending inside a character does not shift them)."""
 
-    def __init__(self, table, offset: int = 0, typed: dict[int, str] | None = None, prompt_items: int = 0,
+    def __init__(self, table, typed: dict[int, str] | None = None, prompt_items: int = 0,
                  prompt_starts: list[int] | None = None, prompt_length: int = 0):
         self.table = table
-        self.offset = offset
+        self.offset = 0  # the next token's start in the choice's text
         self.typed = typed or {}
         self.prompt_items = prompt_items
         self.prompt_starts = prompt_starts if prompt_starts is not None and len(prompt_starts) == prompt_items else None

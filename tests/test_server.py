@@ -216,7 +216,10 @@ def test_typed_specials_come_from_the_tokenizers_offsets(split):
     assert lp["text_offset"][-1] + len(lp["tokens"][-1]) == len(text)
     assert LegacyLogprobs(table, typed=typed, prompt_items=len(ids), prompt_starts=starts,
                           prompt_length=len(text)).render(items) == lp
-    generated = LegacyLogprobs(table, offset=len(text)).render([TokenLogprob(eos, -0.5, [(eos, -0.5), (unk, -0.9)])])
+    # a generated EOS after the echo starts where the echoed text ends and spans nothing
+    echo = LegacyLogprobs(table, typed=typed, prompt_items=len(ids), prompt_starts=starts, prompt_length=len(text))
+    echo.render(items)
+    generated = echo.render([TokenLogprob(eos, -0.5, [(eos, -0.5), (unk, -0.9)])])
     assert generated == {"tokens": ["<|im_end|>"], "token_logprobs": [-0.5],
                          "top_logprobs": [{"<|im_end|>": -0.5, "<|endoftext|>": -0.9}], "text_offset": [len(text)]}
 

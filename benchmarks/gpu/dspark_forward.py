@@ -103,7 +103,7 @@ def profile(net, embed, lm_head, hidden, tokens, pos: int, iters: int, fused=Non
 
 
 def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vocab=None,
-                     block_counts: tuple[int, ...] = ()) -> dict:
+                     block_counts: tuple[int, ...] = (), blocks_only: bool = False) -> dict:
     """Median ms of one evaluated fused launch of the default kernel (``max_rows``/``warps`` in
     the result: 8 rows since the fifty-first session, 16 before) with phases left out (``skip``: the layers' five
     phases 1..16, the LM head 32): every phase, no LM head, nothing (launch + barriers), the
@@ -115,7 +115,8 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vo
     (``..._vocab{V'}_greedy_draft_...``), and the cycle profile over both; for each of
     ``block_counts``, the engine's kernel (its rows and warps, over ``vocab``) launched on that
     many blocks instead of one per multiprocessor (``blocks{n}_greedy_draft_3_new_rows``: fewer
-    blocks wait less at each grid barrier and each does more of every phase's work)."""
+    blocks wait less at each grid barrier and each does more of every phase's work), first;
+    ``blocks_only``: nothing else (each other kernel is a compile of its own)."""
     from metal_kernels.fused import DraftFusedPass
 
     cfg = net.config
@@ -127,6 +128,12 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vo
     mx.eval(x0)
     rows = hidden[pos - 3:pos]  # (rewriting rows the cache already holds: the same values)
     out = {}
+    for blocks in block_counts:
+        fp = DraftFusedPass(net, target, blocks=blocks, vocab=vocab)
+        out[f"blocks{fp.blocks}_greedy_draft_3_new_rows"] = _timed(
+            lambda fp=fp: fp(x0, keys, values, pos, anchor, rows).tokens, iters)
+    if block_counts and blocks_only:
+        return out
     for name, skip, greedy, new in (("all_phases", 0, False, None), ("no_lm_head", 32, False, None),
                                     ("no_attention", 2, False, None), ("barriers_only", 63, False, None),
                                     ("greedy_draft", 0, True, None), ("greedy_draft_3_new_rows", 0, True, rows)):
@@ -157,10 +164,6 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vo
                 more = hidden[pos - new:pos] if new else None
                 out[f"rows{kernel_rows}_w{warps}_vocab{vocab.size}_greedy_draft_{new}_new_rows"] = _timed(
                     lambda fp=fp, more=more: fp(x0, keys, values, pos, anchor, more).tokens, iters)
-    for blocks in block_counts:
-        fp = DraftFusedPass(net, target, blocks=blocks, vocab=vocab)
-        out[f"blocks{fp.blocks}_greedy_draft_3_new_rows"] = _timed(
-            lambda fp=fp: fp(x0, keys, values, pos, anchor, rows).tokens, iters)
     fp = DraftFusedPass(net, target)
     out["warps"], out["max_rows"], out["blocks"] = fp.warps, fp.max_rows, fp.blocks
     build, wait = [], []
@@ -208,6 +211,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--blocks", default="",
                     help="comma-separated block counts to launch the draft kernel on (empty: none)")
     ap.add_argument("--launch-only", action="store_true", help="only the launch breakdown (no variants)")
+    ap.add_argument("--blocks-only", action="store_true", help="with --blocks: only the block-count sweep")
     args = ap.parse_args(argv)
     eng = Engine(EngineConfig(speculation="dspark", dspark=True)).start(wait=True)
     try:
@@ -232,7 +236,8 @@ def main(argv=None) -> dict:
         report = {"T1_ms": round(eng.cost.verify_cost[0] * 1e3, 4), "context": pos, "variants": {}}
         if eng._dspark_step.fused is not None:
             report["launch"] = launch_breakdown(eng.dspark, eng.loaded.model, taps, hidden, tokens, pos, args.iters,
-                                                vocab, tuple(int(b) for b in args.blocks.split(",") if b))
+                                                vocab, tuple(int(b) for b in args.blocks.split(",") if b),
+                                                args.blocks_only)
             print("launch", json.dumps(report["launch"]), flush=True)
         for key, net, head, fused, dv in () if args.launch_only else variants:
             if key == "fused" and fused is None:
