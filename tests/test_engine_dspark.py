@@ -989,3 +989,52 @@ def test_pending_hidden_states_are_folded_while_dspark_rests(tiny, tmp_path, mon
         assert len(seen) >= 2 and seen[1] >= generation.DSPARK_PROBE_EVERY
     finally:
         eng.stop()
+
+
+def test_a_probe_after_other_drafters_cycles_drafts_from_the_whole_context(tiny, tmp_path, monkeypatch):
+    """DSpark's probes come after cycles of prompt lookup and plain decoding, whose committed
+    rows reach the drafter as pending hidden states (folded every PENDING_HIDDEN_MAX cycles)
+    and are projected at the probe: the drafter's context cache then equals that of a fresh
+    drafter given the whole sequence's tapped rows at once, at every forward, and so do its
+    drafts (auto judges DSpark by what its probes accept)."""
+    from drafters.base import DraftContext
+    from drafters.dspark import DSparkDrafter
+    from engine import generation
+    from engine.scheduler import DsparkStats
+
+    path = make_drafter(tiny, tmp_path / "drafter", {5: 4.0})
+    eng = Engine(EngineConfig(speculation="auto", dspark=True, dspark_drafter=str(path), calibration_contexts=(40,)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    seen = []
+    original = DSparkDrafter.propose
+
+    def propose(self, ctx, max_len):
+        out = original(self, ctx, max_len)
+        cache = [np.array(a[:, :, : self.context_length]) for a in (*self._keys, *self._values)]
+        seen.append((list(ctx.tokens), max_len, list(out.tokens), cache))
+        return out
+
+    monkeypatch.setattr(DSparkDrafter, "propose", propose)
+    monkeypatch.setattr(DsparkStats, "best_case_rate", lambda *a, **k: float("inf"))  # probes always due
+    monkeypatch.setattr(DsparkStats, "worth_tapping", lambda *a, **k: True)
+    monkeypatch.setattr(generation, "DSPARK_PROBE_EVERY", 5)
+    monkeypatch.setattr(generation, "DSPARK_PROBE_MAX", 5)
+    eng.dspark_stats.decode_seconds = 1e6
+    try:
+        prompt = prompts(1, seed=5)[0]
+        ids, _, last = run(eng, (prompt * 2)[:60], "auto", max_tokens=160, ignore_eos=True)
+        assert last.stats.by_drafter["prompt_lookup"].num_drafts > 0
+        taps = eng.target_taps
+        assert len(seen) >= 4
+        for tokens, max_len, drafts, cache in seen:
+            hidden = taps.forward(mx.array(tokens[:-1])[None])[1][0].astype(mx.float32)
+            fresh = DSparkDrafter(eng.dspark, taps.embed, taps.lm_head, eng._dspark_step)
+            assert original(fresh, DraftContext(tokens, hidden), max_len).tokens == drafts
+            want = [np.array(a[:, :, : fresh.context_length]) for a in (*fresh._keys, *fresh._values)]
+            assert len(want) == len(cache)
+            for got, exp in zip(cache, want):
+                np.testing.assert_allclose(got, exp, atol=1e-4, rtol=1e-4)
+        # some forward caught up more rows than one DSpark cycle commits (block 5 + the bonus)
+        assert max(len(b[0]) - len(a[0]) for a, b in zip(seen, seen[1:])) > 6
+    finally:
+        eng.stop()
