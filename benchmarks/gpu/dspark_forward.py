@@ -127,12 +127,14 @@ def launch_breakdown(net, target, taps, hidden, tokens, pos: int, iters: int, vo
     x0 = block_inputs(taps.embed, anchor, cfg.mask_token_id, cfg.block_size)[0, 0].astype(mx.float32)
     mx.eval(x0)
     rows = hidden[pos - 3:pos]  # (rewriting rows the cache already holds: the same values)
-    out = {}
-    for blocks in block_counts:
-        fp = DraftFusedPass(net, target, blocks=blocks, vocab=vocab)
-        out[f"blocks{fp.blocks}_greedy_draft_3_new_rows"] = _timed(
+    default = DraftFusedPass(net, target, vocab=vocab)  # (the engine's kernel: its rows, warps, blocks)
+    out = {"default_blocks": default.blocks, "default_warps": default.warps, "default_max_rows": default.max_rows}
+    for blocks in block_counts:  # (keyed by the count asked for: more than one per SM is capped)
+        fp = DraftFusedPass(net, target, blocks=blocks, rows=default.max_rows, warps=default.warps, vocab=vocab)
+        out[f"blocks{blocks}_greedy_draft_3_new_rows"] = _timed(
             lambda fp=fp: fp(x0, keys, values, pos, anchor, rows).tokens, iters)
-    if block_counts and blocks_only:
+        out[f"blocks{blocks}_launched"] = fp.blocks
+    if blocks_only:
         return out
     for name, skip, greedy, new in (("all_phases", 0, False, None), ("no_lm_head", 32, False, None),
                                     ("no_attention", 2, False, None), ("barriers_only", 63, False, None),
@@ -211,8 +213,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--blocks", default="",
                     help="comma-separated block counts to launch the draft kernel on (empty: none)")
     ap.add_argument("--launch-only", action="store_true", help="only the launch breakdown (no variants)")
-    ap.add_argument("--blocks-only", action="store_true", help="with --blocks: only the block-count sweep")
+    ap.add_argument("--blocks-only", action="store_true", help="only the block-count sweep (--blocks)")
     args = ap.parse_args(argv)
+    if args.blocks_only and not args.blocks:
+        ap.error("--blocks-only needs --blocks")
     eng = Engine(EngineConfig(speculation="dspark", dspark=True)).start(wait=True)
     try:
         taps, tok = eng.target_taps, eng.loaded.tokenizer
@@ -230,7 +234,7 @@ def main(argv=None) -> dict:
                     ("fused", eng.dspark, taps.lm_head, eng._dspark_step.fused, vocab)]
         if vocab is not None:
             variants.append(("mlx_ops_whole_vocab", eng.dspark, taps.lm_head, None, None))
-        for name, dtype in () if args.no_dense else (("dense_f32", "float32"), ("dense_bf16", "bfloat16")):
+        for name, dtype in () if args.no_dense or args.launch_only else (("dense_f32", "float32"), ("dense_bf16", "bfloat16")):
             net = load_dspark(path, dtype=dtype, dequantize=True)
             variants.append((f"{name}+dense_head", net, dense_head(taps.lm_head, d, net.fc_dtype), None, None))
         report = {"T1_ms": round(eng.cost.verify_cost[0] * 1e3, 4), "context": pos, "variants": {}}
