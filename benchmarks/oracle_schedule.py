@@ -28,6 +28,9 @@ Per workload, decode time over plain decoding's (``n T(1)`` for ``n`` tokens) fo
   seen (cut by raw confidence): ``gaps_over_pl_whole`` is what filling prompt lookup's gaps with
   DSpark is worth without foresight; ``streak_over_pl_whole`` the same while DSpark's last
   cycle accepted a draft, with a probe after 32 plain gaps.
+* ``dspark_accepted_by_position``: the drafts DSpark's block would have accepted, averaged over
+  every position (``all``) and over the positions where prompt lookup proposes nothing
+  (``pl_gaps``), against ``forced_accepted_per_cycle`` (the forced cycles' anchors).
 * ``dspark_forced``: DSpark every cycle, each block cut to the length its raw confidence makes
   best (``engine.scheduler.choose_length``), as the engine's ``min_draft_tokens=1`` runs it
   without calibration: a check of the cost profile against ``bench_speculative``'s ``dspark@1``.
@@ -261,6 +264,7 @@ def main(argv=None) -> dict:
                   "pl_whole": 0.0, "pl_whole_dspark_gaps": 0.0, "pl_whole_dspark_streak": 0.0}
         mix = {"plain": 0, "prompt_lookup": 0, "dspark": 0}
         forced_acc = []
+        matches: dict[str, list[int]] = {"all": [], "pl_gaps": []}  # DSpark's block, position by position
         for (_prompt, output), (pl_blocks, ds_blocks) in zip(outputs[name], tables["workloads"][name]):
             output = output[: args.max_tokens]
             n = len(output)
@@ -268,6 +272,8 @@ def main(argv=None) -> dict:
             ds = [min(accepted(t, output, i), n - i - 1) for i, (t, _) in enumerate(ds_blocks)]
             totals["tokens"] += n
             totals["plain"] += n * T[0]
+            matches["all"] += ds
+            matches["pl_gaps"] += [a for a, d in zip(ds, pl_blocks) if not d]
             for key, use_pl, use_ds, rows in (
                     ("oracle_pl", True, False, steady_rows), ("oracle_dspark", False, True, steady_rows),
                     ("oracle_both", True, True, steady_rows),
@@ -292,6 +298,9 @@ def main(argv=None) -> dict:
         row["streak_over_pl_whole"] = round(totals["pl_whole"] / totals["pl_whole_dspark_streak"], 3)
         row["oracle_both_cycles"] = mix
         row["forced_accepted_per_cycle"] = round(sum(forced_acc) / len(forced_acc), 3)
+        # what DSpark's block would accept at every position, and where prompt lookup has nothing
+        # (where auto's probes and gap-filling rules run it): are those positions harder?
+        row["dspark_accepted_by_position"] = {k: round(sum(v) / len(v), 3) if v else None for k, v in matches.items()}
         row["requests"], row["tokens"] = len(outputs[name]), totals["tokens"]
         report["workloads"][name] = row
         print(name, row, flush=True)
