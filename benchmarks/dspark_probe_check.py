@@ -36,20 +36,11 @@ import engine  # noqa: F401  (OpenBLAS before mlx.core)
 import mlx.core as mx
 
 from benchmarks.bench_speculative import load_workloads, run_turns
+from benchmarks.oracle_schedule import accepted
 from drafters.base import DraftContext
 from drafters.dspark import DSparkDrafter
 from engine import Engine, EngineConfig
 from engine.scheduler import DsparkStats
-
-
-def leading_matches(drafts: list[int], continuation: list[int]) -> int:
-    """How many of ``drafts`` equal ``continuation`` from the start (greedy acceptance)."""
-    n = 0
-    for d, t in zip(drafts, continuation):
-        if d != t:
-            break
-        n += 1
-    return n
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -116,7 +107,7 @@ def main(argv=None) -> dict:
                         for i, r in enumerate(mine):
                             n = len(r["tokens"])
                             rows.append({"workload": w["name"], "first": i == 0, "position": n - len(prompt),
-                                         "match": leading_matches(r["drafts"], full[n:]), "same": r["same"],
+                                         "match": accepted(r["drafts"], full, n), "same": r["same"],
                                          "cache_max_diff": r["cache_max_diff"]})
                     if forwards:
                         raise RuntimeError(f"{len(forwards)} DSpark forwards belong to no turn of {w['name']}")
