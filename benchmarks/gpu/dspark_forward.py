@@ -217,6 +217,7 @@ def main(argv=None) -> dict:
     args = ap.parse_args(argv)
     if args.blocks_only and not args.blocks:
         ap.error("--blocks-only needs --blocks")
+    args.launch_only = args.launch_only or args.blocks_only
     eng = Engine(EngineConfig(speculation="dspark", dspark=True)).start(wait=True)
     try:
         taps, tok = eng.target_taps, eng.loaded.tokenizer
