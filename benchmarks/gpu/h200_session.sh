@@ -16,6 +16,7 @@
 #                                    # files/base_prompts.jsonl.gz) to this run's (after `gen` with
 #                                    # another SEED): benchmarks/gpu/merge_dspark_data.py
 #   h200_session.sh cost             # a DSpark forward's cost: forced cycles, by new context rows
+#   h200_session.sh probecheck       # DSpark's state and drafts at auto's probes vs forced cycles
 #   h200_session.sh bench            # plain / prompt lookup / DSpark / auto on every workload
 # Results go to $OUT (JSON, the exported drafter, logs).
 # Staging (forty-first session): PART_MB=36 ../shared/tools/stage-for-gpu.sh --pip mlx-lm==0.32.2
@@ -161,6 +162,14 @@ print('seconds per step (after the first):', (b['elapsed_s']-a['elapsed_s'])/(b[
     # acceptance), eager vs compiled, and by new context rows (rows_sweep)
     python3 -m benchmarks.dspark_cost --workloads "${COST_WORKLOADS:-novel_code,novel_chat,agent_session}" \
       --cycles 30 --drafter "${DRAFTER:-$run/drafter-q4}" ${COST_ARGS:-} --out "$out/dspark_cost_h200.json"
+    ;;
+  probecheck)
+    # DSpark's state and drafts at every forward, auto (as it runs, then with every due probe
+    # run) against forced every cycle: benchmarks/dspark_probe_check.py
+    python3 -m benchmarks.dspark_probe_check --methods auto,dspark@1 --prompts 3 --max-tokens 160 \
+      --drafter "${DRAFTER:-$run/drafter-q4}" --out "$out/dspark_probe_check.json"
+    python3 -m benchmarks.dspark_probe_check --methods auto --prompts 3 --max-tokens 160 --probe-all \
+      --drafter "${DRAFTER:-$run/drafter-q4}" --out "$out/dspark_probe_check_all.json"
     ;;
   bench)
     python3 -m benchmarks.bench_speculative --methods off,prompt_lookup,dspark,auto \
