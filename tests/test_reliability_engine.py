@@ -104,8 +104,13 @@ def timeout_engine(tiny):
 def test_request_timeout_stops_running_and_queued_requests(timeout_engine):
     running, queued = Recorder(), Recorder()
     started = time.monotonic()
-    timeout_engine._enqueue(greedy([3, 4, 5], method="off", max_tokens=1900), running)
-    timeout_engine._enqueue(greedy([6, 7, 8], method="off", max_tokens=1900), queued)
+    first = timeout_engine._enqueue(greedy([3, 4, 5], method="off", max_tokens=1900), running)
+    second = timeout_engine._enqueue(greedy([6, 7, 8], method="off", max_tokens=1900), queued)
+    # the second request's deadline is set a little after the first's (however long this thread
+    # took between the two calls): once the first times out, the slot it frees could admit the
+    # second just before its own deadline (CI saw one token). It cannot start before the first
+    # ends (max_active=1), so give it the first's deadline: it must time out while still queued.
+    second.deadline = first.deadline
     assert running.done.wait(30) and queued.done.wait(30)
     elapsed = time.monotonic() - started
     for rec in (running, queued):
