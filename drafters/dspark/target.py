@@ -14,6 +14,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.base import create_attention_mask
 
+from metal_kernels.fused import head_module
+
 
 class TargetTaps:
     """The target's embedding, LM head and a forward pass that returns tapped states.
@@ -42,7 +44,7 @@ class TargetTaps:
         self.num_layers = len(inner.layers)
         if self.layer_ids and self.layer_ids[-1] >= self.num_layers:
             raise ValueError(f"tap {self.layer_ids[-1]} beyond the target's {self.num_layers} layers")
-        self.tied = getattr(model.args, "tie_word_embeddings", False) or not hasattr(model, "lm_head")
+        self.tied = self.head_module is inner.embed_tokens
         self._check_plain_forward()
 
     def _check_plain_forward(self) -> None:
@@ -72,14 +74,12 @@ class TargetTaps:
     @property
     def head_module(self) -> nn.Module:
         """The module holding the LM head's rows: the tied embedding (whose ``as_linear`` is the
-        head) or ``lm_head``."""
-        return self.inner.embed_tokens if self.tied else self.model.lm_head
+        head) or ``lm_head``; the fused passes' rule (``metal_kernels.fused.head_module``)."""
+        return head_module(self.model)
 
     def lm_head(self, h: mx.array) -> mx.array:
         """Final-normed states ``[..., d]`` -> logits ``[..., V]``."""
-        if self.tied:
-            return self.inner.embed_tokens.as_linear(h)
-        return self.model.lm_head(h)
+        return self.head_module.as_linear(h) if self.tied else self.head_module(h)
 
     def forward(self, ids: mx.array, cache: list | None = None) -> tuple[mx.array, mx.array]:
         """Run the target on ``ids`` ``[N, S]`` (appending to ``cache`` if given).
