@@ -85,17 +85,71 @@ def map_subschemas(schema: dict, fn) -> dict:
     return out
 
 
+_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
+_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
+_I64 = 2.0 ** 63  # (as a float: what -(2**63 - 1) rounds to as well)
+
+
+def check_schema_numbers(schema) -> None:
+    """Refuse (GrammarError) the numbers in a JSON Schema that llguidance cannot enforce.
+
+    llguidance 1.x keeps an integer schema's bounds and integer constants as 64-bit integers,
+    converted from floats with saturation: a lower bound at or above 2**63 (as a float; 1e19,
+    say) becomes ``i64::MAX`` and the grammar then allows 9223372036854775807 against the
+    schema; an upper bound at or below -2**63 (-9223372036854775807 rounds to it) makes the
+    set ``{i64::MIN}``, whose grammar crashes the process with a stack overflow in
+    llguidance's compiler (a segfault: every request in flight lost). ``const`` / ``enum``
+    values (any nesting) of that magnitude do the same. Refused wherever they appear, whatever
+    the type (a ``number`` schema handles them, but an ``allOf`` may make it an integer one).
+    A bound on the open side (a maximum at 2**63 or above, a minimum at -2**63 or below) passes
+    this check: it saturates harmlessly, or llguidance refuses the range itself (a GrammarError
+    as well: "Failed to generate regex for integer range")."""
+    def literal(value, where: str) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                literal(v, where)
+        elif isinstance(value, list):
+            for v in value:
+                literal(v, where)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and abs(float(value)) >= _I64:
+            raise GrammarError(f"{where} holds {value}, whose magnitude is 2**63 or more: such numbers cannot "
+                               "be enforced (llguidance keeps integers in 64 bits)")
+
+    def walk(node) -> None:
+        if isinstance(node, list):
+            for item in node:
+                walk(item)
+            return
+        if not isinstance(node, dict):
+            return
+        for key, value in node.items():
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if key in _LOWER_BOUNDS and number and float(value) >= _I64:
+                raise GrammarError(f"'{key}': {value} is 2**63 or more, which cannot be enforced "
+                                   "(llguidance keeps integers in 64 bits)")
+            if key in _UPPER_BOUNDS and number and float(value) <= -_I64:
+                raise GrammarError(f"'{key}': {value} is -2**63 or less, which cannot be enforced "
+                                   "(llguidance keeps integers in 64 bits)")
+            if key in ("const", "enum"):
+                literal(value, f"'{key}'")
+            elif isinstance(value, (dict, list)):
+                walk(value)
+
+    walk(schema)
+
+
 def json_grammar(schema: dict | None = None, strict: bool = False) -> str:
     """The llguidance grammar for JSON values matching ``schema`` (JSON Schema as a dict; None:
     any JSON object, OpenAI's ``json_object`` mode). No whitespace outside strings (separators
     ``,`` and ``:``): a grammar with free whitespace let small models loop on newlines. A
     schema's own ``x-guidance`` options override that. Raises GrammarError for a schema
-    llguidance rejects outright; most errors show when the grammar is compiled
+    llguidance rejects outright or cannot enforce (:func:`check_schema_numbers`); most errors show when the grammar is compiled
     (:func:`compile_grammar`). ``strict``: OpenAI's strict mode (:func:`closed_schema`)."""
     from llguidance import LLMatcher
 
     if strict and schema is not None:
         schema = closed_schema(schema)
+    check_schema_numbers(schema)
     try:
         return LLMatcher.grammar_from_json_schema({"type": "object"} if schema is None else schema,
                                                   defaults={"whitespace_flexible": False})

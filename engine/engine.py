@@ -1000,12 +1000,18 @@ class Engine:
             self._answer_scored()
 
     def _guarded(self, handle: _Handle, seq: Sequence, fn, *args) -> None:
-        """Run ``fn(*args)``; an exception ends this request with an error event."""
+        """Run ``fn(*args)``; an exception ends this request with an error event. The request's
+        own fault (an ``InvalidRequestError``: a grammar that fails at a later step, say) is
+        logged as a warning without the traceback; anything else is the server's, logged as an
+        error with it."""
         try:
             fn(*args)
         except Exception as exc:
             rid = handle.request.request_id
-            log.exception("request %s failed", rid)
+            if isinstance(exc, InvalidRequestError):
+                log.warning("request %s failed: %s", rid, exc)
+            else:
+                log.exception("request %s failed", rid)
             seq.finish_reason = FinishReason.ERROR
             seq.cache = None
             self._end(handle, TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR, error=_as_engine_error(exc),

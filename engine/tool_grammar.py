@@ -30,7 +30,7 @@ import re
 from collections.abc import Sequence
 from enum import Enum
 
-from .constraint import GrammarError, map_subschemas
+from .constraint import GrammarError, check_schema_numbers, map_subschemas
 
 
 class ToolCallStyle(str, Enum):
@@ -71,7 +71,8 @@ def tool_call_grammar(tokenizer, ll_tok, style: str, start: str, end: str, funct
 
     Raises:
         GrammarError: an unknown ``style``, or a name or schema the syntax cannot carry (see
-            the module docstring and docs/api.md, "Tool calls").
+            the module docstring and docs/api.md, "Tool calls"), or numbers llguidance cannot
+            enforce (:func:`engine.constraint.check_schema_numbers`).
     """
     from llguidance import LLMatcher
 
@@ -81,6 +82,8 @@ def tool_call_grammar(tokenizer, ll_tok, style: str, start: str, end: str, funct
             return f"<[{ids[0]}]>"
         return json.dumps(text)
 
+    for f in functions:
+        check_schema_numbers(f.get("parameters"))
     try:
         style = ToolCallStyle(style)
     except ValueError:

@@ -425,6 +425,17 @@ def test_json_object_regex_and_choice(tiny_server, tiny):
     # an integer past 64 bits (the grammar builder cannot serialise it)
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 10**30}}}},
      "response_format.json_schema.schema"),
+    # integer sets llguidance saturates to {i64::MIN} (its compiler segfaulted: the whole server
+    # went down) or to i64::MAX (allowed against the schema): refused before llguidance sees them
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "minimum": -2e19, "maximum": -1e19}}}}, "response_format.json_schema.schema"),
+    ({"structured_outputs": {"json": {"const": -9223372036854775807}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"type": "integer", "enum": [-2e19]}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"const": {"b": [1e19]}}}}}},
+     "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"type": "integer", "minimum": 1e19, "maximum": 2e19}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"allOf": [{"type": "integer"}, {"exclusiveMaximum": -9.3e18}]}}},
+     "structured_outputs.json"),
 ])
 def test_bad_output_formats(tiny_server, extra, param):
     for _ in range(2):  # (a refused grammar is not kept)
@@ -437,7 +448,22 @@ def test_bad_output_formats(tiny_server, extra, param):
     assert post(tiny_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2}).status_code == 200
 
 
-def test_a_grammar_failing_mid_output_fails_only_its_request(tiny_server):
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": 3, "maximum": 2e19},  # (an open-side bound saturates harmlessly)
+    {"type": "integer", "enum": [9007199254740993, -5]},  # (2**53 + 1: below 2**63)
+    {"type": "object", "properties": {"minimum": {"type": "string"}, "enum": {"type": "integer"}}},
+])
+def test_schemas_with_large_numbers_llguidance_can_enforce_compile(tiny, schema):
+    """The refusal of numbers past 64 bits (``check_schema_numbers``) leaves the bounds that
+    saturate on their open side, and property names that look like keywords, alone. (Ranges
+    llguidance's regex builder cannot express, such as int64's whole range or a minimum of
+    -1e300, it refuses itself: a 400 too.)"""
+    from engine.constraint import json_grammar
+
+    _constraint(tiny, json_grammar(schema))
+
+
+def test_a_grammar_failing_mid_output_fails_only_its_request(tiny_server, caplog):
     """A regex past llguidance's lexer limits after a dozen tokens: each request gets its own
     matcher (copies of one share a lexer cache that wears out), fails with a 400-type error
     naming the field, and a request batched alongside it is unaffected."""
@@ -459,6 +485,9 @@ def test_a_grammar_failing_mid_output_fails_only_its_request(tiny_server):
     assert events[-1]["error"]["param"] == "structured_outputs.regex"
     # (each failed request counted once under finished_reason="error", as docs/metrics.md says)
     assert metric(tiny_server, "request_success_total", 'finished_reason="error"') == errors + 3
+    # the request's fault: a warning without a traceback, not the server's error
+    failed = [r for r in caplog.records if r.name == "specserve.engine" and "failed" in r.getMessage()]
+    assert len(failed) == 3 and all(r.levelname == "WARNING" and r.exc_info is None for r in failed), failed
 
 
 def test_a_failed_later_row_is_deferred(tiny):

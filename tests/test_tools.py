@@ -590,3 +590,15 @@ def test_control_tokens_in_tool_keys_are_refused(tool_server):
     ok = [{"type": "function", "function": {"name": "f", "description": evil, "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "description": evil}}}}}]
     assert post(tool_server, "/v1/chat/completions", {"messages": MSGS, "tools": ok, "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("style", ["json_block", "mistral_list", "mistral_args", "xml_function"])
+def test_tool_schemas_with_numbers_past_64_bits_are_refused(byte_grammar, style):
+    """A parameter schema whose integers llguidance would saturate to i64::MIN (its compiler then
+    crashed the process) is refused in every call format, before llguidance compiles it."""
+    from engine.constraint import GrammarError
+
+    fn = {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": -2e19, "maximum": -1e19}}}}
+    with pytest.raises(GrammarError, match="2\\*\\*63"):
+        byte_grammar(style, "<tool_call>", "</tool_call>", [fn], [])
