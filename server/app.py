@@ -102,10 +102,13 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
     app.include_router(tokenize_router)
 
     def get_and_head(path: str):
-        """GET and HEAD on ``path``, with one OpenAPI operation (the GET's): one route for both
-        methods would give the schema two operations of one id, and FastAPI warns of it."""
+        """GET and HEAD on ``path``, with one OpenAPI operation (the GET's). Requests reach one
+        route of both methods, kept out of the schema (in it, the two operations would share an
+        id, and FastAPI warns of it), so a 405 for another method says ``Allow: GET, HEAD``
+        (with a route per method, Starlette answered from the first partial match: ``Allow:
+        HEAD``); a GET route after it, never reached, gives the schema its operation."""
         def register(endpoint):
-            app.head(path, include_in_schema=False)(endpoint)
+            app.add_api_route(path, endpoint, methods=["GET", "HEAD"], include_in_schema=False)
             return app.get(path)(endpoint)
         return register
 

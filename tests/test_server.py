@@ -497,7 +497,12 @@ def test_malformed_json_and_unknown_paths(tiny_server):
     for probe in ("/health", "/ready"):  # (load balancers' HEAD probes)
         assert httpx.head(tiny_server.url + probe).status_code == 200
     r = httpx.get(tiny_server.url + "/v1/completions")
-    assert r.status_code == 405 and "error" in r.json()
+    assert r.status_code == 405 and "error" in r.json() and r.headers["allow"] == "POST"
+    for path in ("/metrics", "/health", "/v1/models", "/v1/models/x"):  # (not "Allow: HEAD")
+        for method in ("DELETE", "POST", "OPTIONS"):
+            r = httpx.request(method, tiny_server.url + path, timeout=30)
+            assert r.status_code == 405 and r.json()["error"]["type"] == "invalid_request_error", (path, method)
+            assert sorted(r.headers["allow"].split(", ")) == ["GET", "HEAD"], (path, method, r.headers)
 
 
 def test_openapi_operations_have_unique_ids(tiny_server):
