@@ -30,6 +30,7 @@ from deploy_support import (
 from engine import Engine, EngineConfig
 
 REPETITIVE = "abcabcabcabcabcabcabcabcabcabc abcabcabc"
+LONG = "The quick brown fox jumps over the lazy dog. " * 14  # (630 tokens of the byte tokenizer)
 
 
 def _free_port() -> int:
@@ -140,6 +141,10 @@ def _drive(url: str) -> None:
     r = httpx.post(url + "/v1/completions", timeout=120, json={
         "prompt": "plain decoding", "max_tokens": 8, "temperature": 0, "speculative": {"method": "off"}})
     assert r.status_code == 200, r.text
+    for _ in range(2):  # (the second reads whole prefill chunks of the first from the prefix cache)
+        r = httpx.post(url + "/v1/completions", json={"prompt": LONG, "max_tokens": 2}, timeout=120)
+        assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, r.text
     r = httpx.post(url + "/v1/completions", json={"prompt": "x" * 2100, "max_tokens": 8}, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     r = httpx.post(url + "/v1/completions", json={"model": "no-such-model", "prompt": "x"}, timeout=120)
@@ -201,8 +206,17 @@ def test_acceptance_rate_in_unit_interval(scraped):
 
 def test_scheduler_decisions_show_plain_and_drafted_steps(scraped):
     values = _panel_values(scraped, "Scheduler decisions (target passes/s)")
-    drafters = {re.search(r"'drafter', '(\w+)'", k).group(1) for k, v in values.items() if v > 0}
-    assert {"none", "prompt_lookup"} <= drafters, values
+    outcomes = {re.search(r"'outcome', '(\w+)'", k).group(1) for k, v in values.items() if v > 0}
+    assert {"plain", "prompt_lookup"} <= outcomes, values
+    calibration = _panel_values(scraped, "Scheduler calibration (realised / expected accepted tokens)")
+    assert [v for k, v in calibration.items() if "prompt_lookup" in k and v > 0], calibration
+
+
+def test_prefix_cache_panels_show_the_repeated_prompt(scraped):
+    (rate,) = _panel_values(scraped, "Prefix cache hit rate").values()
+    assert 0 < rate < 1, rate  # (a repeated 630-token prompt hit; the other prompts missed)
+    held, budget = (scraped.scalar_values(to_promql(e)) for t, e in dashboard_targets() if t == "Prefix cache memory")
+    assert 0 < sum(held.values()) <= sum(budget.values()), (held, budget)
 
 
 def test_errors_by_type_counts_the_failed_requests(scraped):
