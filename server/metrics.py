@@ -122,6 +122,14 @@ class Metrics:
                                     buckets=(2, 3, 4, 6, 8, 12, 16, 24, 32, 64), registry=r)
         self.batch_tokens = Counter(PREFIX + "batch_committed_tokens",
                                     "Tokens committed by batched target passes.", registry=r)
+        # Series that exist from the start at 0 (as vLLM's do), so a query over them has data
+        # before the first event: every scheduler outcome, and the unused proposals of each
+        # drafter (which most servers never count). Not the per-drafter acceptance counters,
+        # whose ratios would be 0/0 for a drafter that never ran.
+        for outcome in ("prompt_lookup", "dspark", "grammar", "plain"):
+            self.decisions.labels(outcome)
+        for drafter in ("prompt_lookup", "dspark"):
+            self.unused_proposals.labels(drafter)
 
     def attach(self, engine: Engine) -> None:
         self.registry.register(_EngineCollector(engine))

@@ -744,6 +744,20 @@ def test_every_exported_metric_is_documented(tiny_server):
     assert not missing, f"not in docs/metrics.md: {missing}"
 
 
+def test_outcome_and_unused_proposal_series_exist_from_the_start():
+    """A fresh registry exports every scheduler outcome and each drafter's unused proposals at 0
+    (a query over them has data before the first event), but no acceptance series (their ratios
+    would be 0/0)."""
+    from server.metrics import Metrics
+
+    text = Metrics().render().decode()
+    for outcome in ("prompt_lookup", "dspark", "grammar", "plain"):
+        assert f'specserve:scheduler_decisions_total{{outcome="{outcome}"}} 0.0' in text
+    for drafter in ("prompt_lookup", "dspark"):
+        assert f'specserve:spec_decode_num_unused_proposals_total{{drafter="{drafter}"}} 0.0' in text
+    assert "spec_decode_num_drafts_total{" not in text
+
+
 def test_speculation_off_per_request(tiny_server):
     r = post(tiny_server, "/v1/completions", {"prompt": "xyzxyzxyzxyz", "max_tokens": 20, "temperature": 0,
                                               "speculative": {"method": "off"}}).json()
