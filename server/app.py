@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import re
 import threading
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
@@ -64,6 +66,34 @@ class _TrailingSlash:
         await self.app(scope, receive, send)
 
 
+class _RequestId:
+    """Pure ASGI: every HTTP response carries ``X-Request-Id``: the request's own when it sent
+    one (1-128 visible ASCII characters; anything else is replaced), else a new random id, so a
+    client and the server's logs can name one request (vLLM's ``--enable-request-id-headers``,
+    on always). The id is in ``scope["state"]["request_id"]`` for handlers. Outermost, so the
+    guard's refusals (401, 413) carry it too."""
+
+    _VALID = re.compile(rb"[\x21-\x7e]{1,128}")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), None)
+        rid = given if given is not None and self._VALID.fullmatch(given) else uuid.uuid4().hex.encode()
+        scope.setdefault("state", {})["request_id"] = rid.decode()
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", rid)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
 def _error_type(status: int) -> str:
     return {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
             408: "timeout_error", 413: "invalid_request_error", 429: "rate_limit_error", 503: "unavailable_error"}.get(
@@ -95,7 +125,8 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
     install_error_handlers(app)
     app.add_middleware(Guard, state=app.state)
     app.add_middleware(_CountRequests)  # counts the guard's refusals too
-    app.add_middleware(_TrailingSlash)  # outermost: the guard sees the path the router serves
+    app.add_middleware(_TrailingSlash)  # the guard sees the path the router serves
+    app.add_middleware(_RequestId)  # outermost: every response carries X-Request-Id
     log.info("API key authentication %s; /metrics %s", "on" if settings.api_key else "off",
              "protected" if settings.api_key and settings.protect_metrics else "open")
     app.include_router(openai_router)

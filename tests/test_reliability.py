@@ -194,7 +194,7 @@ def test_missing_or_wrong_api_key_gets_401(guarded_server, headers):
         r = httpx.request(method, guarded_server.url + path, headers=headers, timeout=30,
                           json={"prompt": "x", "max_tokens": 1} if method == "POST" else None)
         assert_envelope(r, 401, "authentication_error", "invalid_api_key")
-        assert r.headers["WWW-Authenticate"] == "Bearer"
+        assert r.headers["WWW-Authenticate"] == "Bearer" and len(r.headers["X-Request-Id"]) == 32
     assert metric(guarded_server, "requests_rejected_total", 'reason="Unauthorized"') == before + len(paths)
 
 

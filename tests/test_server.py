@@ -1022,3 +1022,25 @@ def test_a_character_cut_by_max_tokens_matches_no_stop_string(tiny_server):
     choice = post(tiny_server, "/v1/completions", {**body, "max_tokens": 3, "stop": ["xx"],
                                                     "logit_bias": {str(x): 100}}).json()["choices"][0]
     assert (choice["text"], choice["finish_reason"]) == ("", "stop"), choice
+
+
+def test_every_response_carries_a_request_id(tiny_server):
+    """X-Request-Id: the client's own echoed (1-128 visible ASCII characters), else a new one,
+    on answers, errors, streams and the router's 404s."""
+    body = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
+    r = httpx.post(tiny_server.url + "/v1/completions", json=body, headers={"X-Request-Id": "agent-7/turn-3"}, timeout=60)
+    assert r.status_code == 200 and r.headers["x-request-id"] == "agent-7/turn-3"
+    ids = {httpx.post(tiny_server.url + "/v1/completions", json=body, timeout=60).headers["x-request-id"]
+           for _ in range(2)}
+    assert len(ids) == 2 and all(re.fullmatch(r"[0-9a-f]{32}", i) for i in ids), ids
+    for bad in ("x" * 129, "two words"):  # (replaced, not echoed)
+        got = httpx.post(tiny_server.url + "/v1/completions", json=body, headers={"X-Request-Id": bad},
+                         timeout=60).headers["x-request-id"]
+        assert re.fullmatch(r"[0-9a-f]{32}", got), got
+    with httpx.stream("POST", tiny_server.url + "/v1/completions", json={**body, "stream": True},
+                      headers={"x-request-id": "s1"}, timeout=60) as r:
+        assert r.headers["x-request-id"] == "s1" and r.read().endswith(b"data: [DONE]\n\n")
+    for r in (httpx.get(tiny_server.url + "/v1/nothing", headers={"X-Request-Id": "n1"}),
+              httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": -1},
+                         headers={"X-Request-Id": "n1"}, timeout=60)):
+        assert r.status_code in (404, 400) and r.headers.get_list("x-request-id") == ["n1"]
