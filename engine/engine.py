@@ -121,6 +121,7 @@ class _Handle:
     # considered for admission; a request deferred meanwhile may start with it after DSpark
     # stopped being able to win, and then drops it on its first cycle)
     dspark: bool | None = None
+    submitted_at: float = field(default_factory=time.perf_counter)  # (enqueued: timings count the wait)
 
 
 class Engine:
@@ -673,8 +674,10 @@ class Engine:
         log.info("fused DSpark drafts on (one launch per block forward; probe error %.2g)", err)
         return fp
 
-    def _make_sequence(self, request: GenerationRequest, dspark: bool | None = None) -> Sequence:
-        """A new sequence for ``request``; ``dspark``: whether it runs DSpark (None: decide now)."""
+    def _make_sequence(self, request: GenerationRequest, dspark: bool | None = None,
+                       submitted_at: float | None = None) -> Sequence:
+        """A new sequence for ``request``; ``dspark``: whether it runs DSpark (None: decide now);
+        ``submitted_at``: when it was queued (``time.perf_counter()``; None: now)."""
         cfg = self.config
         if dspark is None:
             dspark = self._runs_dspark(request)
@@ -704,7 +707,7 @@ class Engine:
             # starts with it may run it: _runs_dspark implies _may_run_dspark)
             dspark_stats=self.dspark_stats if self._may_run_dspark(request) else None,
             taps=self.target_taps, max_draft=cfg.prompt_lookup_max_draft,
-            speculative=self.cost.max_rows > 1 and method != "off",
+            speculative=self.cost.max_rows > 1 and method != "off", submitted_at=submitted_at,
         )
         twin = self._prompt_twin(request, dspark)
         if twin is not None and twin.prefilled:  # the same prompt, prefilled: copy it (n > 1 choices)
@@ -800,7 +803,7 @@ class Engine:
             with self._lock:
                 self._queued -= 1
             try:
-                seq = self._make_sequence(handle.request, self._handle_dspark(handle))
+                seq = self._make_sequence(handle.request, self._handle_dspark(handle), handle.submitted_at)
                 self._active.append((handle, seq))
             except Exception as exc:
                 log.exception("could not start request %s", handle.request.request_id)
@@ -1139,7 +1142,8 @@ class Engine:
         self._end(handle, TokenEvent(handle.request.request_id, [], "", finish_reason=reason,
                                      prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
                                      cached_tokens=seq.cached_tokens, stats=seq.stats,
-                                     elapsed=time.perf_counter() - seq.submitted_at, error=error))
+                                     elapsed=time.perf_counter() - seq.submitted_at, error=error,
+                                     **seq.end_timings()))
         # Ended mid-prefill: its whole chunks so far (after the event, which the copy would
         # delay), unless the server is shutting down (no request would read them).
         if not seq.prefilled and not self._stopping and not isinstance(error, EngineUnavailable):

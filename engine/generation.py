@@ -66,6 +66,7 @@ class Sequence:
         taps=None,
         max_draft: int = 0,
         speculative: bool | None = None,
+        submitted_at: float | None = None,
     ):
         self.request = request
         self.runner = runner
@@ -106,8 +107,12 @@ class Sequence:
         self.stats = SpecStats()
         self.finish_reason: FinishReason | None = None
         self.pending_error: Exception | None = None  # a grammar failure after committed tokens: raised by the next propose()
-        self.submitted_at = time.perf_counter()
+        # (time.perf_counter() values) submit: when the request was queued (default: now), so
+        # timings include its wait for a slot; admission: now
+        self.admitted_at = time.perf_counter()
+        self.submitted_at = self.admitted_at if submitted_at is None else submitted_at
         self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
         self.prefill_row_seconds: float | None = None  # wall seconds per row of the last prefill step from position > 0
         self.prompt_logprobs: list[TokenLogprob] | None = [] if request.prompt_logprobs else None
 
@@ -190,8 +195,10 @@ class Sequence:
             parts.append(tail if stopped else tail + self.stop.flush() + cut)
             if stopped:
                 self.finish_reason = FinishReason.STOP
-        if self.first_token_at is None and ids:
-            self.first_token_at = time.perf_counter()
+        if ids:
+            self.last_token_at = time.perf_counter()
+            if self.first_token_at is None:
+                self.first_token_at = self.last_token_at
         return CommitResult(ids, "".join(parts), logprobs[: len(ids)] if logprobs else None, self.finished)
 
     def event(self, result: CommitResult, first_event: bool) -> TokenEvent:
@@ -213,7 +220,16 @@ class Sequence:
                 else None
             ),
             elapsed=(now - self.submitted_at) if self.finished else None,
+            **(self.end_timings() if self.finished else {}),
         )
+
+    def end_timings(self) -> dict:
+        """The last event's ``queue_time`` and ``time_per_output_token`` (None where it had
+        fewer than two tokens)."""
+        tpot = None
+        if self.num_generated >= 2 and self.first_token_at is not None and self.last_token_at is not None:
+            tpot = (self.last_token_at - self.first_token_at) / (self.num_generated - 1)
+        return {"queue_time": self.admitted_at - self.submitted_at, "time_per_output_token": tpot}
 
     # ---- drafting ---------------------------------------------------------------------------
 

@@ -282,5 +282,8 @@ class TokenEvent:
     prompt_logprobs: list[TokenLogprob] | None = None  # first event only, when asked
     stats: SpecStats | None = None
     error: EngineError | None = None
-    time_to_first_token: float | None = None  # seconds, on the first event with tokens
+    time_to_first_token: float | None = None  # seconds from submit, on the first event with tokens
     elapsed: float | None = None  # seconds from submit, on the last event
+    queue_time: float | None = None  # seconds from submit to admission, on the last event of an admitted request
+    # (last token - first token) / (tokens - 1), seconds, on the last event of one with 2+ tokens
+    time_per_output_token: float | None = None

@@ -25,6 +25,7 @@ disable_created_metrics()  # no *_created series: they only clutter dashboards
 PREFIX = "specserve:"
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 
 
 class _EngineCollector:
@@ -93,6 +94,12 @@ class Metrics:
                               buckets=_TTFT_BUCKETS, registry=r)
         self.latency = Histogram(PREFIX + "e2e_request_latency_seconds", "End-to-end generation latency.",
                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram(PREFIX + "request_queue_time_seconds",
+                                    "Submit to admission (waiting for a slot), per admitted generation.",
+                                    buckets=_TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram(PREFIX + "request_time_per_output_token_seconds",
+                              "Per generation of 2+ tokens: (last token - first token) / (tokens - 1).",
+                              buckets=_TPOT_BUCKETS, registry=r)
         self.rejected = Counter(PREFIX + "requests_rejected", "Requests refused before running, by reason.",
                                 ["reason"], registry=r)
         self.num_drafts = Counter(PREFIX + "spec_decode_num_drafts",
@@ -167,6 +174,10 @@ class Metrics:
         self.generation_tokens.inc(event.completion_tokens)
         if event.elapsed is not None:
             self.latency.observe(event.elapsed)
+        if event.queue_time is not None:
+            self.queue_time.observe(event.queue_time)
+        if event.time_per_output_token is not None:
+            self.tpot.observe(event.time_per_output_token)
 
     def first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)

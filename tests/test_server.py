@@ -730,6 +730,8 @@ def test_spec_metrics_move_and_equal_response_stats(tiny_server):
     for row in ("first", "further"):
         assert re.search(rf'^specserve:verify_context_cost_seconds{{row="{row}"}} [0-9.e+-]+$', text, re.M)
     assert "specserve:time_to_first_token_seconds_count" in text
+    for name in ("request_queue_time_seconds_count", "request_time_per_output_token_seconds_count"):
+        assert metric(tiny_server, name) >= 1, name  # (the request above: 40 tokens)
 
 
 def test_every_exported_metric_is_documented(tiny_server):
