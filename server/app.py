@@ -32,7 +32,9 @@ _PROBES = ("/health", "/ready")
 
 class _CountRequests(BaseHTTPMiddleware):
     """Count every response by endpoint and status, and errors by OpenAI type (not the
-    probes' answers: a load balancer polling /ready while the model loads is not an error)."""
+    probes' answers: a load balancer polling /ready while the model loads is not an error; nor
+    499, nginx's "client closed request", for a client that left before its answer: nothing was
+    sent, and the request ended as ``cancelled``)."""
 
     async def dispatch(self, request: Request, call_next):
         response = await call_next(request)
@@ -40,7 +42,7 @@ class _CountRequests(BaseHTTPMiddleware):
         route = request.scope.get("route")
         endpoint = getattr(route, "path", "unmatched")
         metrics.requests.labels(endpoint, str(response.status_code)).inc()
-        if response.status_code >= 400 and endpoint not in _PROBES:
+        if response.status_code >= 400 and response.status_code != 499 and endpoint not in _PROBES:
             metrics.errors.labels(_error_type(response.status_code)).inc()
         return response
 

@@ -682,6 +682,9 @@ def test_stream_disconnect_cancels_the_request(tiny_server):
 
 def test_non_stream_disconnect_cancels_the_request(tiny_server):
     before = metric(tiny_server, "request_success_total", 'finished_reason="cancelled"')
+    gone = 'endpoint="/v1/completions",status="499"'
+    gone_before = metric(tiny_server, "requests_total", gone)
+    errors_before = metric(tiny_server, "errors_total", 'type="invalid_request_error"')
 
     def fire():
         try:
@@ -695,6 +698,12 @@ def test_non_stream_disconnect_cancels_the_request(tiny_server):
     t.join()
     assert _wait_idle(tiny_server.engine)
     assert metric(tiny_server, "request_success_total", 'finished_reason="cancelled"') == before + 1
+    deadline = time.monotonic() + 10  # (the handler counts its 499 once it has seen the cancel)
+    while metric(tiny_server, "requests_total", gone) == gone_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(tiny_server, "requests_total", gone) == gone_before + 1
+    # the client left: no error response was sent, so none is counted
+    assert metric(tiny_server, "errors_total", 'type="invalid_request_error"') == errors_before
 
 
 def test_spec_metrics_move_and_equal_response_stats(tiny_server):
