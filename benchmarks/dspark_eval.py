@@ -19,6 +19,12 @@ The result's ``_setup.run_records`` keeps the run sets' prompts themselves (ids,
 texts), so a later evaluation can repeat them without the run's prompt file (``.dev/`` does not
 outlive a session): ``--run-sets-from RESULT.json``.
 
+``--workloads a,b`` adds the benchmark workloads' prompts (benchmarks/workloads; sessions
+left out) as sets ``wl_<name>`` with the workload's ``max_tokens``, chat prompts through the
+chat template, as ``bench_speculative`` sends them. Every set reports
+``first_cycle_accepted`` apart from ``later_cycle_accepted``: a request's first DSpark
+forward drafts from the prompt's last token, where the drafter was trained on few anchors.
+
 ``--max-new-tokens N`` gives every set N new tokens instead (generation still stops at EOS).
 The training data's responses run to 256 tokens, and DeepSpec's evaluator decodes to EOS; the
 default 96 measures only the openings of responses, where the text is least repetitive.
@@ -113,6 +119,20 @@ def run_prompt_sets(path: str, per_source: int, split: str = "eval") -> dict:
     return {f"run_{src}": (recs, RUN_NEW_TOKENS) for src, recs in sorted(by_source.items()) if recs}
 
 
+def workload_prompt_sets(tokenizer, names: list[str]) -> dict:
+    """``wl_<name> -> (prompt token lists, the workload's max_tokens)`` for the benchmark
+    workloads ``names`` (their non-session prompts, encoded as ``bench_speculative`` sends
+    them)."""
+    from benchmarks.bench_speculative import load_workloads, prompt_tokens
+
+    out = {}
+    for w in load_workloads(names):
+        prompts = [prompt_tokens(tokenizer, p) for p in w["prompts"] if p["kind"] != "session"]
+        if prompts:  # (a workload of sessions only has none)
+            out[f"wl_{w['name']}"] = (prompts, w.get("max_tokens", 128))
+    return out
+
+
 def setup_record(target: str, sets: dict, run_names) -> dict:
     """The result's ``_setup``: the target, the loop, every set's prompt ids and new tokens, and
     the prompts of the sets named in ``run_names`` (read back by :func:`saved_run_sets`)."""
@@ -151,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only-run-prompts", action="store_true", help="skip the fixed sets")
     ap.add_argument("--run-split", choices=("eval", "train"), default="eval",
                     help="which prompts of --run-prompts: held out (default) or trained on")
+    ap.add_argument("--workloads", default=None, help="benchmark workloads to add as sets wl_<name> (a,b,...)")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="new tokens for every set (default: 96, 64 for instruct_trainfamily_heldout)")
     args = ap.parse_args(argv)
@@ -170,21 +191,27 @@ def main(argv: list[str] | None = None) -> int:
     elif args.run_sets_from:
         run_sets = saved_run_sets(args.run_sets_from)
     sets.update(run_sets)
+    workload_sets = workload_prompt_sets(target.tokenizer, args.workloads.split(",")) if args.workloads else {}
     if args.max_new_tokens is not None:
         sets = {k: (records, args.max_new_tokens) for k, (records, _) in sets.items()}
+        workload_sets = {k: (prompts, args.max_new_tokens) for k, (prompts, _) in workload_sets.items()}
     out = {"_setup": setup_record(f"{target.name} ({target.weights})", sets, run_sets)}
+    out["_setup"]["workloads"] = {k: n for k, (_, n) in workload_sets.items()}
+    encoded = {k: ([encode_prompt(target.tokenizer, r) for r in records], n) for k, (records, n) in sets.items()}
+    encoded.update(workload_sets)
     for spec in args.drafters:
         name, path = spec.split("=", 1)
         net = load_dspark(path)
         taps = TargetTaps(target.model, net.config.target_layer_ids)
         res = {"drafter": path}
-        for key, (records, n) in sets.items():
+        for key, (prompts, n) in encoded.items():
             start = time.perf_counter()
-            prompts = [encode_prompt(target.tokenizer, r) for r in records]
             r = evaluate_acceptance(taps, net, prompts, target.eos_token_ids, n)
             r["seconds"] = round(time.perf_counter() - start, 1)
             res[key] = r
-            print(name, key, r["mean_acceptance_length"], r["acceptance_per_position"], r["seconds"], flush=True)
+            print(name, key, r["mean_acceptance_length"], r["acceptance_per_position"],
+                  f"first/later cycle accepted {r['first_cycle_accepted']}/{r['later_cycle_accepted']}",
+                  r["seconds"], flush=True)
         out[name] = res
         if args.out:
             Path(args.out).write_text(json.dumps(out, indent=1) + "\n")

@@ -1079,6 +1079,18 @@ def test_tiny_training_run_learns_checkpoints_and_resumes(tmp_path, tiny_target)
     assert len(seen) == ev["cycles"] and sum(a + 1 for _, _, a, _ in seen) == ev["tokens"]
     assert all(shape == (n + 1, model.args.vocab_size) and 0 <= a <= n for shape, n, a, _ in seen)
     assert all(len(conf) == n and all(0.0 <= c <= 1.0 for c in conf) for _, n, _, conf in seen)
+    # each prompt's first cycle apart from the others, as each prompt alone gives them
+    alone = []
+    for prompt in prompts:
+        got = []
+        one = evaluate_acceptance(taps, trained, [prompt], [2], max_new_tokens=12,
+                                  on_cycle=lambda logits, drafts, a, conf, got=got: got.append(a))
+        assert one["first_cycle_accepted"] == got[0] and len(got) >= 2
+        assert math.isclose(one["later_cycle_accepted"], sum(got[1:]) / len(got[1:]), abs_tol=1e-4)
+        alone.append(got)
+    assert math.isclose(ev["first_cycle_accepted"], sum(g[0] for g in alone) / len(alone))
+    later = [a for g in alone for a in g[1:]]
+    assert math.isclose(ev["later_cycle_accepted"], sum(later) / len(later), abs_tol=1e-4)
     drafted = []  # the evaluation drafts from a drafter's draft vocabulary, as the engine does
     evaluate_acceptance(taps, resumed, prompts, [2], max_new_tokens=12,
                         on_cycle=lambda logits, drafts, a, conf: drafted.extend(drafts))
@@ -1365,3 +1377,16 @@ def test_eval_result_keeps_its_run_sets_for_a_later_evaluation(tmp_path):
     result.write_text(json.dumps({"_setup": setup_record("tiny", fixed, {})}))
     with pytest.raises(ValueError, match="keeps no run sets"):
         saved_run_sets(str(result))
+
+
+def test_dspark_eval_workload_sets_are_the_benchmark_prompts(tiny):
+    """``--workloads``: a workload's non-session prompts, encoded as ``bench_speculative``
+    sends them, with its max_tokens; a workload of sessions only gives no set."""
+    from benchmarks.bench_speculative import load_workloads, prompt_tokens
+    from benchmarks.dspark_eval import workload_prompt_sets
+
+    got = workload_prompt_sets(tiny.tokenizer, ["novel_code", "novel_chat", "agent_session"])
+    assert set(got) == {"wl_novel_code", "wl_novel_chat"}
+    for w in load_workloads(["novel_code", "novel_chat"]):
+        prompts, n = got[f"wl_{w['name']}"]
+        assert n == w["max_tokens"] and prompts == [prompt_tokens(tiny.tokenizer, p) for p in w["prompts"]]

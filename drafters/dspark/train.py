@@ -494,7 +494,10 @@ def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[li
     Returns:
         ``mean_acceptance_length`` (committed tokens per verify pass, bonus included),
         ``acceptance_per_position`` (``P(drafts 1..k all accepted)``, k = 1..B),
-        ``conditional_acceptance`` (``P(k accepted | 1..k-1 accepted)``), ``cycles``, ``tokens``.
+        ``conditional_acceptance`` (``P(k accepted | 1..k-1 accepted)``), ``cycles``, ``tokens``,
+        and ``first_cycle_accepted`` / ``later_cycle_accepted``: drafts accepted per cycle in
+        each prompt's first cycle (anchored on its last token: where a request's first DSpark
+        forward drafts in the engine) and in the others (None without any).
     """
     from mlx_lm.models.cache import make_prompt_cache
     from tqdm import tqdm
@@ -502,7 +505,7 @@ def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[li
     b = network.config.block_size
     eos = set(int(t) for t in eos_ids)
     reached, accepted = np.zeros(b), np.zeros(b)
-    lengths = []
+    lengths, firsts = [], []  # (accepted + 1 per cycle; the index of each prompt's first cycle)
     vocab = None
     if draft_vocab and network.draft_vocab is not None:
         vocab = DraftVocab.build(network.draft_vocab, taps.head_module, taps.tied, network)
@@ -511,6 +514,7 @@ def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[li
         cache = make_prompt_cache(taps.model)
         drafter = DSparkDrafter(network, taps.embed, taps.lm_head, step)
         tokens, hidden, produced = list(prompt), None, 0
+        firsts.append(len(lengths))
         if len(tokens) > 1:
             hidden = taps.forward(mx.array(tokens[:-1])[None], cache)[1][0]
         while produced < max_new_tokens:
@@ -535,7 +539,12 @@ def evaluate_acceptance(taps: TargetTaps, network: DSparkModel, prompts: list[li
             if eos.intersection(committed):
                 break
     cycles = max(len(lengths), 1)
+    starts = set(firsts)
+    first = [lengths[i] - 1 for i in firsts if i < len(lengths)]
+    later = [n - 1 for i, n in enumerate(lengths) if i not in starts]
     return {
+        "first_cycle_accepted": round(float(np.mean(first)), 4) if first else None,
+        "later_cycle_accepted": round(float(np.mean(later)), 4) if later else None,
         "mean_acceptance_length": float(np.sum(lengths) / cycles),
         "acceptance_per_position": (accepted / cycles).round(4).tolist(),
         "conditional_acceptance": (accepted / np.maximum(reached, 1)).round(4).tolist(),
