@@ -85,35 +85,72 @@ def map_subschemas(schema: dict, fn) -> dict:
     return out
 
 
-_LOWER_BOUNDS = ("minimum", "exclusiveMinimum")
-_UPPER_BOUNDS = ("maximum", "exclusiveMaximum")
-_I64 = 2.0 ** 63  # (as a float: what -(2**63 - 1) rounds to as well)
+_EXACT = 2**53  # integers up to this magnitude are exact as 64-bit floats
+_I64 = 2**63
+
+
+def _at_least(value, limit: int) -> bool:
+    """``|value| >= limit`` for a JSON number (an int compared exactly: no float overflow)."""
+    return abs(value) >= (limit if isinstance(value, int) else float(limit))
 
 
 def check_schema_numbers(schema) -> None:
     """Refuse (GrammarError) the numbers in a JSON Schema that llguidance cannot enforce.
 
-    llguidance 1.x keeps an integer schema's bounds and integer constants as 64-bit integers,
-    converted from floats with saturation: a lower bound at or above 2**63 (as a float; 1e19,
-    say) becomes ``i64::MAX`` and the grammar then allows 9223372036854775807 against the
-    schema; an upper bound at or below -2**63 (-9223372036854775807 rounds to it) makes the
-    set ``{i64::MIN}``, whose grammar crashes the process with a stack overflow in
-    llguidance's compiler (a segfault: every request in flight lost). ``const`` / ``enum``
-    values (any nesting) of that magnitude do the same. Refused wherever they appear, whatever
-    the type (a ``number`` schema handles them, but an ``allOf`` may make it an integer one).
-    A bound on the open side (a maximum at 2**63 or above, a minimum at -2**63 or below) passes
-    this check: it saturates harmlessly, or llguidance refuses the range itself (a GrammarError
-    as well: "Failed to generate regex for integer range")."""
-    def literal(value, where: str) -> None:
+    llguidance 1.x handles a schema's numbers as 64-bit floats, and an integer schema's bounds
+    as 64-bit integers converted from them with saturation (its ``compile_const`` and
+    ``normalize_integer_bounds``). So:
+
+    * an integer of magnitude above 2**53 (a bound, or a ``const`` / ``enum`` value at any
+      nesting) rounds to a neighbour: ``"minimum": 9007199254740993`` allowed
+      9007199254740992, ``"enum": [9007199254740993]`` matched only 9007199254740992;
+    * an exclusive bound of magnitude 2**53 or more loses its step of one (``exclusiveMinimum:
+      2**53`` allowed 2**53 itself);
+    * a lower bound at or above 2**63 saturates to ``i64::MAX``, which the grammar then allows
+      against the schema (``"minimum": 1e19`` let 9223372036854775807 through);
+    * an upper bound, or a ``const`` / ``enum`` number in an integer schema, at or below -2**63
+      makes the set ``{i64::MIN}``, whose grammar crashed the process in llguidance's compiler
+      (a stack overflow: a segfault, every request in flight lost). ``const`` / ``enum``
+      numbers of magnitude 2**63 or more are refused whatever the type (an ``allOf`` may make it
+      an integer one), except floats nested in objects or arrays, which llguidance compiles as
+      floats.
+
+    Only schema positions are read: subschemas under the keywords that hold them, ``const`` and
+    ``enum``; not ``examples``, ``default`` or unknown keywords, and a property named like a
+    keyword is a property. Other large float bounds pass this check: they work, or llguidance
+    refuses the range itself ("Failed to generate regex for integer range", a GrammarError too).
+    """
+    def number(value) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    def refuse(where: str, value, why: str):
+        shown = value if not isinstance(value, int) or abs(value) < 10**30 else f"an integer of {len(str(abs(value)))} digits"
+        raise GrammarError(f"{where}: {shown} {why} (llguidance handles a schema's numbers as 64-bit floats "
+                           "and integers)")
+
+    def literal(value, where: str, nested: bool) -> None:
         if isinstance(value, dict):
             for v in value.values():
-                literal(v, where)
+                literal(v, where, True)
         elif isinstance(value, list):
             for v in value:
-                literal(v, where)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and abs(float(value)) >= _I64:
-            raise GrammarError(f"{where} holds {value}, whose magnitude is 2**63 or more: such numbers cannot "
-                               "be enforced (llguidance keeps integers in 64 bits)")
+                literal(v, where, True)
+        elif not number(value):
+            return
+        elif isinstance(value, int) and _at_least(value, _EXACT + 1):
+            refuse(where, value, "is an integer beyond 2**53, which cannot be matched exactly")
+        elif not nested and _at_least(value, _I64):
+            refuse(where, value, "has a magnitude of 2**63 or more, which cannot be matched")
+
+    def bound(key: str, value) -> None:
+        if isinstance(value, int) and _at_least(value, _EXACT + 1):
+            refuse(f"'{key}'", value, "is an integer beyond 2**53, which cannot be enforced exactly")
+        if key.startswith("exclusive") and _at_least(value, _EXACT):
+            refuse(f"'{key}'", value, "is an exclusive bound of 2**53 or more, whose step of one cannot be enforced")
+        if key == "minimum" and value >= _I64:
+            refuse(f"'{key}'", value, "is 2**63 or more, which cannot be enforced")
+        if key == "maximum" and value <= -_I64:
+            refuse(f"'{key}'", value, "is -2**63 or less, which cannot be enforced")
 
     def walk(node) -> None:
         if isinstance(node, list):
@@ -123,17 +160,19 @@ def check_schema_numbers(schema) -> None:
         if not isinstance(node, dict):
             return
         for key, value in node.items():
-            number = isinstance(value, (int, float)) and not isinstance(value, bool)
-            if key in _LOWER_BOUNDS and number and float(value) >= _I64:
-                raise GrammarError(f"'{key}': {value} is 2**63 or more, which cannot be enforced "
-                                   "(llguidance keeps integers in 64 bits)")
-            if key in _UPPER_BOUNDS and number and float(value) <= -_I64:
-                raise GrammarError(f"'{key}': {value} is -2**63 or less, which cannot be enforced "
-                                   "(llguidance keeps integers in 64 bits)")
-            if key in ("const", "enum"):
-                literal(value, f"'{key}'")
-            elif isinstance(value, (dict, list)):
+            if key in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") and number(value):
+                bound(key, value)
+            elif key == "const":
+                literal(value, "'const'", False)
+            elif key == "enum" and isinstance(value, list):
+                for item in value:
+                    literal(item, "'enum'", False)
+            elif key in _SUBSCHEMAS:
                 walk(value)
+            elif key in _SUBSCHEMA_MAPS or key == "dependencies":  # (name -> schema; a list of names there is no schema)
+                if isinstance(value, dict):
+                    for sub in value.values():
+                        walk(sub if isinstance(sub, dict) else None)
 
     walk(schema)
 

@@ -808,7 +808,8 @@ class Engine:
             except Exception as exc:
                 log.exception("could not start request %s", handle.request.request_id)
                 self._end(handle, TokenEvent(handle.request.request_id, [], "", finish_reason=FinishReason.ERROR,
-                                             error=_as_engine_error(exc)))
+                                             error=_as_engine_error(exc),
+                                             elapsed=time.perf_counter() - handle.submitted_at))
         self._waiting.extendleft(reversed(deferred))
         self._release_donors()  # (copied by now, or by no one)
 
@@ -843,7 +844,8 @@ class Engine:
                 self._queued -= 1
             self._end(handle, TokenEvent(req.request_id, [], "", finish_reason=source.finish_reason,
                                          prompt_tokens=source.prompt_tokens, cached_tokens=source.prompt_tokens - 1,
-                                         prompt_logprobs=list(source.prompt_logprobs), stats=SpecStats()))
+                                         prompt_logprobs=list(source.prompt_logprobs), stats=SpecStats(),
+                                         elapsed=time.perf_counter() - handle.submitted_at))
         self._waiting = keep
 
     def _awaits_prefill(self, handle: _Handle) -> bool:
@@ -1019,7 +1021,8 @@ class Engine:
             seq.cache = None
             self._end(handle, TokenEvent(rid, [], "", finish_reason=FinishReason.ERROR, error=_as_engine_error(exc),
                                          prompt_tokens=seq.prompt_len, completion_tokens=seq.num_generated,
-                                         cached_tokens=seq.cached_tokens))
+                                         cached_tokens=seq.cached_tokens,
+                                         elapsed=time.perf_counter() - seq.submitted_at, **seq.end_timings()))
 
     def _step(self, handle: _Handle, seq: Sequence) -> None:
         """Advance one sequence by a prefill step (a chunk or a slice of one) or one speculative
@@ -1119,7 +1122,8 @@ class Engine:
                 continue
             with self._lock:
                 self._queued -= 1
-            self._end(handle, TokenEvent(handle.request.request_id, [], "", finish_reason=end[0], error=end[1]))
+            self._end(handle, TokenEvent(handle.request.request_id, [], "", finish_reason=end[0], error=end[1],
+                                         elapsed=now - handle.submitted_at))
         self._waiting = keep
 
     def _end(self, handle: _Handle, event: TokenEvent) -> None:

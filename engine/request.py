@@ -283,7 +283,7 @@ class TokenEvent:
     stats: SpecStats | None = None
     error: EngineError | None = None
     time_to_first_token: float | None = None  # seconds from submit, on the first event with tokens
-    elapsed: float | None = None  # seconds from submit, on the last event
+    elapsed: float | None = None  # seconds from submit, on the last event (ended in the queue too)
     queue_time: float | None = None  # seconds from submit to admission, on the last event of an admitted request
     # (last token - first token) / (tokens - 1), seconds, on the last event of one with 2+ tokens
     time_per_output_token: float | None = None

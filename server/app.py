@@ -71,9 +71,10 @@ class _TrailingSlash:
 class _RequestId:
     """Pure ASGI: every HTTP response carries ``X-Request-Id``: the request's own when it sent
     one (1-128 visible ASCII characters; anything else is replaced), else a new random id, so a
-    client and the server's logs can name one request (vLLM's ``--enable-request-id-headers``,
-    on always). The id is in ``scope["state"]["request_id"]`` for handlers. Outermost, so the
-    guard's refusals (401, 413) carry it too."""
+    client can name one request to an operator (vLLM's ``--enable-request-id-headers``, on
+    always). The id is in ``scope["state"]["request_id"]`` for handlers (an unexpected error's
+    500 and its log line carry it: server/errors.py, which Starlette runs outside every
+    middleware). Outermost, so the guard's refusals (401, 413) carry it too."""
 
     _VALID = re.compile(rb"[\x21-\x7e]{1,128}")
 
@@ -137,7 +138,7 @@ def create_app(engine: Engine, settings: Settings | None = None, metrics: Metric
     def get_and_head(path: str):
         """GET and HEAD on ``path``, with one OpenAPI operation (the GET's). Requests reach one
         route of both methods, kept out of the schema (in it, the two operations would share an
-        id, and FastAPI warns of it), so a 405 for another method says ``Allow: GET, HEAD``
+        id, and FastAPI warns of it), so a 405 for another method allows GET and HEAD
         (with a route per method, Starlette answered from the first partial match: ``Allow:
         HEAD``); a GET route after it, never reached, gives the schema its operation."""
         def register(endpoint):

@@ -150,5 +150,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
-        log.exception("unhandled error on %s", request.url.path)
-        return error_response(500, f"internal error: {type(exc).__name__}", "server_error")
+        """A bug: a 500 that names the request. Starlette answers it outside every middleware,
+        so this handler sets the ``X-Request-Id`` header and counts the response itself."""
+        rid = request.scope.get("state", {}).get("request_id")
+        log.exception("unhandled error on %s (X-Request-Id %s)", request.url.path, rid)
+        metrics = getattr(request.app.state, "metrics", None)
+        if metrics is not None:
+            metrics.requests.labels(getattr(request.scope.get("route"), "path", "unmatched"), "500").inc()
+            metrics.errors.labels("server_error").inc()
+        return error_response(500, f"internal error: {type(exc).__name__}", "server_error",
+                              headers={"X-Request-Id": rid} if rid else None)

@@ -205,7 +205,7 @@ def test_acceptance_rate_in_unit_interval(scraped):
 
 
 def test_scheduler_decisions_show_plain_and_drafted_steps(scraped):
-    values = _panel_values(scraped, "Scheduler decisions (target passes/s)")
+    values = _panel_values(scraped, "Scheduler decisions (sequence steps/s)")
     outcomes = {re.search(r"'outcome', '(\w+)'", k).group(1) for k, v in values.items() if v > 0}
     assert {"plain", "prompt_lookup"} <= outcomes, values
     calibration = _panel_values(scraped, "Scheduler calibration (realised / expected accepted tokens)")

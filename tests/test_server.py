@@ -1055,3 +1055,25 @@ def test_every_response_carries_a_request_id(tiny_server):
               httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": -1},
                          headers={"X-Request-Id": "n1"}, timeout=60)):
         assert r.status_code in (404, 400) and r.headers.get_list("x-request-id") == ["n1"]
+
+
+def test_an_unexpected_error_is_a_counted_500_that_names_the_request(tiny_server, monkeypatch):
+    """A bug in a handler: a 500 in the OpenAI shape with the request's X-Request-Id (Starlette
+    answers it outside every middleware), counted in requests_total and errors_total; the
+    server keeps serving."""
+    from server import openai_api
+
+    def boom(*args, **kwargs):
+        raise ZeroDivisionError("a bug")
+
+    status = 'endpoint="/v1/completions",status="500"'
+    before = metric(tiny_server, "requests_total", status), metric(tiny_server, "errors_total", 'type="server_error"')
+    monkeypatch.setattr(openai_api, "check_model", boom)
+    r = httpx.post(tiny_server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1},
+                   headers={"X-Request-Id": "boom-1"}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "server_error", r.text
+    assert r.headers.get_list("x-request-id") == ["boom-1"]
+    assert (metric(tiny_server, "requests_total", status),
+            metric(tiny_server, "errors_total", 'type="server_error"')) == (before[0] + 1, before[1] + 1)
+    monkeypatch.undo()
+    assert post(tiny_server, "/v1/completions", {"prompt": "hi", "max_tokens": 1}).status_code == 200

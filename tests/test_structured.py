@@ -431,11 +431,20 @@ def test_json_object_regex_and_choice(tiny_server, tiny):
         "type": "integer", "minimum": -2e19, "maximum": -1e19}}}}, "response_format.json_schema.schema"),
     ({"structured_outputs": {"json": {"const": -9223372036854775807}}}, "structured_outputs.json"),
     ({"structured_outputs": {"json": {"type": "integer", "enum": [-2e19]}}}, "structured_outputs.json"),
-    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"const": {"b": [1e19]}}}}}},
-     "structured_outputs.json"),
     ({"structured_outputs": {"json": {"type": "integer", "minimum": 1e19, "maximum": 2e19}}}, "structured_outputs.json"),
     ({"structured_outputs": {"json": {"allOf": [{"type": "integer"}, {"exclusiveMaximum": -9.3e18}]}}},
      "structured_outputs.json"),
+    # integers beyond 2**53 round to a neighbour as floats (9007199254740993 matched ...992)
+    ({"structured_outputs": {"json": {"type": "object", "properties": {"a": {"const": {"b": [2**53 + 1]}}}}}},
+     "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"type": "integer", "enum": [2**53 + 1, -5]}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"type": "integer", "exclusiveMinimum": 2**53}}}, "structured_outputs.json"),
+    ({"structured_outputs": {"json": {"$defs": {"n": {"type": "integer", "minimum": 2**53 + 1}},
+                                      "$ref": "#/$defs/n"}}}, "structured_outputs.json"),
+    # an integer no float holds (it overflowed the check into a 500)
+    ({"structured_outputs": {"json": {"type": "integer", "minimum": 10**400}}}, "structured_outputs.json"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"enum": [-10**400]}}}},
+     "response_format.json_schema.schema"),
 ])
 def test_bad_output_formats(tiny_server, extra, param):
     for _ in range(2):  # (a refused grammar is not kept)
@@ -448,19 +457,31 @@ def test_bad_output_formats(tiny_server, extra, param):
     assert post(tiny_server, "/v1/chat/completions", {"messages": MSGS, "max_tokens": 2}).status_code == 200
 
 
-@pytest.mark.parametrize("schema", [
-    {"type": "integer", "minimum": 3, "maximum": 2e19},  # (an open-side bound saturates harmlessly)
-    {"type": "integer", "enum": [9007199254740993, -5]},  # (2**53 + 1: below 2**63)
-    {"type": "object", "properties": {"minimum": {"type": "string"}, "enum": {"type": "integer"}}},
+@pytest.mark.parametrize("schema, accepted, refused", [
+    ({"type": "integer", "minimum": 3, "maximum": 2e19}, ["3", "9223372036854775807"], ["2"]),  # (open side saturates)
+    ({"type": "integer", "enum": [2**53, -5]}, ["9007199254740992", "-5"], ["9007199254740993", "9007199254740991"]),
+    ({"type": "integer", "exclusiveMinimum": 2**53 - 1}, ["9007199254740992"], ["9007199254740991"]),
+    ({"type": "object", "properties": {"const": {"type": "integer", "maximum": 1e20}, "enum": {"type": "integer"}},
+      "required": ["const"], "examples": [{"const": 1e19}]}, ['{"const":7}'], ['{"enum":7}']),
+    ({"const": {"b": [1e19]}}, ['{"b":[10000000000000000000]}'], ['{"b":[2]}']),  # (a float: written in full)
 ])
-def test_schemas_with_large_numbers_llguidance_can_enforce_compile(tiny, schema):
-    """The refusal of numbers past 64 bits (``check_schema_numbers``) leaves the bounds that
-    saturate on their open side, and property names that look like keywords, alone. (Ranges
-    llguidance's regex builder cannot express, such as int64's whole range or a minimum of
-    -1e300, it refuses itself: a 400 too.)"""
+def test_large_numbers_llguidance_can_enforce_are_enforced(tiny, schema, accepted, refused):
+    """What ``check_schema_numbers`` lets through is enforced exactly: bounds that saturate on
+    their open side, integers up to 2**53, floats nested in a constant, and properties named
+    like keywords or ``examples`` (data, not schema). (Ranges llguidance's regex builder cannot
+    express, such as int64's whole range or a minimum of -1e300, it refuses itself: a 400 too.)"""
+    from llguidance import LLMatcher
+
     from engine.constraint import json_grammar
 
-    _constraint(tiny, json_grammar(schema))
+    grammar = json_grammar(schema)
+    _constraint(tiny, grammar)  # (compiles)
+    ll = _LL[id(tiny)]
+    for text, ok in [(t, True) for t in accepted] + [(t, False) for t in refused]:
+        matcher = LLMatcher(ll, grammar, log_level=0)
+        ids = [3 + b for b in text.encode()]  # (the tiny tokenizer: one token per byte, ids 3..)
+        got = matcher.consume_tokens(ids) and matcher.is_accepting()
+        assert got == ok, (schema, text, ok)
 
 
 def test_a_grammar_failing_mid_output_fails_only_its_request(tiny_server, caplog):
