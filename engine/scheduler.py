@@ -339,6 +339,14 @@ class DsparkStats:
     # first forwards) set the draft cost to 1.8-2.5 ms against 1.1-1.4 ms for forwards of one
     # cycle's rows.
     STEADY_ROWS = 16
+    # How much a request's first DSpark cycle (the draft of its first forward, anchored on the
+    # prompt's last token) weighs in :attr:`accepted_ema`: 1 as any other (the default), 0 leaves
+    # it out. On the benchmark's novel-text workloads that position accepts half of what later
+    # cycles do, on the CPU as on an H100 (docs/benchmarks.md, fifty-fourth session), and 11 of
+    # the 13 forwards auto timed in an H100 run were requests' first. A knob for side-by-side GPU
+    # runs (``bench_speculative --variant first0:engine.scheduler.DsparkStats.FIRST_CYCLE_WEIGHT=0``),
+    # not yet measured.
+    FIRST_CYCLE_WEIGHT = 1.0
 
     def __init__(self, positions: int = 16, alpha: float = 0.05, steady_cost: float = 0.0,
                  steady_rows: int = STEADY_ROWS):
@@ -380,7 +388,10 @@ class DsparkStats:
             survival.append(min(acc * ratio, survival[-1] if survival else 1.0))
         return prefix_to_conditional(survival)
 
-    def observe(self, conditional: list[float], num_draft: int, num_accepted: int) -> None:
+    def observe(self, conditional: list[float], num_draft: int, num_accepted: int, first: bool = False) -> None:
+        """A verified DSpark cycle (or a forward cut to no draft: ``num_draft`` 0); ``first``: the
+        draft of its request's first forward (weighed by :attr:`FIRST_CYCLE_WEIGHT` in
+        :attr:`accepted_ema`)."""
         acc = 1.0
         for k in range(min(num_draft, len(self.realised))):
             acc *= conditional[k]
@@ -391,8 +402,11 @@ class DsparkStats:
         # each of the next few probes weighs as much as it (with the EMA's 5% from the start,
         # a drafter gated off by one unlucky probe would need dozens of winning probes, each
         # budget-limited, to come back). A cycle cut to no draft leaves the length alone.
-        self.cycles += 1
-        self.accepted_ema += max(self.alpha, 1.0 / self.cycles) * (num_accepted - self.accepted_ema)
+        # (a weighted running mean, then EMA: a cycle of weight w moves it w times as far)
+        weight = self.FIRST_CYCLE_WEIGHT if first else 1.0
+        if weight > 0:
+            self.cycles += 1 if weight == 1 else weight
+            self.accepted_ema += weight * max(self.alpha, 1.0 / self.cycles) * (num_accepted - self.accepted_ema)
         if num_draft:
             self.drafted_cycles += 1
             self.length_ema += max(self.alpha, 1.0 / self.drafted_cycles) * (num_draft - self.length_ema)

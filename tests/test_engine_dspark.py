@@ -569,6 +569,56 @@ def test_early_dspark_evidence_is_a_running_mean():
     assert ds.length_ema == 2.0 and ds.accepted_ema == pytest.approx(0.5)
 
 
+def test_first_cycle_weight_sets_how_much_a_requests_first_cycle_counts(monkeypatch):
+    """``FIRST_CYCLE_WEIGHT``: 1 (default) counts a request's first DSpark cycle as any other; 0
+    leaves it out of ``accepted_ema`` (and of the running mean's count); 0.5 moves the estimate
+    half as far (a weighted running mean)."""
+    from engine.scheduler import DsparkStats
+
+    default = DsparkStats(alpha=0.05)
+    default.observe([0.9] * 4, 4, 0, first=True)
+    assert (default.cycles, default.accepted_ema) == (1, 0.0)  # (as before the knob)
+    monkeypatch.setattr(DsparkStats, "FIRST_CYCLE_WEIGHT", 0.0)
+    ds = DsparkStats(alpha=0.05)
+    ds.observe([0.9] * 4, 4, 0, first=True)
+    ds.observe([], 0, 0, first=True)
+    assert (ds.cycles, ds.accepted_ema) == (0, 1.0)
+    ds.observe([0.9] * 4, 4, 3)
+    assert (ds.cycles, ds.accepted_ema) == (1, 3.0)
+    monkeypatch.setattr(DsparkStats, "FIRST_CYCLE_WEIGHT", 0.5)
+    half = DsparkStats(alpha=0.05)
+    half.observe([0.9] * 4, 4, 3)
+    half.observe([0.9] * 4, 4, 0, first=True)  # weights 1 and 0.5: mean (3 * 1 + 0 * 0.5) / 1.5
+    assert half.cycles == 1.5 and half.accepted_ema == pytest.approx(2.0)
+
+
+def test_the_engine_marks_a_requests_first_dspark_cycle(tiny, tmp_path, monkeypatch):
+    """Each request's first verified DSpark draft, the draft of its first forward, reaches
+    ``DsparkStats.observe`` with ``first=True``; later ones with False."""
+    from engine.scheduler import DsparkStats
+
+    seen = []
+    observe = DsparkStats.observe
+
+    def recording(self, conditional, num_draft, num_accepted, first=False):
+        seen.append(first)
+        return observe(self, conditional, num_draft, num_accepted, first)
+
+    monkeypatch.setattr(DsparkStats, "observe", recording)
+    path = make_drafter(tiny, tmp_path / "drafter")
+    eng = Engine(EngineConfig(speculation="dspark", dspark_drafter=str(path), calibration_contexts=(40, 300)),
+                 loaded=tiny).start(wait=True, timeout=300)
+    try:
+        for prompt in prompts(2, seed=5):
+            seen.clear()
+            _, _, last = run(eng, prompt, max_tokens=12,
+                             speculative=SpeculativeParams(method="dspark", min_draft_tokens=1))
+            assert len(seen) == last.stats.by_drafter["dspark"].num_drafts >= 2
+            assert seen == [True] + [False] * (len(seen) - 1)
+    finally:
+        eng.stop()
+
+
 def test_a_drafter_for_another_target_is_refused_at_start_up(tiny, tmp_path):
     """A drafter whose widths match but whose target had other layers (its taps would read the
     wrong depths) does not load: the engine reports why instead of drafting nonsense."""
