@@ -420,8 +420,8 @@ def test_a_losing_dspark_is_tapped_only_while_a_probe_fits_the_budget(tiny, tmp_
     original_make, original_drop = Engine._make_sequence, Sequence._drop_dspark
     original_earn = DsparkStats.observe_cycle
 
-    def recording_make(self, request, dspark=None):
-        seq = original_make(self, request, dspark)
+    def recording_make(self, request, dspark=None, submitted_at=None):
+        seq = original_make(self, request, dspark, submitted_at)
         started.append((request.request_id, "dspark" in seq.drafters))
         return seq
 
