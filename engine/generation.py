@@ -100,7 +100,6 @@ class Sequence:
         self.cycles_since_dspark = DSPARK_PROBE_EVERY  # the first cycle probes DSpark
         self.dspark_probe_every = DSPARK_PROBE_EVERY
         self.dspark_forwards = 0  # DSpark forwards this request ran
-        self.dspark_draft_first = False  # the last DSpark forward was the request's first
         self.dspark_cycles = 0  # ... whose drafts were verified (or cut to none), and
         self.dspark_accepted = 0  # ... the drafts accepted in them (DsparkStats.request_accepted)
         self.dspark_bar: tuple[float, float] | None = None  # (rate to beat, seconds) of the DSpark draft in flight
@@ -385,7 +384,6 @@ class Sequence:
         drafter = self.drafters["dspark"]
         new_rows = len(self.tokens) - 1 - drafter.projected_length  # (projected by this forward)
         first = self.dspark_forwards == 0
-        self.dspark_draft_first = first  # (whether the draft a verify pass judges next is its first forward's)
         priced_rows = 0 if first else new_rows  # (_dspark_rows: the prompt's forward priced as a steady one)
         proposal = self._grammar_cut(drafter.propose(ctx, budget))
         self.dspark_forwards += 1
@@ -441,7 +439,8 @@ class Sequence:
             self.acceptance.observe(draft.match_length, len(draft.tokens), num_accepted)
         elif name == "dspark":
             raw = draft.confidence[: len(draft.tokens)] if draft.confidence else [0.5] * len(draft.tokens)
-            self.dspark_stats.observe(raw, len(draft.tokens), num_accepted, first=self.dspark_draft_first)
+            # (a verified DSpark draft is the last forward's: the request's first when it ran one)
+            self.dspark_stats.observe(raw, len(draft.tokens), num_accepted, first=self.dspark_forwards == 1)
             self.dspark_cycles += 1
             self.dspark_accepted += num_accepted
             if self.dspark_bar is not None:
